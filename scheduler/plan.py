@@ -1,0 +1,44 @@
+"""The step plan: plain data the policy hands to a worker, naming which tokens to compute where."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens of one request to compute in this step, at consecutive positions of its cache row."""
+
+    req_id: str
+    slot: int  # the request's cache row on the worker that runs the chunk
+    token_ids: list[int]  # the tokens to compute now (one for a decode step)
+    start_pos: int  # position of token_ids[0] in the request's sequence
+    sample: bool  # the last token's logits choose the request's next output token
+    output_index: int  # index that next token will have in the output; seeds its draw
+    sampling: SamplingParams
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step for one worker: decode tokens first, then prompt chunks, never over the token budget."""
+
+    decode: list[Chunk]  # one token per decoding request, all sampled
+    prefill: list[Chunk]  # prompt (or recompute) chunks, oldest request first
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        return self.decode + self.prefill
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.decode) + sum(c.num_tokens for c in self.prefill)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill

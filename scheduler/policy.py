@@ -1,0 +1,181 @@
+"""Decode-first, token-budgeted, chunked-prefill scheduling policy over a fixed set of cache slots."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import time
+from collections.abc import Iterable
+
+from scheduler.plan import Chunk, StepPlan
+from scheduler.request import FinishReason, Request, RequestStatus
+
+
+class Scheduler:
+    """Plans steps for one worker's slot cache and consumes the tokens the worker sampled.
+
+    Each `plan()`: admit waiting requests (most urgent priority, then oldest) while slots are free;
+    give every decoding request one token; spend what is left of `token_budget` on chunks of at most
+    `prefill_chunk` tokens for requests still computing their prompt, oldest first. `update()` takes
+    the sampled tokens, applies stop conditions and returns the requests that finished; their slots
+    are free for the next plan.
+    """
+
+    def __init__(
+        self,
+        num_slots: int,
+        capacity: int,
+        token_budget: int = 256,
+        prefill_chunk: int = 128,
+        max_waiting: int | None = None,
+    ) -> None:
+        limits = {"num_slots": num_slots, "capacity": capacity, "token_budget": token_budget,
+                  "prefill_chunk": prefill_chunk}
+        for name, value in limits.items():
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if max_waiting is not None and max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+        self.num_slots, self.capacity = num_slots, capacity
+        self.token_budget, self.prefill_chunk = token_budget, prefill_chunk
+        self.max_waiting = max_waiting
+        self.free_slots: list[int] = list(range(num_slots))
+        self.waiting: list[tuple[int, int, Request]] = []  # sorted by (priority, arrival order)
+        self.running: list[Request] = []  # in admission order
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        self._order = itertools.count()
+
+    # ---- admission -------------------------------------------------------------------------------
+    def check(self, request: Request) -> None:
+        """Raise ValueError if the request can never run here; nothing is changed."""
+        if request.req_id in self.requests:
+            raise ValueError(f"request id {request.req_id!r} is already in use")
+        needed = len(request.prompt_ids) + request.max_tokens
+        if needed > self.capacity:
+            raise ValueError(
+                f"request {request.req_id!r}: prompt ({len(request.prompt_ids)} tokens) plus max_tokens "
+                f"({request.max_tokens}) is {needed}, over the context limit of {self.capacity} tokens"
+            )
+
+    def submit(self, request: Request) -> None:
+        """Queue a request. Raises ValueError for a request that cannot run or a full queue."""
+        self.check(request)
+        if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests)")
+        request.status = RequestStatus.WAITING
+        self.requests[request.req_id] = request
+        bisect.insort(self.waiting, (request.priority, next(self._order), request), key=lambda e: e[:2])
+
+    # ---- planning ---------------------------------------------------------------------------------
+    def plan(self) -> StepPlan:
+        """Admit what fits, then plan one step (see the class docstring)."""
+        while self.waiting and self.free_slots:
+            _, _, request = self.waiting.pop(0)
+            request.slot = self.free_slots.pop(0)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+
+        budget = self.token_budget
+        decode: list[Chunk] = []
+        for request in self.running:
+            if budget and request.is_decoding:
+                decode.append(self._chunk(request, 1))
+                budget -= 1
+        prefill: list[Chunk] = []
+        for request in self.running:
+            if not budget:
+                break
+            if not request.is_decoding and request.num_uncomputed > 0:
+                length = min(request.num_uncomputed, self.prefill_chunk, budget)
+                prefill.append(self._chunk(request, length))
+                budget -= length
+        return StepPlan(decode=decode, prefill=prefill)
+
+    @staticmethod
+    def _chunk(request: Request, length: int) -> Chunk:
+        assert request.slot is not None, f"{request.req_id} is running without a slot"
+        start = request.num_computed
+        return Chunk(
+            req_id=request.req_id,
+            slot=request.slot,
+            token_ids=request.token_ids(start, start + length),
+            start_pos=start,
+            sample=start + length == request.num_tokens,
+            output_index=len(request.output_ids),
+            sampling=request.sampling,
+        )
+
+    # ---- results ----------------------------------------------------------------------------------
+    def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
+        """Record a planned step's results; return the requests that finished in it.
+
+        `sampled` maps req_id to the token sampled for each chunk with `sample=True`. Chunks of requests
+        that finished meanwhile (aborted while the step ran) are ignored.
+        """
+        finished: list[Request] = []
+        now = time.perf_counter()
+        for chunk in plan.chunks:
+            request = self.requests.get(chunk.req_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            if chunk.start_pos != request.num_computed:
+                raise RuntimeError(f"{chunk.req_id}: chunk at {chunk.start_pos}, cache at {request.num_computed}")
+            request.num_computed += chunk.num_tokens
+            if not chunk.sample:
+                continue
+            token = sampled[chunk.req_id]
+            request.output_ids.append(token)
+            if request.first_token_s is None:
+                request.first_token_s = now
+            if token in request.stop_token_ids:
+                self.finish(request.req_id, FinishReason.STOP)
+            elif len(request.output_ids) >= request.max_tokens:
+                self.finish(request.req_id, FinishReason.LENGTH)
+            if request.finished:
+                finished.append(request)
+        return finished
+
+    def finish(self, req_id: str, reason: FinishReason, error: str | None = None) -> Request | None:
+        """End a request in any state and return its slot; None if it is unknown or already ended."""
+        request = self.requests.pop(req_id, None)
+        if request is None:
+            return None
+        if request.status is RequestStatus.WAITING:
+            self.waiting = [e for e in self.waiting if e[2] is not request]
+        elif request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            assert request.slot is not None
+            self.free_slots.append(request.slot)
+            self.free_slots.sort()
+        request.status = RequestStatus.FINISHED
+        request.finish_reason, request.error = reason, error
+        request.finish_s = time.perf_counter()
+        return request
+
+    def abort(self, req_id: str) -> Request | None:
+        """Cancel a request in any state; its slot is free at once."""
+        return self.finish(req_id, FinishReason.ABORT)
+
+    # ---- introspection ----------------------------------------------------------------------------
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def waiting_requests(self) -> Iterable[Request]:
+        return (e[2] for e in self.waiting)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "num_waiting": len(self.waiting),
+            "num_running": len(self.running),
+            "num_free_slots": len(self.free_slots),
+            "num_slots": self.num_slots,
+        }
+
+
+class QueueFullError(ValueError):
+    """The waiting queue is at `max_waiting`; the caller should retry later (HTTP 429)."""

@@ -1,0 +1,122 @@
+"""Request state: what a request asked for, how far it has got, and why it finished."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, no slot yet
+    RUNNING = "running"  # holds a slot; computing its prompt or decoding
+    FINISHED = "finished"  # done for any reason; its slot has been returned
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # a stop token id or a stop string
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # cancelled by the caller (e.g. a client disconnect)
+    ERROR = "error"  # failed inside the engine; the message is on the request
+
+
+# The one table from our finish reasons to OpenAI's `finish_reason` field.
+OPENAI_FINISH_REASON: dict[FinishReason, str] = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+    FinishReason.ERROR: "error",
+}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each token. temperature 0 means greedy; top_k 0 and top_p 1 disable those filters."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0  # with the token's index, seeds that token's draw: samples never depend on the batch
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request and its progress.
+
+    The tokens a request has are its prompt followed by its output; `num_computed` counts how many of
+    them are in its cache row. There is no separate prefill phase: a request whose uncomputed tokens
+    are exactly its last sampled token is decoding; otherwise it is computing a prompt (or, after
+    preemption or a lost worker, recomputing prompt + output).
+    """
+
+    req_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: frozenset[int] = frozenset()  # EOS unless ignore_eos, plus the caller's
+    stop_strings: tuple[str, ...] = ()  # matched on the detokenized text by the engine, not here
+    priority: int = 0  # lower is more urgent
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    slot: int | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    text: str = ""  # detokenized output, cut before a stop string; filled by the engine
+
+    arrival_s: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None
+    finish_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError(f"request {self.req_id!r}: the prompt is empty")
+        if self.max_tokens < 1:
+            raise ValueError(f"request {self.req_id!r}: max_tokens must be >= 1, got {self.max_tokens}")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """Tokens start..stop-1 of prompt + output, without building the joined list."""
+        num_prompt = len(self.prompt_ids)
+        if stop <= num_prompt:
+            return self.prompt_ids[start:stop]
+        if start >= num_prompt:
+            return self.output_ids[start - num_prompt : stop - num_prompt]
+        return self.prompt_ids[start:] + self.output_ids[: stop - num_prompt]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        """Only the last sampled token is missing from the cache."""
+        return bool(self.output_ids) and self.num_uncomputed == 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def metrics(self) -> dict[str, float]:
+        """TTFT, TPOT (excluding the first token) and end-to-end latency in seconds."""
+        ttft = (self.first_token_s - self.arrival_s) if self.first_token_s is not None else 0.0
+        end = self.finish_s if self.finish_s is not None else time.perf_counter()
+        num_later = len(self.output_ids) - 1
+        tpot = (end - self.first_token_s) / num_later if num_later > 0 and self.first_token_s else 0.0
+        return {"ttft_s": ttft, "tpot_s": tpot, "e2e_s": end - self.arrival_s}

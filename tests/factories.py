@@ -1,0 +1,68 @@
+"""Small factories shared by the tests: tiny random models with clear argmax margins, and requests."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from scheduler.request import Request, SamplingParams
+
+VOCAB = 384
+
+
+def tiny_hf_config(kind: str = "llama"):  # type: ignore[no-untyped-def]
+    """A two-layer config. A large initializer_range spreads the logits so argmax has clear margins:
+    greedy tokens then do not flip on the last-bit differences between batched and solo matmuls."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  initializer_range=0.25, eos_token_id=VOCAB - 1, bos_token_id=1, pad_token_id=0)
+    if kind == "llama":
+        return LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=True)
+    if kind == "llama3-scaled":
+        return LlamaConfig(**common, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
+                           "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 256})
+    if kind == "qwen2":
+        return Qwen2Config(**common)
+    if kind == "qwen3":
+        return Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
+    raise ValueError(kind)
+
+
+@functools.cache
+def tiny_hf_model(kind: str = "llama"):  # type: ignore[no-untyped-def]
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1234)
+    return AutoModelForCausalLM.from_config(tiny_hf_config(kind)).eval()
+
+
+def tiny_model(kind: str = "llama"):  # type: ignore[no-untyped-def]
+    from workers.loader import from_hf_model
+
+    return from_hf_model(tiny_hf_model(kind))
+
+
+def prompt_ids(length: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, VOCAB - 1, (length,), generator=g).tolist()
+
+
+def make_requests(
+    n: int, prompt_lens: list[int], max_tokens: list[int], sampling: SamplingParams | None = None,
+    stop_token_ids: frozenset[int] = frozenset(),
+) -> list[Request]:
+    """n requests cycling through the given prompt lengths and output lengths."""
+    return [
+        Request(
+            req_id=f"r{i}",
+            prompt_ids=prompt_ids(prompt_lens[i % len(prompt_lens)], seed=i),
+            max_tokens=max_tokens[i % len(max_tokens)],
+            sampling=sampling or SamplingParams(),
+            stop_token_ids=stop_token_ids,
+        )
+        for i in range(n)
+    ]

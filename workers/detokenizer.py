@@ -1,0 +1,62 @@
+"""Incremental detokenization that never splits a UTF-8 character, with stop-string matching."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_PROMPT_CONTEXT = 4  # prompt tokens decoded with the output so a leading space survives
+
+
+class IncrementalDetokenizer:
+    """Turns a request's output tokens into text as they arrive.
+
+    `push(token)` returns the text that became final: a token that ends inside a multi-byte character
+    yields nothing until the character completes, and text that could be the start of a stop string
+    is held back until it cannot. On a stop string the text is cut before it and `stopped` is set.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], stop_strings: tuple[str, ...] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-_PROMPT_CONTEXT:])
+        self.prefix_offset, self.read_offset = 0, len(self.ids)
+        self.stop_strings = tuple(s for s in stop_strings if s)
+        self.holdback = max((len(s) for s in self.stop_strings), default=1) - 1
+        self.text = ""  # all final text so far
+        self.num_emitted = 0  # characters of `text` already returned by push/flush
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def push(self, token_id: int) -> str:
+        if self.stopped:
+            return ""
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""  # an incomplete character, or a token with no text (e.g. a special token)
+        old_len = len(self.text)
+        self.text += full[len(prefix) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self._match_stop(old_len)
+        limit = len(self.text) if self.stopped else len(self.text) - self.holdback
+        return self._emit(limit)
+
+    def _match_stop(self, old_len: int) -> None:
+        window = max(0, old_len - self.holdback)
+        hits = [i for i in (self.text.find(s, window) for s in self.stop_strings) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+
+    def _emit(self, limit: int) -> str:
+        if limit <= self.num_emitted:
+            return ""
+        delta = self.text[self.num_emitted : limit]
+        self.num_emitted = limit
+        return delta
+
+    def flush(self) -> str:
+        """At the end of the request: whatever was held back."""
+        return self._emit(len(self.text))

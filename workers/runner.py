@@ -1,0 +1,63 @@
+"""Executes step plans on a model and its slot cache: one flat forward per step, then sampling."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from scheduler.plan import StepPlan
+from workers.kv_cache import SlotKVCache
+from workers.model import BatchLayout, DecoderLM
+from workers.sampling import sample
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Owns a model and a slot KV cache sized `num_slots × capacity`, and runs plans on them."""
+
+    def __init__(self, model: DecoderLM, num_slots: int, capacity: int) -> None:
+        self.model = model.eval()
+        weight = model.model.embed_tokens.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        spec = model.spec
+        self.cache = SlotKVCache(spec.num_layers, num_slots, spec.num_kv_heads, capacity, spec.head_dim,
+                                 dtype=self.dtype, device=self.device)
+        per_token = SlotKVCache.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype)
+        log.info("KV cache: %d slots x %d tokens, %d bytes per token, %.1f MiB in all",
+                 num_slots, capacity, per_token, self.cache.total_bytes / 2**20)
+
+    def execute(self, plan: StepPlan) -> dict[str, int]:
+        """Run every chunk of the plan in one forward; return the sampled token of each sampling chunk."""
+        chunks = plan.chunks
+        if not chunks:
+            return {}
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        prefill: list[tuple[int, int, int, int]] = []
+        logits_indices: list[int] = []
+        for i, chunk in enumerate(chunks):
+            first = len(input_ids)
+            input_ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.start_pos, chunk.start_pos + chunk.num_tokens))
+            slots.extend([chunk.slot] * chunk.num_tokens)
+            if i >= len(plan.decode):
+                prefill.append((chunk.slot, first, chunk.num_tokens, chunk.start_pos))
+            if chunk.sample:
+                logits_indices.append(len(input_ids) - 1)
+        num_decode = len(plan.decode)
+        device = self.device
+        layout = BatchLayout(
+            positions=torch.tensor(positions, device=device),
+            slots=torch.tensor(slots, device=device),
+            num_decode=num_decode,
+            decode_context=max(positions[:num_decode], default=-1) + 1,
+            prefill=prefill,
+        )
+        logits = self.model(torch.tensor(input_ids, device=device), layout, self.cache,
+                            torch.tensor(logits_indices, dtype=torch.long, device=device))  # [M, vocab]
+        sampling_chunks = [c for c in chunks if c.sample]
+        tokens = sample(logits, [c.sampling for c in sampling_chunks], [c.output_index for c in sampling_chunks])
+        return {c.req_id: t for c, t in zip(sampling_chunks, tokens, strict=True)}
