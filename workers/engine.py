@@ -26,8 +26,9 @@ class LocalEngine:
         self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_steps = 0
-        self.step_s = 0.0  # time spent in steps
-        self.forward_s = 0.0  # of which inside the runner (forward and sampling)
+        # profile: seconds per whole step and inside the model forward, overall and for decode-only steps
+        self.profile = {"step_s": 0.0, "model_s": 0.0, "decode_steps": 0, "decode_step_s": 0.0,
+                        "decode_model_s": 0.0}
         self._lock = threading.Lock()
 
     def submit(self, request: Request) -> None:
@@ -49,9 +50,7 @@ class LocalEngine:
         start = time.perf_counter()
         with self._lock:
             plan = self.scheduler.plan()
-        forward_start = time.perf_counter()
         sampled = self.runner.execute(plan)
-        forward_end = time.perf_counter()
         with self._lock:
             finished = self.scheduler.update(plan, sampled)
             for req_id, token in sampled.items():
@@ -66,8 +65,13 @@ class LocalEngine:
             for request in finished:
                 self._close(request.req_id, request)
         self.num_steps += 1
-        self.forward_s += forward_end - forward_start
-        self.step_s += time.perf_counter() - start
+        elapsed, profile = time.perf_counter() - start, self.profile
+        profile["step_s"] += elapsed
+        profile["model_s"] += self.runner.last_forward_s
+        if plan.decode and not plan.prefill:
+            profile["decode_steps"] += 1
+            profile["decode_step_s"] += elapsed
+            profile["decode_model_s"] += self.runner.last_forward_s
         return finished
 
     def _close(self, req_id: str, request: Request | None = None) -> None:

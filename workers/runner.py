@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -25,6 +26,7 @@ class ModelRunner:
         self.cache = SlotKVCache(spec.num_layers, num_slots, spec.num_kv_heads, capacity, spec.head_dim,
                                  dtype=self.dtype, device=self.device)
         per_token = SlotKVCache.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype)
+        self.last_forward_s = 0.0  # seconds inside the model in the last execute(), for profiling
         log.info("KV cache: %d slots x %d tokens, %d bytes per token, %.1f MiB in all",
                  num_slots, capacity, per_token, self.cache.total_bytes / 2**20)
 
@@ -56,8 +58,10 @@ class ModelRunner:
             decode_context=max(positions[:num_decode], default=-1) + 1,
             prefill=prefill,
         )
+        forward_start = time.perf_counter()
         logits = self.model(torch.tensor(input_ids, device=device), layout, self.cache,
                             torch.tensor(logits_indices, dtype=torch.long, device=device))  # [M, vocab]
+        self.last_forward_s = time.perf_counter() - forward_start
         sampling_chunks = [c for c in chunks if c.sample]
         tokens = sample(logits, [c.sampling for c in sampling_chunks], [c.output_index for c in sampling_chunks])
         return {c.req_id: t for c, t in zip(sampling_chunks, tokens, strict=True)}

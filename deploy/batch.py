@@ -1,0 +1,133 @@
+"""The offline batch job: JSONL requests in, JSONL results out (`pdserve generate`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from tqdm import tqdm
+
+from deploy.config import EngineConfig
+from deploy.requests import build_request, encode_prompt
+from scheduler.request import OPENAI_FINISH_REASON, Request
+
+
+class BatchInputError(ValueError):
+    """A bad input line; the message names the line. Nothing has been written."""
+
+
+class GenerateLine(BaseModel):
+    """One input line. Give exactly one of prompt, messages (chat) or prompt_token_ids."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str | int
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    prompt_token_ids: list[int] | None = None
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    priority: int = 0
+    arrival_s: float = Field(0.0, ge=0, description="Submit this many seconds after the run starts.")
+
+
+def read_lines(path: str | Path) -> list[GenerateLine]:
+    """Parse and check every line before any work; raise BatchInputError naming the first bad line."""
+    lines: list[GenerateLine] = []
+    seen: dict[str, int] = {}
+    with open(path, encoding="utf-8") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                line = GenerateLine.model_validate_json(raw)
+            except ValidationError as e:
+                problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'line'}: {err['msg']}" for err in e.errors())
+                raise BatchInputError(f"{path}:{number}: {problems}") from None
+            key = str(line.id)
+            if key in seen:
+                raise BatchInputError(f"{path}:{number}: id {key!r} repeats line {seen[key]}")
+            seen[key] = number
+            lines.append(line)
+    if not lines:
+        raise BatchInputError(f"{path}: no requests")
+    return lines
+
+
+def to_requests(lines: list[GenerateLine], tokenizer: Any, eos_token_ids: frozenset[int],
+                capacity: int) -> list[Request]:
+    requests = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            prompt_ids = encode_prompt(tokenizer, line.prompt, line.messages, line.prompt_token_ids)
+            request = build_request(
+                str(line.id), prompt_ids, max_tokens=line.max_tokens, eos_token_ids=eos_token_ids,
+                temperature=line.temperature, top_p=line.top_p, top_k=line.top_k, seed=line.seed,
+                stop=line.stop, stop_token_ids=line.stop_token_ids, ignore_eos=line.ignore_eos,
+                priority=line.priority)
+            if len(prompt_ids) + line.max_tokens > capacity:
+                raise ValueError(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({line.max_tokens}) is "
+                                 f"over the context limit of {capacity} tokens")
+        except ValueError as e:
+            raise BatchInputError(f"request {line.id!r} (entry {number}): {e}") from None
+        requests.append(request)
+    return requests
+
+
+def result_line(request: Request, extra_metrics: dict[str, Any] | None = None) -> dict[str, Any]:
+    assert request.finish_reason is not None
+    line: dict[str, Any] = {
+        "id": request.req_id,
+        "token_ids": request.output_ids,
+        "text": request.text,
+        "finish_reason": OPENAI_FINISH_REASON[request.finish_reason],
+        "prompt_tokens": len(request.prompt_ids),
+        "metrics": {k: round(v, 6) for k, v in request.metrics().items()} | (extra_metrics or {}),
+    }
+    if request.error:
+        line["error"] = request.error
+    return line
+
+
+def write_atomically(path: str | Path, lines: list[dict[str, Any]]) -> None:
+    """All lines or nothing: write a temporary file beside the target, then rename it over."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for line in lines:
+                f.write(json.dumps(line, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def run_generate(config: EngineConfig, input_path: str, output_path: str, progress: bool = True) -> list[dict]:
+    """Read, check, generate, write. Returns the written lines (in input order)."""
+    from deploy.engine_factory import build_local_engine
+
+    lines = read_lines(input_path)
+    if config.mode != "local":
+        raise NotImplementedError(f"mode {config.mode!r} is not available yet; use --mode local")
+    engine, loaded = build_local_engine(config)
+    requests = to_requests(lines, loaded.tokenizer, loaded.eos_token_ids, engine.scheduler.capacity)
+    arrivals = {str(line.id): line.arrival_s for line in lines}
+    bar = tqdm(total=len(requests), desc="generate", unit="req", file=sys.stderr, disable=not progress,
+               mininterval=1.0)
+    results = engine.run(requests, arrival_s=arrivals, on_finish=lambda _: bar.update())
+    bar.close()
+    out = [result_line(results[r.req_id]) for r in requests]
+    write_atomically(output_path, out)
+    return out

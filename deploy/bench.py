@@ -1,0 +1,143 @@
+"""`pdserve bench`: the engine against serial and static-batch `transformers.generate`, in one run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deploy.config import EngineConfig
+from scheduler.request import Request, SamplingParams
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """'N' or 'MIN:MAX' with 1 <= MIN <= MAX."""
+    parts = [int(p) for p in text.split(":")]
+    low, high = (parts[0], parts[0]) if len(parts) == 1 else (parts[0], parts[1])
+    if len(parts) > 2 or not 1 <= low <= high:
+        raise ValueError(f"bad length range {text!r}: use N or MIN:MAX with 1 <= MIN <= MAX")
+    return low, high
+
+
+def make_workload(num_requests: int, prompt_len: str, output_len: str, vocab_size: int, seed: int) -> Workload:
+    """Random-token prompts and output lengths drawn uniformly from the ranges, reproducibly."""
+    rng = random.Random(seed)
+    (p_lo, p_hi), (o_lo, o_hi) = parse_range(prompt_len), parse_range(output_len)
+    low_id = min(100, vocab_size // 4)  # keep clear of the special tokens at the start of most vocabularies
+    prompts = [[rng.randrange(low_id, vocab_size) for _ in range(rng.randint(p_lo, p_hi))]
+               for _ in range(num_requests)]
+    return Workload(prompts, [rng.randint(o_lo, o_hi) for _ in range(num_requests)])
+
+
+def bench_serial(hf: Any, work: Workload, limit: int) -> dict[str, float]:
+    """One request at a time through `generate` (greedy, exact output lengths)."""
+    tokens, start = 0, time.perf_counter()
+    for prompt, n in list(zip(work.prompts, work.output_lens, strict=True))[:limit]:
+        ids = torch.tensor([prompt])
+        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                    do_sample=False, pad_token_id=0)
+        tokens += n
+    elapsed = time.perf_counter() - start
+    return {"serial_tok_s": tokens / elapsed, "serial_requests": min(limit, len(work.prompts))}
+
+
+def bench_static(hf: Any, work: Workload, batch_size: int) -> dict[str, float]:
+    """Fixed batches of `batch_size`, left-padded, each running until its longest output is done:
+    only the tokens each request asked for count as useful."""
+    start = time.perf_counter()
+    for i in range(0, len(work.prompts), batch_size):
+        prompts, lens = work.prompts[i : i + batch_size], work.output_lens[i : i + batch_size]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        hf.generate(ids, attention_mask=mask, max_new_tokens=max(lens), min_new_tokens=max(lens),
+                    do_sample=False, pad_token_id=0)
+    return {"static_tok_s": work.num_output_tokens / (time.perf_counter() - start)}
+
+
+def bench_engine(config: EngineConfig, loaded: Any, work: Workload) -> tuple[dict[str, Any], list[dict]]:
+    from deploy.engine_factory import build_local_engine
+
+    engine, _ = build_local_engine(config, loaded)
+    requests = [Request(req_id=str(i), prompt_ids=p, max_tokens=n, sampling=SamplingParams())
+                for i, (p, n) in enumerate(zip(work.prompts, work.output_lens, strict=True))]
+    start = time.perf_counter()
+    results = engine.run(requests)
+    elapsed = time.perf_counter() - start
+    assert sum(len(r.output_ids) for r in results.values()) == work.num_output_tokens
+    prof = engine.profile
+    summary = {
+        "slots": config.slots, "token_budget": config.token_budget, "prefill_chunk": config.prefill_chunk,
+        "batched_tok_s": work.num_output_tokens / elapsed, "engine_steps": engine.num_steps,
+        "model_fraction": prof["model_s"] / max(prof["step_s"], 1e-9),
+        "decode_steps": prof["decode_steps"],
+        "decode_step_ms": 1000 * prof["decode_step_s"] / max(prof["decode_steps"], 1),
+        "decode_model_fraction": prof["decode_model_s"] / max(prof["decode_step_s"], 1e-9),
+    }
+    per_request = []
+    for request in requests:
+        m = results[request.req_id].metrics()
+        per_request.append({"rid": request.req_id, "slots": config.slots, "ttft_ms": round(1000 * m["ttft_s"], 2),
+                            "tpot_ms": round(1000 * m["tpot_s"], 2), "tokens": len(request.output_ids),
+                            "finish": results[request.req_id].finish_reason.value})
+    return summary, per_request
+
+
+def run_bench(config: EngineConfig, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Print (and optionally write) JSON lines: one summary per engine run, then per-request lines."""
+    from transformers import AutoModelForCausalLM
+
+    from workers.loader import load_model, resolve_checkpoint
+
+    if config.mode != "local":
+        raise NotImplementedError(f"bench --mode {config.mode} is not available yet; use --mode local")
+    loaded = load_model(config.model, config.dtype, config.device)
+    work = make_workload(args.num_requests, args.prompt_len, args.output_len, loaded.model.spec.vocab_size,
+                         args.seed)
+    baselines = [b for b in args.baselines.split(",") if b and b != "none"]
+    head: dict[str, Any] = {"model": config.model, "requests": len(work.prompts),
+                            "output_tokens": work.num_output_tokens, "torch_threads": torch.get_num_threads()}
+    if baselines:
+        weight = loaded.model.output_weight()
+        hf = AutoModelForCausalLM.from_pretrained(resolve_checkpoint(config.model), dtype=weight.dtype)
+        hf = hf.to(weight.device).eval()
+        with torch.inference_mode():
+            if "serial" in baselines:
+                head |= bench_serial(hf, work, args.serial_requests)
+            if "static" in baselines:
+                head |= bench_static(hf, work, config.slots)
+        del hf
+    slot_counts = [int(s) for s in args.sweep_slots.split(",")] if args.sweep_slots else [config.slots]
+    lines: list[dict[str, Any]] = []
+    for slots in slot_counts:
+        summary, per_request = bench_engine(config.model_copy(update={"slots": slots}), loaded, work)
+        summary = head | summary
+        for key in ("serial_tok_s", "static_tok_s"):
+            if key in head:
+                summary[f"x_{key.split('_')[0]}"] = summary["batched_tok_s"] / head[key]
+        lines += [summary] + per_request
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in summary.items()}), flush=True)
+    for line in lines:
+        if "rid" in line:
+            print(json.dumps(line), file=sys.stderr if args.output else sys.stdout)
+    if args.output:
+        with open(args.output, "w") as f:
+            for line in lines:
+                f.write(json.dumps(line) + "\n")
+    return lines

@@ -1,0 +1,52 @@
+"""The service configuration: one pydantic model shared by the CLI, the batch job and the Serve app."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from workers.loader import DEFAULT_MODEL
+
+Mode = Literal["local", "colocated", "disaggregated"]
+
+
+class EngineConfig(BaseModel):
+    """How to load the model and how to schedule it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(DEFAULT_MODEL, description="Alias, checkpoint directory, .gguf file or hub id.")
+    mode: Mode = Field("local", description="local: one process, no Ray; colocated: prefill and decode in "
+                       "the same Ray workers; disaggregated: separate prefill and decode worker pools.")
+    slots: int = Field(16, ge=1, description="Decode slots per worker: requests that can run at once.")
+    max_model_len: int | None = Field(None, ge=2, description="Tokens per slot (prompt + output); default: "
+                                      "the model's context, capped at 4096.")
+    token_budget: int = Field(256, ge=1, description="Tokens computed per step: decode tokens first, then "
+                              "prompt chunks.")
+    prefill_chunk: int = Field(128, ge=1, description="Most prompt tokens of one request in one step.")
+    max_waiting: int | None = Field(None, ge=0, description="Waiting requests before new ones are "
+                                    "rejected; unbounded if unset.")
+    dtype: str = Field("auto", description="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16.")
+    device: str = Field("auto", description="auto, cpu or cuda.")
+    prefill_workers: int = Field(1, ge=1, description="Prefill worker actors (disaggregated mode).")
+    decode_workers: int = Field(1, ge=1, description="Decode worker actors (disaggregated and colocated).")
+    local_prefill_max_tokens: int = Field(0, ge=0, description="Prompts shorter than this are prefilled on "
+                                          "the decode worker, skipping the handoff; 0 always hands off.")
+    num_cpus_per_worker: float = Field(1.0, gt=0, description="CPUs reserved per worker actor; torch uses "
+                                       "that many threads.")
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        if self.prefill_chunk > self.token_budget:
+            raise ValueError(f"prefill_chunk ({self.prefill_chunk}) must not exceed token_budget "
+                             f"({self.token_budget}): a chunk larger than a step's budget never runs whole")
+        return self
+
+    def context_len(self, model_context: int) -> int:
+        """Slot capacity: max_model_len if set (never over the model's context), else min(context, 4096)."""
+        if self.max_model_len is None:
+            return min(model_context, 4096)
+        if self.max_model_len > model_context:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context of {model_context}")
+        return self.max_model_len

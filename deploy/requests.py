@@ -1,0 +1,55 @@
+"""Turning a user's generation parameters into a validated Request (shared by the batch job and HTTP)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from scheduler.request import Request, SamplingParams
+
+
+def encode_prompt(tokenizer: Any, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,
+                  prompt_token_ids: list[int] | None = None) -> list[int]:
+    """Exactly one of: text (tokenized with the tokenizer's special tokens), chat messages (through the
+    model's chat template, generation prompt added) or token ids (checked against the vocabulary)."""
+    given = [x is not None for x in (prompt, messages, prompt_token_ids)]
+    if sum(given) != 1:
+        raise ValueError("give exactly one of prompt, messages or prompt_token_ids")
+    if prompt_token_ids is not None:
+        vocab = len(tokenizer)
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids has ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        return list(prompt_token_ids)
+    if messages is not None:
+        if not messages:
+            raise ValueError("messages is empty")
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False).input_ids
+    assert prompt is not None
+    return tokenizer(prompt).input_ids
+
+
+def build_request(
+    req_id: str,
+    prompt_ids: list[int],
+    *,
+    max_tokens: int,
+    eos_token_ids: frozenset[int],
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    stop_token_ids: Sequence[int] = (),
+    ignore_eos: bool = False,
+    priority: int = 0,
+) -> Request:
+    """A Request with the model's EOS as a stop token unless ignore_eos; a random seed if none is given."""
+    stop_strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    stops = frozenset(stop_token_ids) | (frozenset() if ignore_eos else eos_token_ids)
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
+                              seed=random.getrandbits(62) if seed is None else seed)
+    return Request(req_id=req_id, prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling,
+                   stop_token_ids=stops, stop_strings=stop_strings, priority=priority)

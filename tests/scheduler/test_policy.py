@@ -1,0 +1,145 @@
+"""The planner on plain lists: budgets, decode first, oldest first, slots, abort, errors."""
+
+import subprocess
+import sys
+
+import pytest
+
+from scheduler.plan import StepPlan
+from scheduler.policy import QueueFullError, Scheduler
+from scheduler.request import FinishReason, Request, RequestStatus, SamplingParams
+
+
+def req(req_id, prompt_len=10, max_tokens=4, priority=0, stop=frozenset()):
+    return Request(req_id=req_id, prompt_ids=list(range(1, prompt_len + 1)), max_tokens=max_tokens,
+                   priority=priority, stop_token_ids=stop)
+
+
+def fake_step(sched: Scheduler, token: int = 7) -> tuple[StepPlan, list[Request]]:
+    """Plan and pretend a worker sampled `token` for every sampling chunk."""
+    plan = sched.plan()
+    check_invariants(sched, plan)
+    return plan, sched.update(plan, {c.req_id: token for c in plan.chunks if c.sample})
+
+
+def check_invariants(sched: Scheduler, plan: StepPlan) -> None:
+    assert plan.num_tokens <= sched.token_budget
+    used = [r.slot for r in sched.running]
+    assert len(used) == len(set(used)), "two requests share a slot"
+    assert not set(used) & set(sched.free_slots), "a used slot is also free"
+    assert len(used) + len(sched.free_slots) == sched.num_slots, "a slot leaked"
+    assert all(c.num_tokens <= sched.prefill_chunk for c in plan.prefill)
+    ids = [c.req_id for c in plan.chunks]
+    assert len(ids) == len(set(ids)), "a request got two chunks in one step"
+
+
+def test_decode_first_then_prefill_oldest_first_within_budget():
+    sched = Scheduler(num_slots=3, capacity=64, token_budget=8, prefill_chunk=5)
+    for name in "abc":
+        sched.submit(req(name, prompt_len=10))
+    plan, _ = fake_step(sched)
+    assert [(c.req_id, c.num_tokens) for c in plan.prefill] == [("a", 5), ("b", 3)]
+    plan, _ = fake_step(sched)  # a has 5 left: chunk 5 finishes its prompt and samples token 1
+    assert [(c.req_id, c.num_tokens, c.sample) for c in plan.prefill] == [("a", 5, True), ("b", 3, False)]
+    plan, _ = fake_step(sched)
+    assert [c.req_id for c in plan.decode] == ["a"]  # decode before any prefill
+    assert [(c.req_id, c.start_pos, c.num_tokens) for c in plan.prefill] == [("b", 6, 4), ("c", 0, 3)]
+    assert plan.decode[0].token_ids == [7] and plan.decode[0].start_pos == 10
+
+
+def test_requests_wait_for_slots_and_finish_by_length_returning_them():
+    sched = Scheduler(num_slots=2, capacity=64, token_budget=64, prefill_chunk=64)
+    for name in "abc":
+        sched.submit(req(name, prompt_len=4, max_tokens=2))
+    plan, finished = fake_step(sched)
+    assert {c.req_id for c in plan.chunks} == {"a", "b"} and sched.num_waiting == 1
+    plan, finished = fake_step(sched)
+    assert sorted(r.req_id for r in finished) == ["a", "b"]
+    assert all(r.finish_reason is FinishReason.LENGTH and r.output_ids == [7, 7] for r in finished)
+    plan, finished = fake_step(sched)
+    assert [c.req_id for c in plan.chunks] == ["c"]
+    fake_step(sched)
+    assert sched.idle and sorted(sched.free_slots) == [0, 1]
+
+
+def test_stop_token_finishes_with_stop():
+    sched = Scheduler(num_slots=1, capacity=64)
+    sched.submit(req("a", stop=frozenset({7})))
+    _, finished = fake_step(sched, token=7)
+    assert finished[0].finish_reason is FinishReason.STOP and finished[0].output_ids == [7]
+
+
+def test_abort_in_every_state_returns_the_slot():
+    sched = Scheduler(num_slots=2, capacity=64, token_budget=6, prefill_chunk=6)
+    for name in ("decoding", "prefilling", "waiting"):
+        sched.submit(req(name, prompt_len=6))
+    fake_step(sched)  # "decoding" computes its whole prompt and samples its first token
+    fake_step(sched)  # it decodes; "prefilling" gets 5 of its 6 prompt tokens
+    state = {r.req_id: r for r in sched.running}
+    assert state["decoding"].is_decoding and state["prefilling"].num_computed == 5
+    assert [r.req_id for r in sched.waiting_requests()] == ["waiting"]
+    for name in ("waiting", "decoding", "prefilling"):
+        aborted = sched.abort(name)
+        assert aborted.status is RequestStatus.FINISHED and aborted.finish_reason is FinishReason.ABORT
+    assert sched.abort("prefilling") is None  # twice is harmless
+    assert sched.idle and sorted(sched.free_slots) == [0, 1]
+    sched.submit(req("late"))
+    plan, _ = fake_step(sched)
+    assert [c.req_id for c in plan.chunks] == ["late"]
+
+
+def test_results_of_an_aborted_request_are_ignored():
+    sched = Scheduler(num_slots=1, capacity=64)
+    sched.submit(req("a"))
+    plan = sched.plan()
+    sched.abort("a")
+    assert sched.update(plan, {"a": 3}) == [] and sched.free_slots == [0]
+
+
+def test_priority_then_arrival_order_admission():
+    sched = Scheduler(num_slots=1, capacity=64)
+    sched.submit(req("low", priority=5))
+    sched.submit(req("urgent", priority=-1))
+    sched.submit(req("normal"))
+    assert [r.req_id for r in sched.waiting_requests()] == ["urgent", "normal", "low"]
+
+
+@pytest.mark.parametrize("bad", [
+    dict(num_slots=0, capacity=8), dict(num_slots=1, capacity=0),
+    dict(num_slots=1, capacity=8, token_budget=0), dict(num_slots=1, capacity=8, prefill_chunk=-1),
+])
+def test_non_positive_limits_are_rejected(bad):
+    with pytest.raises(ValueError, match="must be >= 1"):
+        Scheduler(**bad)
+
+
+def test_bad_requests_are_rejected_before_any_work():
+    with pytest.raises(ValueError, match="prompt is empty"):
+        Request(req_id="x", prompt_ids=[], max_tokens=3)
+    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+        req("x", max_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    sched = Scheduler(num_slots=1, capacity=16)
+    with pytest.raises(ValueError, match=r"prompt \(10 tokens\) plus max_tokens \(7\) is 17.*16"):
+        sched.submit(req("x", prompt_len=10, max_tokens=7))
+    sched.submit(req("ok"))
+    with pytest.raises(ValueError, match="already in use"):
+        sched.submit(req("ok"))
+    assert sched.num_waiting == 1
+
+
+def test_full_queue_rejects_at_once():
+    sched = Scheduler(num_slots=1, capacity=64, max_waiting=1)
+    sched.submit(req("a"))
+    with pytest.raises(QueueFullError):
+        sched.submit(req("b"))
+    assert [r.req_id for r in sched.waiting_requests()] == ["a"]
+
+
+def test_policy_modules_import_neither_torch_nor_ray():
+    code = ("import sys, scheduler, scheduler.policy, scheduler.plan, scheduler.request; "
+            "bad = [m for m in ('torch', 'ray', 'numpy') if m in sys.modules]; print(bad); assert not bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
