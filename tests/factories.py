@@ -66,3 +66,37 @@ def make_requests(
         )
         for i in range(n)
     ]
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@functools.cache
+def tiny_tokenizer():  # type: ignore[no-untyped-def]
+    """A byte-level BPE tokenizer with VOCAB ids (EOS last), so text and multi-byte characters work."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 1, special_tokens=["<unk>", "<s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    corpus = ["the quick brown fox jumps over the lazy dog", "hello world, héllo wörld", "paris is in france"] * 5
+    tok.train_from_iterator(corpus, trainer)
+    tok.add_tokens([f"<extra_{i}>" for i in range(VOCAB - 1 - tok.get_vocab_size())])
+    tok.add_special_tokens(["</s>"])  # id VOCAB - 1: the configs' EOS
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    assert fast.eos_token_id == VOCAB - 1, fast.eos_token_id
+    return fast
+
+
+def save_tiny_checkpoint(path, kind: str = "llama"):  # type: ignore[no-untyped-def]
+    """A checkpoint directory as `save_pretrained` writes it: config, safetensors, tokenizer."""
+    tiny_hf_model(kind).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path

@@ -13,6 +13,7 @@ class IncrementalDetokenizer:
     `push(token)` returns the text that became final: a token that ends inside a multi-byte character
     yields nothing until the character completes, and text that could be the start of a stop string
     is held back until it cannot. On a stop string the text is cut before it and `stopped` is set.
+    Output that ends inside a character (bytes of a character never completed) gives no text for it.
     """
 
     def __init__(self, tokenizer: Any, prompt_ids: list[int], stop_strings: tuple[str, ...] = ()) -> None:

@@ -43,6 +43,7 @@ class BatchLayout:
     slots: torch.Tensor  # [num_tokens] cache row of each token
     num_decode: int  # the first num_decode tokens are single decode tokens
     decode_context: int  # max(position) + 1 over decode tokens: keys to read for them
+    decode_span: tuple[int, int]  # (min slot, max slot + 1) over decode tokens
     prefill: list[tuple[int, int, int, int]]  # (slot, first flat index, num_tokens, start_pos)
 
 
@@ -95,15 +96,22 @@ class Attention(nn.Module):
 
         out = torch.empty_like(q)  # [N, H, D]
         if layout.num_decode:
+            # Attend over the cache rows lo..hi-1 as a view (gathering the decode rows would copy every
+            # key and value: most of a step's time on CPU). Rows in the span that are not decoding get
+            # a dummy query that sees key 0 only; their outputs are dropped.
             b, ctx = layout.num_decode, layout.decode_context
-            rows = layout.slots[:b]
-            keys = k_cache[:, :, :ctx].index_select(0, rows)  # [B, KVH, ctx, D]
-            values = v_cache[:, :, :ctx].index_select(0, rows)  # [B, KVH, ctx, D]
-            visible = torch.arange(ctx, device=x.device) <= layout.positions[:b, None]  # [B, ctx]
+            lo, hi = layout.decode_span
+            rows = layout.slots[:b] - lo  # [B]
+            query = q.new_zeros(hi - lo, self.num_heads, 1, self.head_dim)  # [span, H, 1, D]
+            query[rows] = q[:b, :, None, :]
+            last = torch.zeros(hi - lo, dtype=torch.long, device=x.device)  # [span]
+            last[rows] = layout.positions[:b]
+            visible = torch.arange(ctx, device=x.device) <= last[:, None]  # [span, ctx]
             attn = F.scaled_dot_product_attention(
-                q[:b, :, None, :], keys, values, attn_mask=visible[:, None, None, :], enable_gqa=True
-            )  # [B, H, 1, D]
-            out[:b] = attn[:, :, 0, :]
+                query, k_cache[lo:hi, :, :ctx], v_cache[lo:hi, :, :ctx],
+                attn_mask=visible[:, None, None, :], enable_gqa=True,
+            )  # [span, H, 1, D]
+            out[:b] = attn[rows, :, 0, :]
         for slot, first, length, start in layout.prefill:
             ctx = start + length
             keys = k_cache[slot, :, :ctx][None]  # [1, KVH, ctx, D]

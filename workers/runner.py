@@ -56,6 +56,7 @@ class ModelRunner:
             slots=torch.tensor(slots, device=device),
             num_decode=num_decode,
             decode_context=max(positions[:num_decode], default=-1) + 1,
+            decode_span=(min(slots[:num_decode], default=0), max(slots[:num_decode], default=-1) + 1),
             prefill=prefill,
         )
         forward_start = time.perf_counter()

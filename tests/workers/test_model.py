@@ -18,7 +18,8 @@ def _run(model, cache, chunks, decode_first: int):
         positions += range(start, start + len(tokens))
         slots += [slot] * len(tokens)
     layout = BatchLayout(torch.tensor(positions), torch.tensor(slots), decode_first,
-                         max(positions[:decode_first], default=-1) + 1, prefill)
+                         max(positions[:decode_first], default=-1) + 1,
+                         (min(slots[:decode_first], default=0), max(slots[:decode_first], default=-1) + 1), prefill)
     return model(torch.tensor(ids), layout, cache, torch.arange(len(ids)))
 
 

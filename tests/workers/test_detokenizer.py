@@ -1,0 +1,34 @@
+"""Incremental text never carries a broken character and stops exactly before a stop string."""
+
+from tests.factories import tiny_tokenizer
+from workers.detokenizer import IncrementalDetokenizer
+
+TEXT = "héllo wörld 🙂 the quick brown fox"
+
+
+def stream(text, stop=()):
+    tok = tiny_tokenizer()
+    ids = tok(text, add_special_tokens=False).input_ids
+    detok = IncrementalDetokenizer(tok, tok("prompt:", add_special_tokens=False).input_ids, stop)
+    deltas = [detok.push(t) for t in ids]
+    deltas.append(detok.flush())
+    return detok, deltas
+
+
+def test_deltas_join_to_the_text_and_never_split_a_character():
+    detok, deltas = stream(TEXT)
+    assert "".join(deltas) == TEXT == detok.text
+    assert not any("\ufffd" in d for d in deltas)
+    assert "" in deltas  # the emoji's first bytes produced no text until it was complete
+
+
+def test_stop_string_cuts_the_text_and_is_never_emitted():
+    detok, deltas = stream(TEXT, stop=("quick", "zzz"))
+    assert detok.stopped and detok.text == "héllo wörld 🙂 the "
+    assert "".join(deltas) == detok.text
+    assert "q" not in "".join(deltas)
+
+
+def test_no_stop_string_no_holdback():
+    detok, deltas = stream("the fox", stop=())
+    assert not detok.stopped and "".join(deltas[:-1]) == "the fox"
