@@ -7,9 +7,9 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from scheduler.outputs import OutputProcessor, RequestOutput
 from scheduler.policy import Scheduler
-from scheduler.request import FinishReason, Request
-from workers.detokenizer import IncrementalDetokenizer
+from scheduler.request import Request
 from workers.runner import ModelRunner
 
 
@@ -24,7 +24,7 @@ class LocalEngine:
         if scheduler.capacity > runner.cache.capacity or scheduler.num_slots > runner.cache.num_slots:
             raise ValueError("the scheduler plans more slots or positions than the runner's cache holds")
         self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.outputs = OutputProcessor(tokenizer)
         self.num_steps = 0
         # profile: seconds per whole step and inside the model forward, overall and for decode-only steps
         self.profile = {"step_s": 0.0, "model_s": 0.0, "decode_steps": 0, "decode_step_s": 0.0,
@@ -35,35 +35,25 @@ class LocalEngine:
         """Queue a request; raises ValueError (nothing queued) if it can never run."""
         with self._lock:
             self.scheduler.submit(request)
-            if self.tokenizer is not None:
-                self.detokenizers[request.req_id] = IncrementalDetokenizer(
-                    self.tokenizer, request.prompt_ids, request.stop_strings)
+            self.outputs.add(request)
 
     def abort(self, req_id: str) -> Request | None:
         with self._lock:
             request = self.scheduler.abort(req_id)
-            self._close(req_id)
+            if request is not None:
+                self.outputs.close(request)
             return request
 
     def step(self) -> list[Request]:
-        """One iteration; returns the requests that finished in it."""
+        """One iteration; returns the requests that finished in it. `last_outputs` has each request's
+        new tokens and text from it."""
         start = time.perf_counter()
         with self._lock:
             plan = self.scheduler.plan()
         sampled = self.runner.execute(plan)
         with self._lock:
             finished = self.scheduler.update(plan, sampled)
-            for req_id, token in sampled.items():
-                detok = self.detokenizers.get(req_id)
-                if detok is None:
-                    continue
-                detok.push(token)
-                if detok.stopped:
-                    request = self.scheduler.finish(req_id, FinishReason.STOP)
-                    if request is not None:
-                        finished.append(request)
-            for request in finished:
-                self._close(request.req_id, request)
+            self.last_outputs: list[RequestOutput] = self.outputs.apply(self.scheduler, sampled, finished)
         self.num_steps += 1
         elapsed, profile = time.perf_counter() - start, self.profile
         profile["step_s"] += elapsed
@@ -73,12 +63,6 @@ class LocalEngine:
             profile["decode_step_s"] += elapsed
             profile["decode_model_s"] += self.runner.last_forward_s
         return finished
-
-    def _close(self, req_id: str, request: Request | None = None) -> None:
-        detok = self.detokenizers.pop(req_id, None)
-        if detok is not None and request is not None:
-            detok.flush()
-            request.text = detok.text
 
     @property
     def idle(self) -> bool:

@@ -1,7 +1,7 @@
 """Incremental text never carries a broken character and stops exactly before a stop string."""
 
+from scheduler.detokenizer import IncrementalDetokenizer
 from tests.factories import tiny_tokenizer
-from workers.detokenizer import IncrementalDetokenizer
 
 TEXT = "héllo wörld 🙂 the quick brown fox"
 

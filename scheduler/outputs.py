@@ -1,0 +1,75 @@
+"""Applies sampled tokens to requests: text deltas, stop strings, and what each request's stream gets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from scheduler.detokenizer import IncrementalDetokenizer
+from scheduler.policy import Scheduler
+from scheduler.request import OPENAI_FINISH_REASON, FinishReason, Request
+
+
+@dataclass
+class RequestOutput:
+    """What one request's stream receives after a step: its new tokens and text, and whether it ended."""
+
+    req_id: str
+    token_ids: list[int] = field(default_factory=list)  # new since the last output
+    text: str = ""  # new since the last output; never a broken character or part of a stop string
+    finish_reason: str | None = None  # OpenAI's name; None while the request runs
+    error: str | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)  # on the last output only
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class OutputProcessor:
+    """Keeps each request's detokenizer; finishes requests whose text reaches a stop string.
+
+    Without a tokenizer it only reports tokens (text stays empty and stop strings do not apply).
+    """
+
+    def __init__(self, tokenizer: Any = None) -> None:
+        self.tokenizer = tokenizer
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+
+    def add(self, request: Request) -> None:
+        if self.tokenizer is not None:
+            self.detokenizers[request.req_id] = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_ids, request.stop_strings)
+
+    def apply(self, scheduler: Scheduler, sampled: dict[str, int], finished: list[Request]) -> list[RequestOutput]:
+        """After `scheduler.update`: push each sampled token, apply stop strings, close finished requests."""
+        outputs: dict[str, RequestOutput] = {}
+        for req_id, token in sampled.items():
+            detok = self.detokenizers.get(req_id)
+            if req_id not in scheduler.requests and not any(r.req_id == req_id for r in finished):
+                continue  # aborted while its step ran
+            out = outputs.setdefault(req_id, RequestOutput(req_id))
+            out.token_ids.append(token)
+            if detok is None:
+                continue
+            out.text += detok.push(token)
+            if detok.stopped:
+                request = scheduler.finish(req_id, FinishReason.STOP)
+                if request is not None:
+                    finished.append(request)
+        for request in finished:
+            out = outputs.setdefault(request.req_id, RequestOutput(request.req_id))
+            out.text += self.close(request)
+            assert request.finish_reason is not None
+            out.finish_reason = OPENAI_FINISH_REASON[request.finish_reason]
+            out.error, out.metrics = request.error, request.metrics()
+        return list(outputs.values())
+
+    def close(self, request: Request) -> str:
+        """Forget a finished request; set its full text and return the text not yet emitted."""
+        detok = self.detokenizers.pop(request.req_id, None)
+        if detok is None:
+            return ""
+        rest = detok.flush()
+        request.text = detok.text
+        return rest
