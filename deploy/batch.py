@@ -14,7 +14,8 @@ from tqdm import tqdm
 
 from deploy.config import EngineConfig
 from deploy.requests import build_request, encode_prompt
-from scheduler.request import OPENAI_FINISH_REASON, Request
+from scheduler.outputs import Completion
+from scheduler.request import Request
 
 
 class BatchInputError(ValueError):
@@ -85,18 +86,17 @@ def to_requests(lines: list[GenerateLine], tokenizer: Any, eos_token_ids: frozen
     return requests
 
 
-def result_line(request: Request, extra_metrics: dict[str, Any] | None = None) -> dict[str, Any]:
-    assert request.finish_reason is not None
+def result_line(done: Completion) -> dict[str, Any]:
     line: dict[str, Any] = {
-        "id": request.req_id,
-        "token_ids": request.output_ids,
-        "text": request.text,
-        "finish_reason": OPENAI_FINISH_REASON[request.finish_reason],
-        "prompt_tokens": len(request.prompt_ids),
-        "metrics": {k: round(v, 6) for k, v in request.metrics().items()} | (extra_metrics or {}),
+        "id": done.req_id,
+        "token_ids": done.token_ids,
+        "text": done.text,
+        "finish_reason": done.finish_reason,
+        "prompt_tokens": done.prompt_tokens,
+        "metrics": {k: round(v, 6) if isinstance(v, float) else v for k, v in done.metrics.items()},
     }
-    if request.error:
-        line["error"] = request.error
+    if done.error:
+        line["error"] = done.error
     return line
 
 
@@ -116,17 +116,31 @@ def write_atomically(path: str | Path, lines: list[dict[str, Any]]) -> None:
 
 def run_generate(config: EngineConfig, input_path: str, output_path: str, progress: bool = True) -> list[dict]:
     """Read, check, generate, write. Returns the written lines (in input order)."""
-    from deploy.engine_factory import build_local_engine
-
     lines = read_lines(input_path)
-    if config.mode != "local":
-        raise NotImplementedError(f"mode {config.mode!r} is not available yet; use --mode local")
-    engine, loaded = build_local_engine(config)
-    requests = to_requests(lines, loaded.tokenizer, loaded.eos_token_ids, engine.scheduler.capacity)
     arrivals = {str(line.id): line.arrival_s for line in lines}
-    bar = tqdm(total=len(requests), desc="generate", unit="req", file=sys.stderr, disable=not progress,
+    bar = tqdm(total=len(lines), desc="generate", unit="req", file=sys.stderr, disable=not progress,
                mininterval=1.0)
-    results = engine.run(requests, arrival_s=arrivals, on_finish=lambda _: bar.update())
+    if config.mode == "local":
+        from deploy.engine_factory import build_local_engine
+
+        engine, loaded = build_local_engine(config)
+        requests = to_requests(lines, loaded.tokenizer, loaded.eos_token_ids, engine.scheduler.capacity)
+        finished = engine.run(requests, arrival_s=arrivals, on_finish=lambda _: bar.update())
+        results = {req_id: Completion.from_request(r) for req_id, r in finished.items()}
+    else:
+        import ray
+
+        from deploy.ray_client import run_requests, start_scheduler
+        from workers.loader import load_tokenizer
+
+        info = load_tokenizer(config.model)
+        requests = to_requests(lines, info.tokenizer, info.eos_token_ids, config.context_len(info.max_context))
+        handle = start_scheduler(config)
+        try:
+            results = run_requests(handle, requests, arrivals, on_finish=lambda _: bar.update())
+        finally:
+            ray.get(handle.shutdown.remote())
+            ray.kill(handle)
     bar.close()
     out = [result_line(results[r.req_id]) for r in requests]
     write_atomically(output_path, out)

@@ -33,6 +33,15 @@ class EngineConfig(BaseModel):
     decode_workers: int = Field(1, ge=1, description="Decode worker actors (disaggregated and colocated).")
     local_prefill_max_tokens: int = Field(0, ge=0, description="Prompts shorter than this are prefilled on "
                                           "the decode worker, skipping the handoff; 0 always hands off.")
+    prefill_slots: int = Field(4, ge=1, description="Cache rows per prefill worker: prompts it can hold "
+                               "partly prefilled at once.")
+    prefill_resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources each "
+                                                "prefill worker needs, e.g. {\"prefill_node\": 1} (cluster.yaml).")
+    decode_resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources each "
+                                               "decode worker needs, e.g. {\"decode_node\": 1}.")
+    max_worker_restarts: int = Field(3, ge=0, description="Times Ray restarts a dead worker actor.")
+    max_recomputes: int = Field(3, ge=0, description="Times one request's lost cache is recomputed before it "
+                                "ends with an error.")
     num_cpus_per_worker: float = Field(1.0, gt=0, description="CPUs reserved per worker actor; torch uses "
                                        "that many threads.")
 

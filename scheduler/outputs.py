@@ -73,3 +73,22 @@ class OutputProcessor:
         rest = detok.flush()
         request.text = detok.text
         return rest
+
+
+@dataclass
+class Completion:
+    """A finished request as every mode reports it."""
+
+    req_id: str
+    prompt_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_request(cls, request: Request) -> Completion:
+        assert request.finish_reason is not None
+        return cls(request.req_id, len(request.prompt_ids), list(request.output_ids), request.text,
+                   OPENAI_FINISH_REASON[request.finish_reason], request.error, request.metrics())

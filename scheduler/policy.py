@@ -50,11 +50,16 @@ class Scheduler:
         """Raise ValueError if the request can never run here; nothing is changed."""
         if request.req_id in self.requests:
             raise ValueError(f"request id {request.req_id!r} is already in use")
+        self.check_fits(request, self.capacity)
+
+    @staticmethod
+    def check_fits(request: Request, capacity: int) -> None:
+        """Raise ValueError, with both numbers, if prompt + max_tokens exceed a slot's capacity."""
         needed = len(request.prompt_ids) + request.max_tokens
-        if needed > self.capacity:
+        if needed > capacity:
             raise ValueError(
                 f"request {request.req_id!r}: prompt ({len(request.prompt_ids)} tokens) plus max_tokens "
-                f"({request.max_tokens}) is {needed}, over the context limit of {self.capacity} tokens"
+                f"({request.max_tokens}) is {needed}, over the context limit of {capacity} tokens"
             )
 
     def submit(self, request: Request) -> None:
@@ -137,19 +142,29 @@ class Scheduler:
 
     def finish(self, req_id: str, reason: FinishReason, error: str | None = None) -> Request | None:
         """End a request in any state and return its slot; None if it is unknown or already ended."""
+        request = self.evict(req_id)
+        if request is None:
+            return None
+        request.mark_finished(reason, error)
+        return request
+
+    def evict(self, req_id: str) -> Request | None:
+        """Take a request off this scheduler without finishing it (its slot, if any, is free at once).
+
+        The caller moves it on: a finished prompt to a decode worker with its KV, or a request whose
+        cache was lost back to be recomputed. None if the request is not here.
+        """
         request = self.requests.pop(req_id, None)
         if request is None:
             return None
         if request.status is RequestStatus.WAITING:
             self.waiting = [e for e in self.waiting if e[2] is not request]
-        elif request.status is RequestStatus.RUNNING:
+        else:
             self.running.remove(request)
             assert request.slot is not None
             self.free_slots.append(request.slot)
             self.free_slots.sort()
-        request.status = RequestStatus.FINISHED
-        request.finish_reason, request.error = reason, error
-        request.finish_s = time.perf_counter()
+        request.slot, request.status = None, RequestStatus.WAITING
         return request
 
     def abort(self, req_id: str) -> Request | None:

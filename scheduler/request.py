@@ -76,6 +76,7 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None
     text: str = ""  # detokenized output, cut before a stop string; filled by the engine
+    num_recomputes: int = 0  # times its cache was lost (worker died, handoff lost) and recomputed
 
     arrival_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
@@ -112,6 +113,16 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def mark_finished(self, reason: FinishReason, error: str | None = None) -> None:
+        self.status, self.finish_reason, self.error = RequestStatus.FINISHED, reason, error
+        self.slot = None
+        self.finish_s = time.perf_counter()
+
+    def reset_cache(self) -> None:
+        """Its cache is gone: recompute prompt + output so far, then continue where it stopped."""
+        self.num_computed, self.slot, self.status = 0, None, RequestStatus.WAITING
+        self.num_recomputes += 1
 
     def metrics(self) -> dict[str, float]:
         """TTFT, TPOT (excluding the first token) and end-to-end latency in seconds."""

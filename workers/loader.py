@@ -169,15 +169,39 @@ def from_hf_model(hf: Any, dtype: torch.dtype = torch.float32, device: str = "cp
     return model.to(device=device, dtype=dtype).eval()
 
 
-def eos_token_ids(hf: Any, tokenizer: Any) -> frozenset[int]:
+def eos_token_ids(config: Any, generation_config: Any, tokenizer: Any) -> frozenset[int]:
+    """EOS ids from the generation config, the model config and the tokenizer, together."""
     ids: set[int] = set()
-    for source in (getattr(hf, "generation_config", None), hf.config):
+    for source in (generation_config, config):
         eos = getattr(source, "eos_token_id", None)
         if eos is not None:
             ids.update(eos if isinstance(eos, list) else [eos])
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(ids)
+
+
+@dataclass
+class TokenizerInfo:
+    """What the serving front needs without the weights: the tokenizer, EOS ids and context length."""
+
+    tokenizer: Any
+    eos_token_ids: frozenset[int]
+    max_context: int
+
+
+def load_tokenizer(name: str = DEFAULT_MODEL) -> TokenizerInfo:
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    checkpoint = resolve_checkpoint(name)
+    config = AutoConfig.from_pretrained(checkpoint)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    try:
+        generation = GenerationConfig.from_pretrained(checkpoint)
+    except OSError:
+        generation = None
+    return TokenizerInfo(tokenizer, eos_token_ids(config, generation, tokenizer),
+                         int(getattr(config, "max_position_embeddings", MAX_DEFAULT_CONTEXT)))
 
 
 def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto") -> LoadedModel:
@@ -191,6 +215,6 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     model = from_hf_model(hf, torch_dtype, device)
     max_context = int(getattr(hf.config, "max_position_embeddings", MAX_DEFAULT_CONTEXT))
-    eos = eos_token_ids(hf, tokenizer)
+    eos = eos_token_ids(hf.config, getattr(hf, "generation_config", None), tokenizer)
     del hf
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, eos_token_ids=eos, max_context=max_context)
