@@ -36,7 +36,8 @@ class WorkerState:
     handle: Any
     sched: Scheduler
     wake: asyncio.Event = field(default_factory=asyncio.Event)
-    alive: bool = True
+    alive: bool = True  # answering; False while Ray restarts it
+    gone: bool = False  # its restarts are spent: it never comes back
     info: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -161,9 +162,11 @@ class SchedulerActor:
         worker.wake.set()
 
     @staticmethod
-    def _pick(pool: list[WorkerState]) -> WorkerState | None:
-        live = [w for w in pool if w.alive]
-        return min(live, key=WorkerState.load) if live else None
+    def _pick(pool: list[WorkerState], exclude: WorkerState | None = None) -> WorkerState | None:
+        """The least loaded live worker; else one being restarted (its queue waits for it); else None."""
+        candidates = [w for w in pool if w.alive and w is not exclude] or [
+            w for w in pool if not w.gone and w is not exclude]
+        return min(candidates, key=WorkerState.load) if candidates else None
 
     def _abort(self, req_id: str) -> bool:
         for worker in self.prefill + self.decode:
@@ -259,8 +262,9 @@ class SchedulerActor:
         self._route(request)
 
     async def _recover(self, worker: WorkerState, error: Exception) -> None:
-        """A worker died: recompute its running requests elsewhere, requeue its waiting ones, and wait
-        for Ray to restart it (or, once its restarts are spent, leave it out)."""
+        """A worker died: recompute its running requests (on live workers if any, else here after the
+        restart), move its waiting ones to live workers, and wait for Ray to restart it. Once its
+        restarts are spent it is gone: whatever still waits on it moves on or ends with an error."""
         self.counters["worker_failures"] += 1
         worker.alive = False
         log.warning("%s failed (%s); moving its requests", worker.name, type(error).__name__)
@@ -268,17 +272,7 @@ class SchedulerActor:
             worker.sched.evict(request.req_id)
             self.handoffs.pop(request.req_id, None)  # imported or not, its slot is gone
             self._recompute(request, f"{worker.name} failed")
-        for request in list(worker.sched.waiting_requests()):
-            worker.sched.evict(request.req_id)
-            if request.req_id in self.handoffs:  # its KV still lives with the prefill worker
-                target = self._pick(self.decode)
-                if target is not None:
-                    target.sched.submit(request)
-                    target.wake.set()
-                    continue
-                self.handoffs.pop(request.req_id)
-            request.num_computed = 0
-            self._route(request)
+        self._move_waiting(worker)
         deadline = time.monotonic() + _RESTART_TIMEOUT_S
         while time.monotonic() < deadline:
             try:
@@ -287,13 +281,33 @@ class SchedulerActor:
                 log.warning("%s is back", worker.name)
                 return
             except ActorDiedError:
-                break  # restarts spent: it is gone for good
+                break  # restarts spent
             except _WORKER_ERRORS:
                 await asyncio.sleep(0.2)
         log.error("%s is gone; its pool continues without it", worker.name)
+        worker.gone = True
+        self._move_waiting(worker)
         await asyncio.Event().wait()  # park this loop for good
 
+    def _move_waiting(self, worker: WorkerState) -> None:
+        """Hand a dead worker's queue to live workers of its pool (a gone worker's to any that remain)."""
+        pool = self.prefill if worker.kind == "prefill" else self.decode
+        for request in list(worker.sched.waiting_requests()):
+            target = self._pick(pool, exclude=worker)
+            if target is None or not (target.alive or worker.gone):
+                if worker.gone:
+                    worker.sched.evict(request.req_id)
+                    self._fail(request, f"every {worker.kind} worker is gone")
+                continue  # stays queued here until the restart
+            worker.sched.evict(request.req_id)
+            target.sched.submit(request)
+            target.wake.set()
+
     # ---- introspection ----------------------------------------------------------------------------
+    async def worker_handles(self) -> dict[str, Any]:
+        """The worker actors by name (prefill-0, decode-1, ...), e.g. for a fault-injection test."""
+        return {w.name: w.handle for w in self.prefill + self.decode}
+
     async def stats(self) -> dict[str, Any]:
         """Slots and queues per worker, live handoffs and counters: what a test or /metrics reads."""
         workers = {

@@ -1,0 +1,20 @@
+"""Shared fixtures: one local Ray for the whole session (started on first use) and a tiny checkpoint."""
+
+import pytest
+
+from tests.factories import save_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    return str(save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """A local Ray with more logical CPUs than cores, so 2 prefill + 2 decode workers fit on 2 cores."""
+    import ray
+
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()

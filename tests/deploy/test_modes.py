@@ -1,0 +1,71 @@
+"""colocated and disaggregated modes on Ray produce exactly what local mode produces."""
+
+import pytest
+import ray
+
+from deploy.config import EngineConfig
+from deploy.engine_factory import build_local_engine
+from deploy.ray_client import run_requests, start_scheduler
+from scheduler.outputs import Completion
+from scheduler.request import SamplingParams
+from tests.factories import VOCAB, make_requests
+
+pytestmark = pytest.mark.slow
+
+BASE = dict(slots=3, max_model_len=160, token_budget=16, prefill_chunk=8, prefill_slots=2)
+PROMPTS, OUTPUTS = [5, 31, 12, 47, 9, 20, 3, 60, 15], [17, 6, 25, 9, 3, 12, 30, 8, 14]
+
+
+def requests(sampling=None):
+    return make_requests(9, PROMPTS, OUTPUTS, sampling=sampling, stop_token_ids=frozenset({VOCAB - 1}))
+
+
+def run_local(checkpoint, sampling=None):
+    engine, _ = build_local_engine(EngineConfig(model=checkpoint, **BASE))
+    return {k: Completion.from_request(r) for k, r in engine.run(requests(sampling)).items()}
+
+
+def run_mode(checkpoint, sampling=None, **overrides):
+    handle = start_scheduler(EngineConfig(model=checkpoint, **(BASE | overrides)))
+    try:
+        results = run_requests(handle, requests(sampling))
+        stats = ray.get(handle.stats.remote())
+    finally:
+        ray.get(handle.shutdown.remote())
+    return results, stats
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(mode="disaggregated", prefill_workers=1, decode_workers=1),
+    dict(mode="disaggregated", prefill_workers=2, decode_workers=2),
+    dict(mode="colocated", decode_workers=2),
+    dict(mode="disaggregated", local_prefill_max_tokens=16),  # short prompts skip the handoff
+], ids=["1P1D", "2P2D", "colocated", "conditional"])
+def test_greedy_outputs_equal_local_mode(ray_session, tiny_checkpoint, overrides):
+    local = run_local(tiny_checkpoint)
+    results, stats = run_mode(tiny_checkpoint, **overrides)
+    for req_id, expected in local.items():
+        got = results[req_id]
+        assert got.token_ids == expected.token_ids, req_id
+        assert got.finish_reason == expected.finish_reason and got.error is None
+    assert stats["live_handoffs"] == 0 and stats["streams"] == 0
+    assert all(w["slots_used"] == 0 and w["waiting"] == 0 for w in stats["workers"].values())
+    handed_off = {r: c.metrics["kv_handoff_bytes"] > 0 for r, c in results.items()}
+    if overrides["mode"] == "colocated":
+        assert not any(handed_off.values())
+    elif overrides.get("local_prefill_max_tokens"):
+        short = {r.req_id for r in requests() if len(r.prompt_ids) < 16}
+        assert {r for r, h in handed_off.items() if not h} == short
+    else:
+        assert all(handed_off.values())
+        assert all(c.metrics["kv_handoff_s"] > 0 for c in results.values())
+    if overrides.get("decode_workers") == 2:  # load was spread over both pools
+        assert {c.metrics["decode_worker"] for c in results.values()} == {0, 1}
+
+
+def test_seeded_sampling_equals_local_mode_in_every_mode(ray_session, tiny_checkpoint):
+    sampling = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=11)
+    local = run_local(tiny_checkpoint, sampling)
+    for overrides in (dict(mode="disaggregated"), dict(mode="colocated")):
+        results, _ = run_mode(tiny_checkpoint, sampling, **overrides)
+        assert {k: c.token_ids for k, c in results.items()} == {k: c.token_ids for k, c in local.items()}

@@ -1,0 +1,192 @@
+"""The scheduler actor's lifecycle: abort in every state, lost handoffs, dead workers, a full queue."""
+
+import asyncio
+import re
+import time
+
+import pytest
+import ray
+from ray._private.internal_api import memory_summary
+
+from deploy.config import EngineConfig
+from deploy.engine_factory import build_local_engine
+from deploy.ray_client import run_requests, start_scheduler, stream
+from scheduler.policy import QueueFullError
+from scheduler.request import Request
+from tests.factories import make_requests, prompt_ids
+
+pytestmark = pytest.mark.slow
+
+
+def plasma_objects() -> int:
+    """Objects in Ray's object store, counted by Ray itself (independent of the scheduler's books)."""
+    return int(re.search(r"(\d+) objects", memory_summary(stats_only=True)).group(1))
+
+
+def req(req_id, prompt_len, max_tokens, seed=0):
+    return Request(req_id=req_id, prompt_ids=prompt_ids(prompt_len, seed), max_tokens=max_tokens)
+
+
+async def wait_for(handle, condition, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = await handle.stats.remote()
+        if condition(stats):
+            return stats
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"timed out; last stats {stats}")
+
+
+def crowded_config(checkpoint, **kw):
+    """Two decode slots and one prefill row, four-token steps: easy to hold requests in each state."""
+    return EngineConfig(model=checkpoint, mode="disaggregated", slots=2, prefill_slots=1, max_model_len=640,
+                        token_budget=4, prefill_chunk=4, **kw)
+
+
+def test_abort_in_every_state_frees_slots_and_handoff_objects(ray_session, tiny_checkpoint):
+    handle = start_scheduler(crowded_config(tiny_checkpoint))
+    decode, prefill = "decode-0", "prefill-0"
+
+    async def scenario():
+        tasks = {r.req_id: asyncio.create_task(stream(handle, r))
+                 for r in (req("A", 4, 600, 1), req("B", 4, 600, 2))}
+        await wait_for(handle, lambda s: s["workers"][decode]["running"] == 2)
+        tasks["C"] = asyncio.create_task(stream(handle, req("C", 6, 10, 3)))  # prefilled, then waits
+        await wait_for(handle, lambda s: s["live_handoffs"] == 1)
+        assert plasma_objects() >= 1
+        tasks["D"] = asyncio.create_task(stream(handle, req("D", 500, 5, 4)))  # 125 four-token chunks
+        tasks["E"] = asyncio.create_task(stream(handle, req("E", 10, 5, 5)))  # waits for the prefill row
+        stats = await wait_for(handle, lambda s: s["workers"][prefill]["running"] == 1
+                               and s["workers"][prefill]["waiting"] == 1)
+        assert stats["workers"][decode] == {"alive": True, "slots_used": 2, "running": 2, "waiting": 1}
+        for req_id in ("E", "D", "C", "A"):  # waiting, prefilling, in handoff, decoding
+            assert await handle.abort.remote(req_id)
+        done = {k: await tasks[k] for k in ("A", "C", "D", "E")}
+        assert {c.finish_reason for c in done.values()} == {"abort"}
+        assert len(done["A"].token_ids) < 600 and done["D"].token_ids == []
+        stats = await handle.stats.remote()
+        assert stats["live_handoffs"] == 0
+        assert stats["workers"][prefill]["slots_used"] == 0 and stats["workers"][decode]["slots_used"] == 1
+        assert not await handle.abort.remote("A")  # already gone
+        assert await handle.abort.remote("B")
+        await tasks["B"]
+        return await handle.stats.remote()
+
+    try:
+        stats = asyncio.run(scenario())
+        assert all(w["slots_used"] == 0 and w["waiting"] == 0 for w in stats["workers"].values())
+        deadline = time.monotonic() + 10
+        while plasma_objects() and time.monotonic() < deadline:  # Ray frees asynchronously
+            time.sleep(0.1)
+        assert plasma_objects() == 0
+    finally:
+        ray.get(handle.shutdown.remote())
+
+
+def test_a_closed_stream_aborts_its_request(ray_session, tiny_checkpoint):
+    handle = start_scheduler(crowded_config(tiny_checkpoint))
+
+    async def scenario():
+        gen = handle.generate.remote(req("X", 4, 600))
+        await (await gen.__anext__())  # first output arrived: it is decoding
+        ray.cancel(gen)  # what Serve does when an HTTP client disconnects
+        return await wait_for(handle, lambda s: s["workers"]["decode-0"]["slots_used"] == 0, timeout=20)
+
+    try:
+        stats = asyncio.run(scenario())
+        assert stats["streams"] == 0
+    finally:
+        ray.get(handle.shutdown.remote())
+
+
+def test_full_queue_and_oversized_requests_are_rejected_at_once(ray_session, tiny_checkpoint):
+    handle = start_scheduler(crowded_config(tiny_checkpoint, max_waiting=1))
+
+    async def scenario():
+        running = [asyncio.create_task(stream(handle, req("long", 600, 5)))]  # holds the prefill row
+        await wait_for(handle, lambda s: s["workers"]["prefill-0"]["running"] == 1)
+        running.append(asyncio.create_task(stream(handle, req("next", 4, 5))))
+        await wait_for(handle, lambda s: s["workers"]["prefill-0"]["waiting"] == 1)
+        with pytest.raises(QueueFullError, match="full"):
+            await stream(handle, req("late", 4, 5))
+        with pytest.raises(ValueError, match="over the context limit of 640"):
+            await stream(handle, req("huge", 600, 100))
+        for task in running:  # the queued requests were not disturbed
+            assert (await task).finish_reason == "length"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        ray.get(handle.shutdown.remote())
+
+
+def test_lost_handoff_is_prefilled_again(ray_session, tiny_checkpoint):
+    """Kill the prefill worker while a handoff waits for a decode slot: its bytes die with their owner,
+    the import fails, the request is prefilled again and still produces local mode's tokens."""
+    config = crowded_config(tiny_checkpoint)
+    handle = start_scheduler(config)
+    waiting = req("C", 6, 12, 3)
+    engine, _ = build_local_engine(config.model_copy(update={"mode": "local"}))
+    expected = engine.run([req("C", 6, 12, 3)])["C"].output_ids
+
+    async def scenario():
+        hogs = [asyncio.create_task(stream(handle, req(n, 4, 600, i))) for i, n in enumerate("AB")]
+        await wait_for(handle, lambda s: s["workers"]["decode-0"]["running"] == 2)
+        task = asyncio.create_task(stream(handle, waiting))
+        await wait_for(handle, lambda s: s["live_handoffs"] == 1)
+        ray.kill((await handle.worker_handles.remote())["prefill-0"], no_restart=False)
+        await asyncio.sleep(1.0)  # let Ray tell the decode worker the owner died, then free a slot
+        await handle.abort.remote("A")
+        done = await asyncio.wait_for(task, timeout=120)
+        await handle.abort.remote("B")
+        await asyncio.gather(*hogs)
+        return done, await handle.stats.remote()
+
+    try:
+        done, stats = asyncio.run(scenario())
+        assert done.token_ids == expected and done.finish_reason == "length"
+        assert stats["counters"]["recomputes"] >= 1 and stats["live_handoffs"] == 0
+    finally:
+        ray.get(handle.shutdown.remote())
+
+
+def test_killed_workers_lose_no_request(ray_session, tiny_checkpoint):
+    """Kill the prefill and the decode worker mid-run: every request completes with local mode's
+    tokens (recomputed from prompt + streamed tokens) or ends with an error; nothing hangs."""
+    config = EngineConfig(model=tiny_checkpoint, mode="disaggregated", slots=3, prefill_slots=2,
+                          max_model_len=256, token_budget=8, prefill_chunk=4)
+    requests = make_requests(10, [5, 40, 12, 70, 9], [60, 25, 80, 40, 50])
+    engine, _ = build_local_engine(config.model_copy(update={"mode": "local"}))
+    expected = {k: r.output_ids for k, r in engine.run(make_requests(10, [5, 40, 12, 70, 9],
+                                                                     [60, 25, 80, 40, 50])).items()}
+    handle = start_scheduler(config)
+    workers = ray.get(handle.worker_handles.remote())
+    seen = []
+
+    def killer(completion):
+        seen.append(completion.req_id)
+
+    import threading
+
+    def kill_soon():
+        time.sleep(0.5)
+        ray.kill(workers["prefill-0"], no_restart=False)
+        time.sleep(0.3)
+        ray.kill(workers["decode-0"], no_restart=False)
+
+    threading.Thread(target=kill_soon, daemon=True).start()
+    try:
+        start = time.monotonic()
+        results = run_requests(handle, requests, on_finish=killer)
+        assert time.monotonic() - start < 240
+        stats = ray.get(handle.stats.remote())
+    finally:
+        ray.get(handle.shutdown.remote())
+    assert len(results) == 10
+    for req_id, done in results.items():
+        if done.finish_reason == "error":
+            assert done.error and "giving up" in done.error
+        else:
+            assert done.token_ids == expected[req_id], req_id
+    assert stats["counters"]["worker_failures"] >= 1
+    assert stats["live_handoffs"] == 0
