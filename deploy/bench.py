@@ -123,6 +123,8 @@ def run_bench(config: EngineConfig, args: argparse.Namespace) -> list[dict[str, 
             if "static" in baselines:
                 head |= bench_static(hf, work, config.slots)
         del hf
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in head.items()}),
+              file=sys.stderr, flush=True)
     slot_counts = [int(s) for s in args.sweep_slots.split(",")] if args.sweep_slots else [config.slots]
     lines: list[dict[str, Any]] = []
     for slots in slot_counts:
