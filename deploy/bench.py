@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from deploy.config import EngineConfig
+from scheduler.outputs import Completion
 from scheduler.request import Request, SamplingParams
 
 
@@ -71,32 +72,86 @@ def bench_static(hf: Any, work: Workload, batch_size: int) -> dict[str, float]:
     return {"static_tok_s": work.num_output_tokens / (time.perf_counter() - start)}
 
 
-def bench_engine(config: EngineConfig, loaded: Any, work: Workload) -> tuple[dict[str, Any], list[dict]]:
-    from deploy.engine_factory import build_local_engine
+def _requests(work: Workload) -> list[Request]:
+    return [Request(req_id=str(i), prompt_ids=p, max_tokens=n, sampling=SamplingParams())
+            for i, (p, n) in enumerate(zip(work.prompts, work.output_lens, strict=True))]
 
-    engine, _ = build_local_engine(config, loaded)
-    requests = [Request(req_id=str(i), prompt_ids=p, max_tokens=n, sampling=SamplingParams())
-                for i, (p, n) in enumerate(zip(work.prompts, work.output_lens, strict=True))]
-    start = time.perf_counter()
-    results = engine.run(requests)
-    elapsed = time.perf_counter() - start
-    assert sum(len(r.output_ids) for r in results.values()) == work.num_output_tokens
-    prof = engine.profile
-    summary = {
-        "slots": config.slots, "token_budget": config.token_budget, "prefill_chunk": config.prefill_chunk,
-        "batched_tok_s": work.num_output_tokens / elapsed, "engine_steps": engine.num_steps,
-        "model_fraction": prof["model_s"] / max(prof["step_s"], 1e-9),
-        "decode_steps": prof["decode_steps"],
-        "decode_step_ms": 1000 * prof["decode_step_s"] / max(prof["decode_steps"], 1),
-        "decode_model_fraction": prof["decode_model_s"] / max(prof["decode_step_s"], 1e-9),
-    }
-    per_request = []
-    for request in requests:
-        m = results[request.req_id].metrics()
-        per_request.append({"rid": request.req_id, "slots": config.slots, "ttft_ms": round(1000 * m["ttft_s"], 2),
-                            "tpot_ms": round(1000 * m["tpot_s"], 2), "tokens": len(request.output_ids),
-                            "finish": results[request.req_id].finish_reason.value})
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    rank = q / 100 * (len(ordered) - 1)
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def bench_mode(config: EngineConfig, loaded: Any, work: Workload, sequential: bool = False,
+               ) -> tuple[dict[str, Any], list[dict]]:
+    """Run the workload through one mode: all requests at once, or one at a time (`sequential`, the
+    low-load case). Returns a summary line and per-request lines."""
+    requests = _requests(work)
+    batches = [[r] for r in requests] if sequential else [requests]
+    summary: dict[str, Any] = {"mode": config.mode, "slots": config.slots, "token_budget": config.token_budget,
+                               "prefill_chunk": config.prefill_chunk, "sequential": sequential}
+    results: dict[str, Completion] = {}
+    if config.mode == "local":
+        from deploy.engine_factory import build_local_engine
+
+        engine, _ = build_local_engine(config, loaded)
+        start = time.perf_counter()
+        for batch in batches:
+            results |= {k: Completion.from_request(r) for k, r in engine.run(batch).items()}
+        elapsed = time.perf_counter() - start
+        prof = engine.profile
+        summary |= {"engine_steps": engine.num_steps,
+                    "model_fraction": prof["model_s"] / max(prof["step_s"], 1e-9),
+                    "decode_steps": prof["decode_steps"],
+                    "decode_step_ms": 1000 * prof["decode_step_s"] / max(prof["decode_steps"], 1),
+                    "decode_model_fraction": prof["decode_model_s"] / max(prof["decode_step_s"], 1e-9)}
+    else:
+        import ray
+
+        from deploy.ray_client import run_requests, start_scheduler
+
+        handle = start_scheduler(config)
+        try:
+            start = time.perf_counter()
+            for batch in batches:
+                results |= run_requests(handle, batch)
+            elapsed = time.perf_counter() - start
+        finally:
+            ray.get(handle.shutdown.remote())
+            ray.kill(handle)
+        handoff_bytes = sum(c.metrics.get("kv_handoff_bytes", 0) for c in results.values())
+        handoff_s = sum(c.metrics.get("kv_handoff_s", 0.0) for c in results.values())
+        if handoff_bytes:
+            summary |= {"handoff_mb_per_request": handoff_bytes / len(results) / 1e6,
+                        "handoff_gb_s": handoff_bytes / handoff_s / 1e9}
+    assert sum(len(c.token_ids) for c in results.values()) == work.num_output_tokens
+    ttft = [1000 * c.metrics["ttft_s"] for c in results.values()]
+    tpot = [1000 * c.metrics["tpot_s"] for c in results.values() if len(c.token_ids) > 1]
+    summary |= {"batched_tok_s": work.num_output_tokens / elapsed, "ttft_ms_p50": _percentile(ttft, 50),
+                "ttft_ms_p99": _percentile(ttft, 99), "ttft_ms_mean": sum(ttft) / len(ttft),
+                "tpot_ms_mean": sum(tpot) / max(len(tpot), 1)}
+    per_request = [{"rid": r.req_id, "mode": config.mode, "slots": config.slots,
+                    "ttft_ms": round(1000 * results[r.req_id].metrics["ttft_s"], 2),
+                    "tpot_ms": round(1000 * results[r.req_id].metrics["tpot_s"], 2),
+                    "tokens": len(results[r.req_id].token_ids), "finish": results[r.req_id].finish_reason}
+                   for r in requests]
     return summary, per_request
+
+
+def bench_copy(num_bytes: int, repeat: int = 5) -> float:
+    """GB/s of a plain in-process copy into a preallocated tensor of the same size: the handoff's yardstick."""
+    src = torch.ones(max(1, num_bytes // 4))
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start = time.perf_counter()
+    for _ in range(repeat):
+        dst.copy_(src)
+    return num_bytes * repeat / (time.perf_counter() - start) / 1e9
 
 
 def run_bench(config: EngineConfig, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -105,8 +160,6 @@ def run_bench(config: EngineConfig, args: argparse.Namespace) -> list[dict[str, 
 
     from workers.loader import load_model, resolve_checkpoint
 
-    if config.mode != "local":
-        raise NotImplementedError(f"bench --mode {config.mode} is not available yet; use --mode local")
     loaded = load_model(config.model, config.dtype, config.device)
     work = make_workload(args.num_requests, args.prompt_len, args.output_len, loaded.model.spec.vocab_size,
                          args.seed)
@@ -126,15 +179,26 @@ def run_bench(config: EngineConfig, args: argparse.Namespace) -> list[dict[str, 
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in head.items()}),
               file=sys.stderr, flush=True)
     slot_counts = [int(s) for s in args.sweep_slots.split(",")] if args.sweep_slots else [config.slots]
+    modes = args.modes.split(",") if args.modes else [config.mode]
     lines: list[dict[str, Any]] = []
-    for slots in slot_counts:
-        summary, per_request = bench_engine(config.model_copy(update={"slots": slots}), loaded, work)
-        summary = head | summary
-        for key in ("serial_tok_s", "static_tok_s"):
-            if key in head:
-                summary[f"x_{key.split('_')[0]}"] = summary["batched_tok_s"] / head[key]
-        lines += [summary] + per_request
-        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in summary.items()}), flush=True)
+    for mode in modes:
+        for slots in slot_counts:
+            summary, per_request = bench_mode(config.model_copy(update={"slots": slots, "mode": mode}), loaded,
+                                              work, sequential=args.sequential)
+            summary = head | summary
+            for key in ("serial_tok_s", "static_tok_s"):
+                if key in head:
+                    summary[f"x_{key.split('_')[0]}"] = summary["batched_tok_s"] / head[key]
+            if "handoff_mb_per_request" in summary:
+                copy = bench_copy(int(summary["handoff_mb_per_request"] * 1e6))
+                summary |= {"copy_gb_s": copy, "handoff_vs_copy": summary["handoff_gb_s"] / copy}
+            lines += [summary] + per_request
+            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in summary.items()}),
+                  flush=True)
+    by_mode = {line["mode"]: line for line in lines if "rid" not in line}
+    if "colocated" in by_mode and "disaggregated" in by_mode:
+        ratio = by_mode["disaggregated"]["ttft_ms_mean"] / by_mode["colocated"]["ttft_ms_mean"]
+        print(json.dumps({"ttft_disaggregated_over_colocated": round(ratio, 3)}), flush=True)
     for line in lines:
         if "rid" in line:
             print(json.dumps(line), file=sys.stderr if args.output else sys.stdout)

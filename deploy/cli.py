@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--baselines", default="serial,static", help="comma list of serial,static or none")
     bench.add_argument("--serial-requests", type=int, default=8,
                        help="serial generate runs only this many requests (its rate is per token)")
+    bench.add_argument("--modes", default=None, help="comma list of modes to run side by side in one run "
+                       "(e.g. colocated,disaggregated); default: --mode")
+    bench.add_argument("--sequential", action="store_true",
+                       help="send one request at a time (low load: time to first token without queueing)")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--output", default=None, help="also write the JSON lines to this file")
     bench.set_defaults(func=_cmd_bench)
