@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -29,10 +31,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             help=f"{field.description} (default: {field.default})", **extra)
 
 
-def config_from_args(args: argparse.Namespace, **overrides: object) -> EngineConfig:
+def config_from_args(args: argparse.Namespace, cls: type[EngineConfig] = EngineConfig, **overrides: object) -> Any:
+    """The config of the flags given; unset flags (None) keep the config class's defaults."""
     names = [name for name, _ in _ENGINE_FLAGS.values()]
     given = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
-    return EngineConfig(**(given | {k: v for k, v in overrides.items() if v is not None}))
+    return cls(**(given | {k: v for k, v in overrides.items() if v is not None}))
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -62,9 +65,32 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    print("pdserve serve: the HTTP service is not available yet (see the serving issue); "
-          "use `pdserve generate` for batch jobs.", file=sys.stderr)
-    return 1
+    from ray import serve
+
+    from deploy.ray_client import init_ray
+    from deploy.serve_app import APP_NAME, ServiceConfig, build_app
+
+    try:
+        config = config_from_args(args, ServiceConfig, served_model_name=args.served_model_name,
+                                  api_key=args.api_key, ingress_replicas=args.ingress_replicas)
+    except (ValidationError, ValueError) as e:
+        print(f"pdserve serve: error: {e}", file=sys.stderr)
+        return 2
+    init_ray(config)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(build_app(config.model_dump()), name=APP_NAME, route_prefix="/", blocking=False)
+    base = f"http://{args.host}:{args.port}/v1"
+    auth = f" -H 'Authorization: Bearer {config.api_key}'" if config.api_key else ""
+    print(f"\npdserve is serving {config.model_name} ({config.mode}) at {base}\ntry:\n"
+          f"  curl {base}/chat/completions -H 'Content-Type: application/json'{auth} -d '{{\"model\": "
+          f"\"{config.model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of "
+          f"France?\"}}], \"max_tokens\": 40}}'\nCtrl-C stops it.", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        serve.shutdown()
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,8 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--output", default=None, help="also write the JSON lines to this file")
     bench.set_defaults(func=_cmd_bench)
 
-    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API through Ray Serve")
     add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --model)")
+    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>`")
+    serve.add_argument("--ingress-replicas", type=int, default=None, help="HTTP ingress replicas (default 1)")
     serve.set_defaults(func=_cmd_serve)
     return parser
 

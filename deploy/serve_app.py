@@ -1,0 +1,192 @@
+"""The Ray Serve application: an OpenAI ingress (N replicas) in front of one scheduler replica.
+
+`build_app(args)` is the import path for `serve run` / `serve deploy deploy/serve_config.yaml`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deploy.config import EngineConfig
+from deploy.openai_api import OpenAIServer, ServedModel, error_response
+from deploy.openai_schemas import APIError, ChatBody, CompletionBody
+from scheduler.actor import SchedulerActor
+
+log = logging.getLogger(__name__)
+APP_NAME = "pdserve"
+
+
+class ServiceConfig(EngineConfig):
+    """The service: the engine plus what the HTTP edge needs. `serve_config.yaml`'s `args` are these."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: str = Field("disaggregated", description="colocated or disaggregated (local runs without Ray).")
+    served_model_name: str | None = Field(None, description="The `model` clients send; default: --model.")
+    ingress_replicas: int = Field(1, ge=1, description="Replicas of the HTTP ingress deployment.")
+    api_key: str | None = Field(None, description="If set, requests need `Authorization: Bearer <key>`.")
+    max_request_bytes: int = Field(1_000_000, ge=1024, description="Larger request bodies get 413.")
+
+    @model_validator(mode="after")
+    def _serving_mode(self) -> ServiceConfig:
+        if self.mode not in ("colocated", "disaggregated"):
+            raise ValueError(f"mode {self.mode!r} cannot be served: use colocated or disaggregated "
+                             "(local mode runs in one process, without Ray)")
+        return self
+
+    def engine(self) -> EngineConfig:
+        fields = set(EngineConfig.model_fields)
+        return EngineConfig(**{k: v for k, v in self.model_dump().items() if k in fields})
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+
+@serve.deployment(name="Scheduler", num_replicas=1, max_ongoing_requests=100_000,
+                  ray_actor_options={"num_cpus": 0}, health_check_period_s=10, health_check_timeout_s=60)
+class SchedulerDeployment(SchedulerActor):
+    """The central scheduler as a Serve replica: it creates and owns the worker actors."""
+
+    async def __init__(self, config: dict[str, Any]) -> None:  # type: ignore[misc]
+        super().__init__(EngineConfig(**config))
+        await self.ready()
+
+    async def check_health(self) -> None:
+        for pool in (self.prefill, self.decode):
+            if pool and all(w.gone for w in pool):
+                raise RuntimeError("a worker pool has no worker left")
+
+
+class ServeClient:
+    """The engine client the OpenAI server uses inside Serve: a streaming handle to the scheduler."""
+
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self.handle = handle.options(stream=True)
+
+    def generate(self, request: Any) -> Any:
+        return self.handle.generate.remote(request)
+
+
+ingress_app = FastAPI(title="pdserve", description="OpenAI-compatible API for pdserve")
+
+
+@ingress_app.exception_handler(APIError)
+async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    return error_response(exc)
+
+
+@ingress_app.exception_handler(RequestValidationError)
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    return error_response(_from_validation(exc.errors()))
+
+
+@ingress_app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return error_response(APIError(exc.status_code, str(exc.detail), "invalid_request_error"))
+
+
+def _from_validation(errors: Any) -> APIError:
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    where = ".".join(loc)
+    message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+                        for e in errors[:5])
+    return APIError(400, f"Invalid request: {message}", param=where or None)
+
+
+@serve.deployment(name="OpenAIIngress", max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
+@serve.ingress(ingress_app)
+class OpenAIIngress:
+    """Validates, tokenizes and streams; one or more replicas share the one scheduler."""
+
+    def __init__(self, scheduler: DeploymentHandle, config: dict[str, Any]) -> None:
+        from workers.loader import load_tokenizer
+
+        self.config = ServiceConfig(**config)
+        info = load_tokenizer(self.config.model)
+        model = ServedModel(self.config.model_name, info.tokenizer, info.eos_token_ids,
+                            self.config.context_len(info.max_context))
+        self.scheduler = scheduler
+        self.server = OpenAIServer(ServeClient(scheduler), model)
+        self._ready = False
+
+    async def _body(self, request: Request, schema: type[BaseModel]) -> Any:
+        """Auth, then size, then JSON: each failure with its own status."""
+        if self.config.api_key is not None:
+            if request.headers.get("authorization", "") != f"Bearer {self.config.api_key}":
+                raise APIError(401, "Missing or wrong API key: send `Authorization: Bearer <key>`.",
+                               "authentication_error", code="invalid_api_key")
+        limit = self.config.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"The request body is {declared} bytes, over the limit of {limit}.",
+                           code="request_too_large")
+        raw = bytearray()
+        async for part in request.stream():
+            raw += part
+            if len(raw) > limit:
+                raise APIError(413, f"The request body is over the limit of {limit} bytes.", code="request_too_large")
+        await self._check_ready()
+        try:
+            return schema.model_validate_json(bytes(raw))
+        except ValidationError as e:
+            raise _from_validation(e.errors()) from None
+
+    async def _check_ready(self) -> None:
+        if self._ready:
+            return
+        try:
+            await asyncio.wait_for(self.scheduler.check_health.remote(), timeout=2.0)
+        except Exception as e:
+            raise APIError(503, f"The service is starting or unhealthy ({type(e).__name__}); retry shortly.",
+                           "service_unavailable", code="not_ready", headers={"Retry-After": "5"}) from None
+        self._ready = True
+
+    @ingress_app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self.server.completions(await self._body(request, CompletionBody))
+
+    @ingress_app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.server.chat(await self._body(request, ChatBody))
+
+    @ingress_app.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        if self.config.api_key is not None and request.headers.get("authorization") != f"Bearer {self.config.api_key}":
+            raise APIError(401, "Missing or wrong API key.", "authentication_error", code="invalid_api_key")
+        return JSONResponse(self.server.models())
+
+    @ingress_app.get("/health")
+    async def health(self) -> Response:
+        try:
+            await asyncio.wait_for(self.scheduler.check_health.remote(), timeout=2.0)
+        except Exception as e:
+            return error_response(APIError(503, f"unhealthy: {type(e).__name__}", "service_unavailable"))
+        return JSONResponse({"status": "ok"})
+
+    @ingress_app.get("/stats")
+    async def stats(self) -> Response:
+        """Scheduler accounting: slots, queues and live handoffs per worker."""
+        return JSONResponse(await self.scheduler.stats.remote())
+
+
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """Validate the config and compose ingress → scheduler. Raises ValueError for a bad config."""
+    try:
+        config = ServiceConfig(**args)
+    except ValidationError as e:
+        raise ValueError(f"invalid pdserve config: {e}") from None
+    scheduler = SchedulerDeployment.bind(config.engine().model_dump())
+    ingress = OpenAIIngress.options(num_replicas=config.ingress_replicas)
+    return ingress.bind(scheduler, config.model_dump())

@@ -1,0 +1,184 @@
+"""The OpenAI API through Ray Serve, with the official `openai` client and raw HTTP."""
+
+import asyncio
+import json
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+from ray import serve
+
+from deploy.config import EngineConfig
+from deploy.engine_factory import build_local_engine
+from deploy.requests import build_request, encode_prompt
+from deploy.serve_app import OpenAIIngress, build_app
+
+pytestmark = pytest.mark.slow
+ARGS = dict(mode="disaggregated", slots=2, prefill_slots=1, max_model_len=256, token_budget=16, prefill_chunk=8)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(ray_session, tiny_checkpoint):
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app({"model": tiny_checkpoint, "served_model_name": "tiny", **ARGS}), name="main",
+              route_prefix="/")
+    serve.run(build_app({"model": tiny_checkpoint, "served_model_name": "tiny", "api_key": "sekret",
+                         "max_waiting": 1, "max_request_bytes": 4096, **ARGS | {"slots": 1}}),
+              name="guarded", route_prefix="/guarded")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def local_text(checkpoint, prompt=None, messages=None, max_tokens=12):
+    engine, loaded = build_local_engine(EngineConfig(model=checkpoint, max_model_len=256))
+    request = build_request("x", encode_prompt(loaded.tokenizer, prompt=prompt, messages=messages),
+                            max_tokens=max_tokens, eos_token_ids=loaded.eos_token_ids, temperature=0)
+    done = engine.run([request])["x"]
+    return done.text, len(done.prompt_ids), len(done.output_ids)
+
+
+def test_completion_equals_local_generate_with_usage(client, tiny_checkpoint):
+    text, num_prompt, num_out = local_text(tiny_checkpoint, prompt="the quick brown fox")
+    got = client.completions.create(model="tiny", prompt="the quick brown fox", max_tokens=12, temperature=0)
+    assert got.choices[0].text == text
+    assert got.usage.prompt_tokens == num_prompt and got.usage.completion_tokens == num_out
+    assert got.usage.total_tokens == num_prompt + num_out
+    assert got.choices[0].finish_reason in ("stop", "length")
+
+
+def test_streamed_completion_joins_to_the_same_text_and_ends_with_usage(client, tiny_checkpoint):
+    text, num_prompt, num_out = local_text(tiny_checkpoint, prompt="hello world", max_tokens=20)
+    chunks = list(client.completions.create(model="tiny", prompt="hello world", max_tokens=20, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == num_out and chunks[-1].usage.prompt_tokens == num_prompt
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+
+
+def test_chat_streaming_and_not(client, tiny_checkpoint):
+    messages = [{"role": "user", "content": "paris is in"}]
+    text, _, num_out = local_text(tiny_checkpoint, messages=messages, max_tokens=15)
+    got = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=15, temperature=0)
+    assert got.choices[0].message.content == text and got.choices[0].message.role == "assistant"
+    assert got.usage.completion_tokens == num_out
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=15, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+
+
+def test_raw_sse_ends_with_done_and_models_and_health(server):
+    with httpx.stream("POST", f"{server}/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7],
+                      "max_tokens": 5, "stream": True, "temperature": 0}, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert all(e.startswith("data: ") for e in events)
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+    models = httpx.get(f"{server}/v1/models").json()
+    assert models["data"][0]["id"] == "tiny"
+    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+
+
+def assert_error(response, status, param=None, contains=""):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert contains in error["message"]
+    if param:
+        assert error["param"] == param
+
+
+@pytest.mark.parametrize("body, status, param, contains", [
+    ('{"model": "tiny", "prompt": "hi"', 400, None, "Invalid request"),
+    ('{"model": "tiny", "prompt": "hi", "max_tokens": "many"}', 400, "max_tokens", ""),
+    ('{"model": "tiny", "prompt": "hi", "temperature": -1}', 400, "temperature", ""),
+    ('{"model": "nope", "prompt": "hi"}', 404, "model", "nope"),
+    ('{"model": "tiny", "prompt": "hi", "max_tokens": 300}', 400, "max_tokens", "maximum context length is 256"),
+    ('{"model": "tiny", "prompt": "hi", "n": 2}', 400, "n", ""),
+    ('{"model": "tiny", "prompt": [1, 99999]}', 400, "prompt", "vocabulary"),
+    ('{"model": "tiny", "prompt": ""}', 400, "prompt", "empty"),
+])
+def test_bad_requests_get_openai_errors(server, body, status, param, contains):
+    r = httpx.post(f"{server}/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert_error(r, status, param, contains)
+    if "300" in body:
+        assert "301" in r.json()["error"]["message"]  # both numbers: the request's and the limit
+
+
+def test_chat_errors(server):
+    r = httpx.post(f"{server}/v1/chat/completions", json={"model": "tiny", "messages": []})
+    assert_error(r, 400, "messages")
+    r = httpx.post(f"{server}/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "wizard"}]})
+    assert_error(r, 400)
+    assert_error(httpx.get(f"{server}/v1/nothing"), 404)
+
+
+def test_api_key_body_limit_and_full_queue(server):
+    base = f"{server}/guarded/v1"
+    assert_error(httpx.post(f"{base}/completions", json={"model": "tiny", "prompt": "hi"}), 401)
+    assert_error(httpx.get(f"{base}/models"), 401)
+    auth = {"Authorization": "Bearer sekret"}
+    assert_error(httpx.post(f"{base}/completions", headers=auth,
+                            json={"model": "tiny", "prompt": "x" * 5000}), 413)
+    good = openai.OpenAI(base_url=base, api_key="sekret", max_retries=0, timeout=60)
+    assert good.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+
+    async def crowd():
+        async with httpx.AsyncClient(timeout=60) as http:
+            body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True}
+            long = [asyncio.create_task(http.post(f"{base}/completions", headers=auth, json=body)) for _ in range(2)]
+            await asyncio.sleep(1.0)  # one runs in the only slot, one waits: the queue is full
+            third = await http.post(f"{base}/completions", headers=auth, json=body | {"max_tokens": 2})
+            return third, [await t for t in long]
+
+    third, first_two = asyncio.run(crowd())
+    assert_error(third, 429, contains="busy")
+    assert third.headers["Retry-After"] == "1"
+    assert [r.status_code for r in first_two] == [200, 200]
+
+
+def test_disconnected_stream_frees_its_slot(server):
+    def slots_used():
+        workers = httpx.get(f"{server}/stats").json()["workers"]
+        return sum(w["slots_used"] for w in workers.values())
+
+    with httpx.stream("POST", f"{server}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 240, "ignore_eos": True, "stream": True}) as r:
+        lines = r.iter_lines()
+        next(lines)
+        assert slots_used() >= 1
+    deadline = time.monotonic() + 15
+    while slots_used() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert slots_used() == 0
+
+
+def test_not_ready_scheduler_gives_503():
+    class Hanging:
+        class check_health:  # noqa: N801 - mimics a handle method
+            @staticmethod
+            def remote():
+                return asyncio.sleep(10)
+
+    ingress = object.__new__(OpenAIIngress.func_or_class)
+    ingress.scheduler, ingress._ready = Hanging(), False
+    from deploy.openai_schemas import APIError
+
+    with pytest.raises(APIError) as info:
+        asyncio.run(ingress._check_ready())
+    assert info.value.status == 503 and info.value.headers["Retry-After"]
