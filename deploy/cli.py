@@ -93,6 +93,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_load(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+
+    from deploy.load import run_load
+
+    result = asyncio.run(run_load(args.url, args.model_name, args.clients, args.duration, args.max_tokens,
+                                  api_key=args.api_key))
+    print(json.dumps(result))
+    return 0 if result["failed"] == 0 and result["slots_in_use_after"] == 0 else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine details to stderr")
@@ -130,6 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>`")
     serve.add_argument("--ingress-replicas", type=int, default=None, help="HTTP ingress replicas (default 1)")
     serve.set_defaults(func=_cmd_serve)
+    load = sub.add_parser("load", help="sustained streaming load against a running endpoint")
+    load.add_argument("--url", default="http://127.0.0.1:8000/v1")
+    load.add_argument("--model-name", default="smollm2-135m-instruct", help="the `model` to send")
+    load.add_argument("--clients", type=int, default=64)
+    load.add_argument("--duration", type=float, default=60.0, help="seconds")
+    load.add_argument("--max-tokens", type=int, default=32)
+    load.add_argument("--api-key", default=None)
+    load.set_defaults(func=_cmd_load)
     return parser
 
 

@@ -1,0 +1,84 @@
+"""`pdserve load`: N concurrent streaming clients against a running endpoint for a fixed time.
+
+Each client sends chat requests back to back with `stream: true` and checks every response is whole:
+status 200, at least one token, a finish_reason, and `data: [DONE]` at the end. Reports requests,
+failures, tokens/s and TTFT percentiles, then the server's slots still in use (from /stats).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from typing import Any
+
+import httpx
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain what a CPU does.",
+           "Name three colours.", "How many legs does a spider have?", "Say hello in Spanish."]
+
+
+async def _client(http: httpx.AsyncClient, url: str, model: str, max_tokens: int, deadline: float,
+                  rng: random.Random, stats: dict[str, Any]) -> None:
+    while time.monotonic() < deadline:
+        body = {"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0.7,
+                "seed": rng.randrange(1 << 30), "messages": [{"role": "user", "content": rng.choice(PROMPTS)}]}
+        start = time.perf_counter()
+        first, tokens, finish, done = None, 0, None, False
+        try:
+            async with http.stream("POST", f"{url}/chat/completions", json=body) as r:
+                if r.status_code != 200:
+                    stats["failures"].append(f"status {r.status_code}: {(await r.aread())[:200]!r}")
+                    continue
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        done = True
+                        break
+                    data = json.loads(line[6:])
+                    if "error" in data:
+                        stats["failures"].append(f"error event: {data['error']['message'][:200]}")
+                        break
+                    choice = data["choices"][0]
+                    if choice["delta"].get("content"):
+                        tokens += 1
+                        first = first or time.perf_counter()
+                    finish = choice["finish_reason"] or finish
+        except httpx.HTTPError as e:
+            stats["failures"].append(f"{type(e).__name__}: {e}")
+            continue
+        if not done or finish is None:
+            stats["failures"].append(f"truncated: done={done} finish={finish}")
+            continue
+        stats["ok"] += 1
+        stats["chunks"] += tokens
+        stats["ttft"].append((first or time.perf_counter()) - start)
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))] if ordered else 0.0
+
+
+async def run_load(url: str, model: str, clients: int, duration_s: float, max_tokens: int, seed: int = 0,
+                   api_key: str | None = None) -> dict[str, Any]:
+    stats: dict[str, Any] = {"ok": 0, "chunks": 0, "ttft": [], "failures": []}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits, headers=headers) as http:
+        deadline = time.monotonic() + duration_s
+        start = time.perf_counter()
+        await asyncio.gather(*(_client(http, url, model, max_tokens, deadline, random.Random(seed + i), stats)
+                               for i in range(clients)))
+        elapsed = time.perf_counter() - start
+        await asyncio.sleep(1.0)
+        base = url.removesuffix("/v1")
+        server = (await http.get(f"{base}/stats")).json()
+    slots_in_use = sum(w["slots_used"] for w in server["workers"].values())
+    return {"clients": clients, "duration_s": round(elapsed, 1), "requests_ok": stats["ok"],
+            "failed": len(stats["failures"]), "failures": stats["failures"][:5],
+            "stream_chunks_per_s": round(stats["chunks"] / elapsed, 1),
+            "ttft_s_p50": round(_pct(stats["ttft"], 50), 3), "ttft_s_p99": round(_pct(stats["ttft"], 99), 3),
+            "slots_in_use_after": slots_in_use, "live_handoffs_after": server["live_handoffs"]}
