@@ -148,7 +148,7 @@ class OpenAIServer:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(self._sse(request, first, stream, chat, include_usage),
                                      media_type="text/event-stream")
-        text, num_tokens, last = first.text, len(first.token_ids), first
+        text, num_tokens, last = "", 0, first
         async for out in _rest(first, stream):
             text += out.text
             num_tokens += len(out.token_ids)

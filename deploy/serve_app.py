@@ -3,7 +3,6 @@
 `build_app(args)` is the import path for `serve run` / `serve deploy deploy/serve_config.yaml`.
 """
 
-from __future__ import annotations
 
 import asyncio
 import logging
@@ -38,7 +37,7 @@ class ServiceConfig(EngineConfig):
     max_request_bytes: int = Field(1_000_000, ge=1024, description="Larger request bodies get 413.")
 
     @model_validator(mode="after")
-    def _serving_mode(self) -> ServiceConfig:
+    def _serving_mode(self) -> "ServiceConfig":
         if self.mode not in ("colocated", "disaggregated"):
             raise ValueError(f"mode {self.mode!r} cannot be served: use colocated or disaggregated "
                              "(local mode runs in one process, without Ray)")
