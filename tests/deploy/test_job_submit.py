@@ -41,11 +41,12 @@ def test_ray_job_submit_runs_a_generate_job(tiny_checkpoint, tmp_path):
                     "--include-dashboard=true", "--disable-usage-stats"],
                    check=True, env=env, capture_output=True, timeout=120)
     try:
+        # the head enabled token authentication; the job client sends the token from ~/.ray/auth_token
         job = subprocess.run(
             [BIN / "ray", "job", "submit", f"--address=http://127.0.0.1:{dashboard}", "--working-dir", ROOT, "--",
              "pdserve", "generate", "--mode", "disaggregated", "--model", tiny_checkpoint, "--input",
              str(tmp_path / "in.jsonl"), "--output", str(out), "--max-model-len", "64"],
-            env=env, capture_output=True, text=True, timeout=400)
+            env=env | {"RAY_AUTH_MODE": "token"}, capture_output=True, text=True, timeout=400)
         logs = job.stdout + job.stderr
         assert job.returncode == 0, logs[-4000:]
         assert "succeeded" in logs and "wrote 4 results" in logs
