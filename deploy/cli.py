@@ -18,7 +18,7 @@ _ENGINE_FLAGS: dict[str, tuple[str, type]] = {  # flag -> (EngineConfig field, t
     "--prefill-chunk": ("prefill_chunk", int), "--max-waiting": ("max_waiting", int),
     "--dtype": ("dtype", str), "--device": ("device", str), "--prefill-workers": ("prefill_workers", int),
     "--decode-workers": ("decode_workers", int), "--local-prefill-max-tokens": ("local_prefill_max_tokens", int),
-    "--num-cpus-per-worker": ("num_cpus_per_worker", float),
+    "--num-cpus-per-worker": ("num_cpus_per_worker", float), "--max-preemptions": ("max_preemptions", int),
 }
 
 

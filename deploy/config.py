@@ -39,6 +39,8 @@ class EngineConfig(BaseModel):
                                                 "prefill worker needs, e.g. {\"prefill_node\": 1} (cluster.yaml).")
     decode_resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources each "
                                                "decode worker needs, e.g. {\"decode_node\": 1}.")
+    max_preemptions: int = Field(2, ge=0, description="Times one request may be evicted for more urgent ones; "
+                                 "after that it is not evictable, so it cannot starve.")
     max_worker_restarts: int = Field(3, ge=0, description="Times Ray restarts a dead worker actor.")
     max_recomputes: int = Field(3, ge=0, description="Times one request's lost cache is recomputed before it "
                                 "ends with an error.")

@@ -20,7 +20,8 @@ def build_local_engine(config: EngineConfig, loaded: LoadedModel | None = None) 
     loaded = loaded or load_model(config.model, config.dtype, config.device)
     capacity = config.context_len(loaded.max_context)
     runner = ModelRunner(loaded.model, num_slots=config.slots, capacity=capacity)
-    scheduler = Scheduler(config.slots, capacity, config.token_budget, config.prefill_chunk, config.max_waiting)
+    scheduler = Scheduler(config.slots, capacity, config.token_budget, config.prefill_chunk, config.max_waiting,
+                          config.max_preemptions)
     log.info("local engine: %s, %d slots x %d tokens, budget %d, chunk %d, torch threads %d", loaded.name,
              config.slots, capacity, config.token_budget, config.prefill_chunk, torch.get_num_threads())
     return LocalEngine(runner, scheduler, loaded.tokenizer), loaded

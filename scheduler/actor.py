@@ -87,7 +87,8 @@ class SchedulerActor:
                        "num_cpus": config.num_cpus_per_worker, "num_gpus": gpus, "resources": resources}
             handle = ray.remote(cls).options(**options).remote(
                 index, config.model, config.dtype, config.device, slots, self.capacity, threads)
-            sched = Scheduler(slots, self.capacity, config.token_budget, config.prefill_chunk)
+            sched = Scheduler(slots, self.capacity, config.token_budget, config.prefill_chunk,
+                              max_preemptions=config.max_preemptions)
             return WorkerState(kind, index, handle, sched)
 
         self.decode = [make(DecodeWorker, "decode", i, config.slots, config.decode_resources)
@@ -195,6 +196,11 @@ class SchedulerActor:
     async def _loop(self, worker: WorkerState) -> None:
         while True:
             plan = worker.sched.plan()
+            if plan.preempted and worker.kind == "decode" and self.prefill:
+                for req_id in plan.preempted:  # recompute on the prefill pool; hand off again
+                    request = worker.sched.evict(req_id)
+                    if request is not None:
+                        self._route(request)
             if plan.empty:
                 worker.wake.clear()
                 await worker.wake.wait()
@@ -253,6 +259,7 @@ class SchedulerActor:
 
     def _recompute(self, request: Request, why: str) -> None:
         request.reset_cache()
+        request.num_recomputes += 1
         self.counters["recomputes"] += 1
         if request.num_recomputes > self.max_recomputes:
             self._fail(request, f"request {request.req_id} lost its cache {request.num_recomputes} times "
@@ -315,5 +322,9 @@ class SchedulerActor:
                      "running": len(w.sched.running), "waiting": w.sched.num_waiting}
             for w in self.prefill + self.decode
         }
+        pools = self.prefill + self.decode
+        counters = dict(self.counters) | {
+            "preemptions": sum(w.sched.num_preemptions for w in pools),
+            "recomputed_tokens": sum(w.sched.num_recomputed_tokens for w in pools)}
         return {"workers": workers, "live_handoffs": len(self.handoffs), "streams": len(self.streams),
-                "counters": dict(self.counters)}
+                "counters": counters}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scheduler.request import SamplingParams
 
@@ -29,7 +29,8 @@ class StepPlan:
     """One step for one worker: decode tokens first, then prompt chunks, never over the token budget."""
 
     decode: list[Chunk]  # one token per decoding request, all sampled
-    prefill: list[Chunk]  # prompt (or recompute) chunks, oldest request first
+    prefill: list[Chunk]  # prompt (or recompute) chunks, most urgent then oldest request first
+    preempted: list[str] = field(default_factory=list)  # evicted while planning; they wait to recompute
 
     @property
     def chunks(self) -> list[Chunk]:

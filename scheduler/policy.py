@@ -28,6 +28,7 @@ class Scheduler:
         token_budget: int = 256,
         prefill_chunk: int = 128,
         max_waiting: int | None = None,
+        max_preemptions: int = 2,
     ) -> None:
         limits = {"num_slots": num_slots, "capacity": capacity, "token_budget": token_budget,
                   "prefill_chunk": prefill_chunk}
@@ -36,11 +37,16 @@ class Scheduler:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if max_waiting is not None and max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+        if max_preemptions < 0:
+            raise ValueError(f"max_preemptions must be >= 0, got {max_preemptions}")
+        self.max_preemptions = max_preemptions
+        self.num_preemptions = 0  # evictions so far
+        self.num_recomputed_tokens = 0  # cached tokens those evictions threw away
         self.num_slots, self.capacity = num_slots, capacity
         self.token_budget, self.prefill_chunk = token_budget, prefill_chunk
         self.max_waiting = max_waiting
         self.free_slots: list[int] = list(range(num_slots))
-        self.waiting: list[tuple[int, int, Request]] = []  # sorted by (priority, arrival order)
+        self.waiting: list[tuple[int, float, int, Request]] = []  # sorted: priority, arrival, submit order
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self._order = itertools.count()
@@ -69,16 +75,29 @@ class Scheduler:
             raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests)")
         request.status = RequestStatus.WAITING
         self.requests[request.req_id] = request
-        bisect.insort(self.waiting, (request.priority, next(self._order), request), key=lambda e: e[:2])
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        entry = (request.priority, request.arrival_s, next(self._order), request)
+        bisect.insort(self.waiting, entry, key=lambda e: e[:3])
 
     # ---- planning ---------------------------------------------------------------------------------
     def plan(self) -> StepPlan:
-        """Admit what fits, then plan one step (see the class docstring)."""
-        while self.waiting and self.free_slots:
-            _, _, request = self.waiting.pop(0)
+        """Admit what fits (preempting for more urgent requests), then plan one step (see the class
+        docstring)."""
+        preempted: list[str] = []
+        while self.waiting:
+            if not self.free_slots:
+                victim = self._victim(self.waiting[0][3])
+                if victim is None:
+                    break
+                self._preempt(victim)
+                preempted.append(victim.req_id)
+            request = self.waiting.pop(0)[3]
             request.slot = self.free_slots.pop(0)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+        self.running.sort(key=lambda r: (r.priority, r.arrival_s))  # prompt chunks: most urgent, then oldest
 
         budget = self.token_budget
         decode: list[Chunk] = []
@@ -94,7 +113,29 @@ class Scheduler:
                 length = min(request.num_uncomputed, self.prefill_chunk, budget)
                 prefill.append(self._chunk(request, length))
                 budget -= length
-        return StepPlan(decode=decode, prefill=prefill)
+        return StepPlan(decode=decode, prefill=prefill, preempted=preempted)
+
+    def _victim(self, candidate: Request) -> Request | None:
+        """The running request to evict for `candidate`: strictly less urgent, evicted fewer than
+        `max_preemptions` times (so a stream of urgent requests cannot starve it), the least urgent
+        of those, then the one with the most work left."""
+        evictable = [r for r in self.running
+                     if r.priority > candidate.priority and r.num_preemptions < self.max_preemptions]
+        if not evictable:
+            return None
+        return max(evictable, key=lambda r: (r.priority, r.max_tokens - len(r.output_ids) + r.num_uncomputed))
+
+    def _preempt(self, request: Request) -> None:
+        """Free its slot now; it waits again and, readmitted, recomputes prompt + output so far."""
+        self.running.remove(request)
+        assert request.slot is not None
+        self.free_slots.append(request.slot)
+        self.free_slots.sort()
+        self.num_preemptions += 1
+        self.num_recomputed_tokens += request.num_computed
+        request.reset_cache()
+        request.num_preemptions += 1
+        self._enqueue(request)
 
     @staticmethod
     def _chunk(request: Request, length: int) -> Chunk:
@@ -158,7 +199,7 @@ class Scheduler:
         if request is None:
             return None
         if request.status is RequestStatus.WAITING:
-            self.waiting = [e for e in self.waiting if e[2] is not request]
+            self.waiting = [e for e in self.waiting if e[3] is not request]
         else:
             self.running.remove(request)
             assert request.slot is not None
@@ -181,7 +222,7 @@ class Scheduler:
         return len(self.waiting)
 
     def waiting_requests(self) -> Iterable[Request]:
-        return (e[2] for e in self.waiting)
+        return (e[3] for e in self.waiting)
 
     def stats(self) -> dict[str, int]:
         return {
@@ -189,6 +230,8 @@ class Scheduler:
             "num_running": len(self.running),
             "num_free_slots": len(self.free_slots),
             "num_slots": self.num_slots,
+            "num_preemptions": self.num_preemptions,
+            "num_recomputed_tokens": self.num_recomputed_tokens,
         }
 
 

@@ -77,6 +77,7 @@ class Request:
     error: str | None = None
     text: str = ""  # detokenized output, cut before a stop string; filled by the engine
     num_recomputes: int = 0  # times its cache was lost (worker died, handoff lost) and recomputed
+    num_preemptions: int = 0  # times it was evicted for a more urgent request (then recomputed)
 
     arrival_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
@@ -120,14 +121,14 @@ class Request:
         self.finish_s = time.perf_counter()
 
     def reset_cache(self) -> None:
-        """Its cache is gone: recompute prompt + output so far, then continue where it stopped."""
+        """Its cache is gone (evicted, or lost with a worker): recompute prompt + output so far, then
+        continue where it stopped. The one recompute path for preemption and faults."""
         self.num_computed, self.slot, self.status = 0, None, RequestStatus.WAITING
-        self.num_recomputes += 1
 
     def metrics(self) -> dict[str, float]:
-        """TTFT, TPOT (excluding the first token) and end-to-end latency in seconds."""
+        """TTFT, TPOT (excluding the first token) and end-to-end latency in seconds; preemptions."""
         ttft = (self.first_token_s - self.arrival_s) if self.first_token_s is not None else 0.0
         end = self.finish_s if self.finish_s is not None else time.perf_counter()
         num_later = len(self.output_ids) - 1
         tpot = (end - self.first_token_s) / num_later if num_later > 0 and self.first_token_s else 0.0
-        return {"ttft_s": ttft, "tpot_s": tpot, "e2e_s": end - self.arrival_s}
+        return {"ttft_s": ttft, "tpot_s": tpot, "e2e_s": end - self.arrival_s, "preemptions": self.num_preemptions}

@@ -69,3 +69,30 @@ def test_seeded_sampling_equals_local_mode_in_every_mode(ray_session, tiny_check
     for overrides in (dict(mode="disaggregated"), dict(mode="colocated")):
         results, _ = run_mode(tiny_checkpoint, sampling, **overrides)
         assert {k: c.token_ids for k, c in results.items()} == {k: c.token_ids for k, c in local.items()}
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_preemption_keeps_every_output_equal_to_local(ray_session, tiny_checkpoint, mode):
+    """Two slots, six long normal requests, two urgent ones arriving mid-run: urgent ones evict normal
+    ones, which recompute (on the prefill pool, when there is one) and still produce local's tokens."""
+    sampling = SamplingParams(temperature=0.7, top_p=0.9, seed=3)
+
+    def workload():
+        normal = make_requests(6, [5, 31, 12, 47, 9, 20], [60, 45, 70, 50, 55, 65], sampling=sampling)
+        urgent = make_requests(8, [7, 15], [12, 9], sampling=sampling)[6:]
+        for r in normal:
+            r.priority = 1
+        return normal + urgent
+
+    engine, _ = build_local_engine(EngineConfig(model=tiny_checkpoint, **BASE))
+    expected = {r.req_id: engine.run([r])[r.req_id].output_ids for r in workload()}
+    handle = start_scheduler(EngineConfig(model=tiny_checkpoint, mode=mode, **(BASE | {"slots": 2})))
+    try:
+        results = run_requests(handle, workload(), arrival_s={"r6": 0.3, "r7": 0.6})
+        stats = ray.get(handle.stats.remote())
+    finally:
+        ray.get(handle.shutdown.remote())
+    assert {k: c.token_ids for k, c in results.items()} == expected
+    assert stats["counters"]["preemptions"] >= 1
+    assert sum(c.metrics["preemptions"] for c in results.values()) == stats["counters"]["preemptions"]
+    assert all(w["slots_used"] == 0 for w in stats["workers"].values())

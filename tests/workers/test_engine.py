@@ -79,3 +79,37 @@ def test_requests_submitted_while_running_arrive_late_and_finish():
         assert results[request.req_id].output_ids == solo("llama", request).output_ids
         m = results[request.req_id].metrics()
         assert 0 <= m["ttft_s"] <= m["e2e_s"]
+
+
+def priority_requests(sampling=None):
+    """Six normal requests for two slots, then two urgent ones that must preempt."""
+    normal = make_requests(6, [5, 31, 12, 47, 9, 20], [40, 26, 45, 29, 33, 42], sampling=sampling)
+    urgent = make_requests(8, [7, 15], [12, 9], sampling=sampling)[6:]
+    for r in normal:
+        r.priority = 1
+    for r in urgent:
+        r.priority = 0
+    return normal, urgent
+
+
+@pytest.mark.parametrize("sampling", [None, SamplingParams(temperature=0.8, top_k=30, seed=5)], ids=["greedy", "seeded"])
+def test_preempted_requests_produce_their_solo_outputs(sampling):
+    engine = make_engine(num_slots=2, token_budget=16, prefill_chunk=8)
+    normal, urgent = priority_requests(sampling)
+    for request in normal:
+        engine.submit(request)
+    finished = {}
+    for step in range(400):
+        if step in (10, 25):  # urgent requests arrive mid-run, when both slots are busy
+            engine.submit(urgent[step == 25])
+        for request in engine.step():
+            finished[request.req_id] = request
+        if engine.idle and len(finished) == 8:
+            break
+    assert len(finished) == 8 and sorted(engine.scheduler.free_slots) == [0, 1]
+    assert engine.scheduler.num_preemptions >= 2
+    assert sum(r.num_preemptions for r in finished.values()) == engine.scheduler.num_preemptions
+    assert all(r.metrics()["preemptions"] == r.num_preemptions for r in finished.values())
+    alone_normal, alone_urgent = priority_requests(sampling)
+    for request in alone_normal + alone_urgent:
+        assert finished[request.req_id].output_ids == solo("llama", request).output_ids, request.req_id
