@@ -21,6 +21,8 @@ from scheduler.request import Request, SamplingParams
 class Workload:
     prompts: list[list[int]]
     output_lens: list[int]
+    arrival_s: list[float]  # offsets from the start (all 0: everything at once)
+    urgent: list[bool]  # urgent requests get priority 0, the others 1 (when priorities are on)
 
     @property
     def num_output_tokens(self) -> int:
@@ -36,14 +38,22 @@ def parse_range(text: str) -> tuple[int, int]:
     return low, high
 
 
-def make_workload(num_requests: int, prompt_len: str, output_len: str, vocab_size: int, seed: int) -> Workload:
-    """Random-token prompts and output lengths drawn uniformly from the ranges, reproducibly."""
+def make_workload(num_requests: int, prompt_len: str, output_len: str, vocab_size: int, seed: int,
+                  rate: float = 0.0, urgent_fraction: float = 0.0) -> Workload:
+    """Random-token prompts and output lengths drawn uniformly from the ranges, Poisson arrivals at
+    `rate` requests/s (0: all at once) and a random `urgent_fraction` of urgent requests, reproducibly."""
     rng = random.Random(seed)
     (p_lo, p_hi), (o_lo, o_hi) = parse_range(prompt_len), parse_range(output_len)
     low_id = min(100, vocab_size // 4)  # keep clear of the special tokens at the start of most vocabularies
     prompts = [[rng.randrange(low_id, vocab_size) for _ in range(rng.randint(p_lo, p_hi))]
                for _ in range(num_requests)]
-    return Workload(prompts, [rng.randint(o_lo, o_hi) for _ in range(num_requests)])
+    output_lens = [rng.randint(o_lo, o_hi) for _ in range(num_requests)]
+    arrivals, t = [], 0.0
+    for _ in range(num_requests):
+        arrivals.append(t)
+        t += rng.expovariate(rate) if rate > 0 else 0.0
+    urgent = [rng.random() < urgent_fraction for _ in range(num_requests)]
+    return Workload(prompts, output_lens, arrivals, urgent)
 
 
 def bench_serial(hf: Any, work: Workload, limit: int) -> dict[str, float]:
@@ -72,9 +82,10 @@ def bench_static(hf: Any, work: Workload, batch_size: int) -> dict[str, float]:
     return {"static_tok_s": work.num_output_tokens / (time.perf_counter() - start)}
 
 
-def _requests(work: Workload) -> list[Request]:
-    return [Request(req_id=str(i), prompt_ids=p, max_tokens=n, sampling=SamplingParams())
-            for i, (p, n) in enumerate(zip(work.prompts, work.output_lens, strict=True))]
+def _requests(work: Workload, priorities: bool) -> list[Request]:
+    return [Request(req_id=str(i), prompt_ids=p, max_tokens=n, sampling=SamplingParams(),
+                    priority=0 if (urgent or not priorities) else 1)
+            for i, (p, n, urgent) in enumerate(zip(work.prompts, work.output_lens, work.urgent, strict=True))]
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -88,13 +99,15 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def bench_mode(config: EngineConfig, loaded: Any, work: Workload, sequential: bool = False,
-               ) -> tuple[dict[str, Any], list[dict]]:
-    """Run the workload through one mode: all requests at once, or one at a time (`sequential`, the
-    low-load case). Returns a summary line and per-request lines."""
-    requests = _requests(work)
+               priorities: bool = True) -> tuple[dict[str, Any], list[dict]]:
+    """Run the workload through one mode: at its arrival times, or one request at a time
+    (`sequential`, the low-load case). Returns a summary line and per-request lines."""
+    requests = _requests(work, priorities)
     batches = [[r] for r in requests] if sequential else [requests]
+    arrivals = None if sequential else {str(i): t for i, t in enumerate(work.arrival_s)}
     summary: dict[str, Any] = {"mode": config.mode, "slots": config.slots, "token_budget": config.token_budget,
-                               "prefill_chunk": config.prefill_chunk, "sequential": sequential}
+                               "prefill_chunk": config.prefill_chunk, "sequential": sequential,
+                               "priorities": priorities}
     results: dict[str, Completion] = {}
     if config.mode == "local":
         from deploy.engine_factory import build_local_engine
@@ -102,7 +115,7 @@ def bench_mode(config: EngineConfig, loaded: Any, work: Workload, sequential: bo
         engine, _ = build_local_engine(config, loaded)
         start = time.perf_counter()
         for batch in batches:
-            results |= {k: Completion.from_request(r) for k, r in engine.run(batch).items()}
+            results |= {k: Completion.from_request(r) for k, r in engine.run(batch, arrival_s=arrivals).items()}
         elapsed = time.perf_counter() - start
         prof = engine.profile
         summary |= {"engine_steps": engine.num_steps,
@@ -119,7 +132,7 @@ def bench_mode(config: EngineConfig, loaded: Any, work: Workload, sequential: bo
         try:
             start = time.perf_counter()
             for batch in batches:
-                results |= run_requests(handle, batch)
+                results |= run_requests(handle, batch, arrival_s=arrivals)
             elapsed = time.perf_counter() - start
         finally:
             ray.get(handle.shutdown.remote())
@@ -134,7 +147,13 @@ def bench_mode(config: EngineConfig, loaded: Any, work: Workload, sequential: bo
     tpot = [1000 * c.metrics["tpot_s"] for c in results.values() if len(c.token_ids) > 1]
     summary |= {"batched_tok_s": work.num_output_tokens / elapsed, "ttft_ms_p50": _percentile(ttft, 50),
                 "ttft_ms_p99": _percentile(ttft, 99), "ttft_ms_mean": sum(ttft) / len(ttft),
-                "tpot_ms_mean": sum(tpot) / max(len(tpot), 1)}
+                "tpot_ms_mean": sum(tpot) / max(len(tpot), 1),
+                "preemptions": sum(c.metrics.get("preemptions", 0) for c in results.values())}
+    if any(work.urgent):
+        for label, want in (("urgent", True), ("normal", False)):
+            values = [1000 * results[str(i)].metrics["ttft_s"] for i, u in enumerate(work.urgent) if u == want]
+            summary |= {f"{label}_ttft_ms_p50": _percentile(values, 50),
+                        f"{label}_ttft_ms_p99": _percentile(values, 99)}
     per_request = [{"rid": r.req_id, "mode": config.mode, "slots": config.slots,
                     "ttft_ms": round(1000 * results[r.req_id].metrics["ttft_s"], 2),
                     "tpot_ms": round(1000 * results[r.req_id].metrics["tpot_s"], 2),
@@ -162,7 +181,7 @@ def run_bench(config: EngineConfig, args: argparse.Namespace) -> list[dict[str, 
 
     loaded = load_model(config.model, config.dtype, config.device)
     work = make_workload(args.num_requests, args.prompt_len, args.output_len, loaded.model.spec.vocab_size,
-                         args.seed)
+                         args.seed, args.rate, args.urgent_fraction)
     baselines = [b for b in args.baselines.split(",") if b and b != "none"]
     head: dict[str, Any] = {"model": config.model, "requests": len(work.prompts),
                             "output_tokens": work.num_output_tokens, "torch_threads": torch.get_num_threads()}
@@ -181,20 +200,21 @@ def run_bench(config: EngineConfig, args: argparse.Namespace) -> list[dict[str, 
     slot_counts = [int(s) for s in args.sweep_slots.split(",")] if args.sweep_slots else [config.slots]
     modes = args.modes.split(",") if args.modes else [config.mode]
     lines: list[dict[str, Any]] = []
-    for mode in modes:
-        for slots in slot_counts:
-            summary, per_request = bench_mode(config.model_copy(update={"slots": slots, "mode": mode}), loaded,
-                                              work, sequential=args.sequential)
-            summary = head | summary
-            for key in ("serial_tok_s", "static_tok_s"):
-                if key in head:
-                    summary[f"x_{key.split('_')[0]}"] = summary["batched_tok_s"] / head[key]
-            if "handoff_mb_per_request" in summary:
-                copy = bench_copy(int(summary["handoff_mb_per_request"] * 1e6))
-                summary |= {"copy_gb_s": copy, "handoff_vs_copy": summary["handoff_gb_s"] / copy}
-            lines += [summary] + per_request
-            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in summary.items()}),
-                  flush=True)
+    runs = [(mode, slots, prio) for mode in modes for slots in slot_counts
+            for prio in ((False, True) if args.compare_priorities else (True,))]
+    for mode, slots, prio in runs:
+        summary, per_request = bench_mode(config.model_copy(update={"slots": slots, "mode": mode}), loaded,
+                                          work, sequential=args.sequential, priorities=prio)
+        summary = head | summary
+        for key in ("serial_tok_s", "static_tok_s"):
+            if key in head:
+                summary[f"x_{key.split('_')[0]}"] = summary["batched_tok_s"] / head[key]
+        if "handoff_mb_per_request" in summary:
+            copy = bench_copy(int(summary["handoff_mb_per_request"] * 1e6))
+            summary |= {"copy_gb_s": copy, "handoff_vs_copy": summary["handoff_gb_s"] / copy}
+        lines += [summary] + per_request
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in summary.items()}),
+              flush=True)
     by_mode = {line["mode"]: line for line in lines if "rid" not in line}
     if "colocated" in by_mode and "disaggregated" in by_mode:
         ratio = by_mode["disaggregated"]["ttft_ms_mean"] / by_mode["colocated"]["ttft_ms_mean"]

@@ -130,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "(e.g. colocated,disaggregated); default: --mode")
     bench.add_argument("--sequential", action="store_true",
                        help="send one request at a time (low load: time to first token without queueing)")
+    bench.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals, requests/s (0: all at once)")
+    bench.add_argument("--urgent-fraction", type=float, default=0.0,
+                       help="this fraction of requests is urgent (priority 0; the rest priority 1)")
+    bench.add_argument("--compare-priorities", action="store_true",
+                       help="run each configuration with priorities off and on (urgent TTFT side by side)")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--output", default=None, help="also write the JSON lines to this file")
     bench.set_defaults(func=_cmd_bench)

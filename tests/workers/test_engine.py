@@ -92,7 +92,8 @@ def priority_requests(sampling=None):
     return normal, urgent
 
 
-@pytest.mark.parametrize("sampling", [None, SamplingParams(temperature=0.8, top_k=30, seed=5)], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sampling", [None, SamplingParams(temperature=0.8, top_k=30, seed=5)],
+                         ids=["greedy", "seeded"])
 def test_preempted_requests_produce_their_solo_outputs(sampling):
     engine = make_engine(num_slots=2, token_budget=16, prefill_chunk=8)
     normal, urgent = priority_requests(sampling)
