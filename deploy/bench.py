@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from deploy.bench_stats import goodput, percentile, summarize
 from deploy.config import EngineConfig
 from scheduler.outputs import Completion
 from scheduler.request import Request, SamplingParams
@@ -88,18 +89,9 @@ def _requests(work: Workload, priorities: bool) -> list[Request]:
             for i, (p, n, urgent) in enumerate(zip(work.prompts, work.output_lens, work.urgent, strict=True))]
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return 0.0
-    rank = q / 100 * (len(ordered) - 1)
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
 def bench_mode(config: EngineConfig, loaded: Any, work: Workload, sequential: bool = False,
-               priorities: bool = True) -> tuple[dict[str, Any], list[dict]]:
+               priorities: bool = True, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
+               ) -> tuple[dict[str, Any], list[dict]]:
     """Run the workload through one mode: at its arrival times, or one request at a time
     (`sequential`, the low-load case). Returns a summary line and per-request lines."""
     requests = _requests(work, priorities)
@@ -143,17 +135,23 @@ def bench_mode(config: EngineConfig, loaded: Any, work: Workload, sequential: bo
             summary |= {"handoff_mb_per_request": handoff_bytes / len(results) / 1e6,
                         "handoff_gb_s": handoff_bytes / handoff_s / 1e9}
     assert sum(len(c.token_ids) for c in results.values()) == work.num_output_tokens
-    ttft = [1000 * c.metrics["ttft_s"] for c in results.values()]
-    tpot = [1000 * c.metrics["tpot_s"] for c in results.values() if len(c.token_ids) > 1]
-    summary |= {"batched_tok_s": work.num_output_tokens / elapsed, "ttft_ms_p50": _percentile(ttft, 50),
-                "ttft_ms_p99": _percentile(ttft, 99), "ttft_ms_mean": sum(ttft) / len(ttft),
-                "tpot_ms_mean": sum(tpot) / max(len(tpot), 1),
-                "preemptions": sum(c.metrics.get("preemptions", 0) for c in results.values())}
+    done = list(results.values())
+    ttft_s = [c.metrics["ttft_s"] for c in done]
+    tpot_s = [c.metrics["tpot_s"] for c in done]
+    summary |= {"batched_tok_s": work.num_output_tokens / elapsed, "requests_per_s": len(done) / elapsed,
+                "goodput_req_s": goodput(ttft_s, tpot_s, elapsed, slo_ttft_ms, slo_tpot_ms),
+                "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms,
+                "preemptions": sum(c.metrics.get("preemptions", 0) for c in done)}
+    summary |= summarize("ttft_ms", [1000 * t for t in ttft_s])
+    summary |= summarize("tpot_ms", [1000 * c.metrics["tpot_s"] for c in done if len(c.token_ids) > 1])
+    summary |= summarize("e2e_ms", [1000 * c.metrics["e2e_s"] for c in done])
+    for phase in ("queue", "prefill", "decode"):
+        summary[f"{phase}_ms_mean"] = 1000 * sum(c.metrics.get(f"{phase}_s", 0.0) for c in done) / len(done)
     if any(work.urgent):
         for label, want in (("urgent", True), ("normal", False)):
             values = [1000 * results[str(i)].metrics["ttft_s"] for i, u in enumerate(work.urgent) if u == want]
-            summary |= {f"{label}_ttft_ms_p50": _percentile(values, 50),
-                        f"{label}_ttft_ms_p99": _percentile(values, 99)}
+            summary |= {f"{label}_ttft_ms_p50": percentile(values, 50),
+                        f"{label}_ttft_ms_p99": percentile(values, 99)}
     per_request = [{"rid": r.req_id, "mode": config.mode, "slots": config.slots,
                     "ttft_ms": round(1000 * results[r.req_id].metrics["ttft_s"], 2),
                     "tpot_ms": round(1000 * results[r.req_id].metrics["tpot_s"], 2),
@@ -204,7 +202,8 @@ def run_bench(config: EngineConfig, args: argparse.Namespace) -> list[dict[str, 
             for prio in ((False, True) if args.compare_priorities else (True,))]
     for mode, slots, prio in runs:
         summary, per_request = bench_mode(config.model_copy(update={"slots": slots, "mode": mode}), loaded,
-                                          work, sequential=args.sequential, priorities=prio)
+                                          work, sequential=args.sequential, priorities=prio,
+                                          slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
         summary = head | summary
         for key in ("serial_tok_s", "static_tok_s"):
             if key in head:

@@ -135,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="this fraction of requests is urgent (priority 0; the rest priority 1)")
     bench.add_argument("--compare-priorities", action="store_true",
                        help="run each configuration with priorities off and on (urgent TTFT side by side)")
+    bench.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput counts requests under this TTFT")
+    bench.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput counts requests under this TPOT")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--output", default=None, help="also write the JSON lines to this file")
     bench.set_defaults(func=_cmd_bench)

@@ -19,8 +19,9 @@ log = logging.getLogger(__name__)
 
 
 def init_ray(config: EngineConfig) -> None:
-    """Join the cluster in RAY_ADDRESS (as under `ray job submit`), or start a local Ray with CPUs
-    enough for every worker (logically: two workers on a 2-core laptop share its cores)."""
+    """Join the cluster in RAY_ADDRESS (as under `ray job submit`; `RAY_ADDRESS=auto` joins a cluster
+    started here with `ray start`), or start a new local Ray with CPUs enough for every worker
+    (logically: two workers on a 2-core laptop share its cores)."""
     if ray.is_initialized():
         return
     if os.environ.get("RAY_ADDRESS"):
@@ -28,7 +29,7 @@ def init_ray(config: EngineConfig) -> None:
         return
     workers = config.decode_workers + (config.prefill_workers if config.mode == "disaggregated" else 0)
     num_cpus = max(os.cpu_count() or 1, int(workers * config.num_cpus_per_worker + 0.999))
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
 
 
 def start_scheduler(config: EngineConfig, name: str | None = None) -> Any:

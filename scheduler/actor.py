@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+from scheduler.actor_metrics import SchedulerMetrics
 from scheduler.outputs import OutputProcessor, RequestOutput
 from scheduler.plan import StepPlan
 from scheduler.policy import QueueFullError, Scheduler
@@ -78,6 +79,7 @@ class SchedulerActor:
         self.extras: dict[str, dict[str, Any]] = {}  # per-request handoff metrics
         self.handoffs: dict[str, KVHandoff] = {}  # handed off, not yet imported: the only refs we hold
         self.counters = {"handoffs": 0, "handoff_bytes": 0, "recomputes": 0, "worker_failures": 0}
+        self.metrics = SchedulerMetrics(config.mode)
 
         gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
         threads = max(1, int(config.num_cpus_per_worker))
@@ -105,7 +107,8 @@ class SchedulerActor:
             worker.info = await worker.handle.ready.remote()
         if not self.tasks:
             self.tasks = [asyncio.create_task(self._loop(w)) for w in self.prefill + self.decode]
-        return {w.name: w.info for w in self.prefill + self.decode} | {"capacity": self.capacity}
+        return {w.name: w.info for w in self.prefill + self.decode} | {
+            "capacity": self.capacity, "scheduler_worker_id": ray.get_runtime_context().get_worker_id()}
 
     async def shutdown(self) -> None:
         for task in self.tasks:
@@ -188,6 +191,8 @@ class SchedulerActor:
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
+            if out.finished:
+                self.metrics.on_finish(out)
             queue = self.streams.get(out.req_id)
             if queue is not None:
                 queue.put_nowait(out)
@@ -233,10 +238,13 @@ class SchedulerActor:
                 self._recompute(request, "its KV handoff was lost")
         for req_id, seconds in result.import_s.items():
             handoff = self.handoffs.pop(req_id, None)  # imported: dropping the ref frees the bytes
-            if handoff is not None and req_id in self.extras:
-                self.extras[req_id]["kv_handoff_s"] = handoff.export_s + seconds
+            if handoff is not None:
+                self.metrics.on_handoff(handoff.num_bytes, handoff.export_s + seconds)
+                if req_id in self.extras:
+                    self.extras[req_id]["kv_handoff_s"] = handoff.export_s + seconds
         finished = sched.update(plan, result.sampled)
         outputs = self.outputs.apply(sched, result.sampled, finished)
+        self.metrics.on_step(worker, plan, result.step_s)
         for chunk in plan.chunks:  # who computed what, for the request's metrics
             extras = self.extras.get(chunk.req_id)
             if extras is not None:
@@ -255,12 +263,14 @@ class SchedulerActor:
             self.extras[request.req_id]["kv_handoff_bytes"] = handoff.num_bytes
             target.sched.submit(request)
             target.wake.set()
+        self.metrics.on_states(self.prefill + self.decode)
         self._publish(outputs)
 
     def _recompute(self, request: Request, why: str) -> None:
         request.reset_cache()
         request.num_recomputes += 1
         self.counters["recomputes"] += 1
+        self.metrics.on_recompute()
         if request.num_recomputes > self.max_recomputes:
             self._fail(request, f"request {request.req_id} lost its cache {request.num_recomputes} times "
                                 f"(last: {why}); giving up")
@@ -327,4 +337,4 @@ class SchedulerActor:
             "preemptions": sum(w.sched.num_preemptions for w in pools),
             "recomputed_tokens": sum(w.sched.num_recomputed_tokens for w in pools)}
         return {"workers": workers, "live_handoffs": len(self.handoffs), "streams": len(self.streams),
-                "counters": counters}
+                "counters": counters, "max_waiting": self.config.max_waiting}

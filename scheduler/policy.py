@@ -94,6 +94,8 @@ class Scheduler:
                 self._preempt(victim)
                 preempted.append(victim.req_id)
             request = self.waiting.pop(0)[3]
+            if request.scheduled_s is None:
+                request.scheduled_s = time.perf_counter()
             request.slot = self.free_slots.pop(0)
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -80,6 +80,7 @@ class Request:
     num_preemptions: int = 0  # times it was evicted for a more urgent request (then recomputed)
 
     arrival_s: float = field(default_factory=time.perf_counter)
+    scheduled_s: float | None = None  # first admitted into a slot
     first_token_s: float | None = None
     finish_s: float | None = None
 
@@ -126,9 +127,18 @@ class Request:
         self.num_computed, self.slot, self.status = 0, None, RequestStatus.WAITING
 
     def metrics(self) -> dict[str, float]:
-        """TTFT, TPOT (excluding the first token) and end-to-end latency in seconds; preemptions."""
-        ttft = (self.first_token_s - self.arrival_s) if self.first_token_s is not None else 0.0
+        """Latencies in seconds: TTFT, TPOT (after the first token), end to end, and the phases
+        queue (arrival to first slot), prefill (to first token), decode (first token to finish);
+        and how often it was preempted."""
         end = self.finish_s if self.finish_s is not None else time.perf_counter()
+        first, scheduled = self.first_token_s, self.scheduled_s
         num_later = len(self.output_ids) - 1
-        tpot = (end - self.first_token_s) / num_later if num_later > 0 and self.first_token_s else 0.0
-        return {"ttft_s": ttft, "tpot_s": tpot, "e2e_s": end - self.arrival_s, "preemptions": self.num_preemptions}
+        return {
+            "ttft_s": first - self.arrival_s if first is not None else 0.0,
+            "tpot_s": (end - first) / num_later if num_later > 0 and first is not None else 0.0,
+            "e2e_s": end - self.arrival_s,
+            "queue_s": (scheduled if scheduled is not None else end) - self.arrival_s,
+            "prefill_s": first - scheduled if first is not None and scheduled is not None else 0.0,
+            "decode_s": end - first if first is not None else 0.0,
+            "preemptions": self.num_preemptions,
+        }

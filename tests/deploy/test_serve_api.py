@@ -31,9 +31,6 @@ def server(ray_session, tiny_checkpoint):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app({"model": tiny_checkpoint, "served_model_name": "tiny", **ARGS}), name="main",
               route_prefix="/")
-    serve.run(build_app({"model": tiny_checkpoint, "served_model_name": "tiny", "api_key": "sekret",
-                         "max_waiting": 1, "max_request_bytes": 4096, **ARGS | {"slots": 1}}),
-              name="guarded", route_prefix="/guarded")
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
 
@@ -128,35 +125,6 @@ def test_chat_errors(server):
     assert_error(httpx.get(f"{server}/v1/nothing"), 404)
 
 
-def test_api_key_body_limit_and_full_queue(server):
-    base = f"{server}/guarded/v1"
-    assert_error(httpx.post(f"{base}/completions", json={"model": "tiny", "prompt": "hi"}), 401)
-    assert_error(httpx.get(f"{base}/models"), 401)
-    auth = {"Authorization": "Bearer sekret"}
-    assert_error(httpx.post(f"{base}/completions", headers=auth,
-                            json={"model": "tiny", "prompt": "x" * 5000}), 413)
-    good = openai.OpenAI(base_url=base, api_key="sekret", max_retries=0, timeout=60)
-    assert good.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
-
-    async def crowd():
-        async with httpx.AsyncClient(timeout=60) as http:
-            body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 250, "ignore_eos": True}
-            long = [asyncio.create_task(http.post(f"{base}/completions", headers=auth, json=body)) for _ in range(2)]
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:  # until one runs in the only slot and one waits
-                workers = (await http.get(f"{server}/guarded/stats")).json()["workers"]
-                if sum(w["waiting"] for w in workers.values()) >= 1:
-                    break
-                await asyncio.sleep(0.01)
-            third = await http.post(f"{base}/completions", headers=auth, json=body | {"max_tokens": 2})
-            return third, [await t for t in long]
-
-    third, first_two = asyncio.run(crowd())
-    assert_error(third, 429, contains="busy")
-    assert third.headers["Retry-After"] == "1"
-    assert [r.status_code for r in first_two] == [200, 200]
-
-
 def test_disconnected_stream_frees_its_slot(server):
     def slots_used():
         workers = httpx.get(f"{server}/stats").json()["workers"]
@@ -187,3 +155,43 @@ def test_not_ready_scheduler_gives_503():
     with pytest.raises(APIError) as info:
         asyncio.run(ingress._check_ready())
     assert info.value.status == 503 and info.value.headers["Retry-After"]
+
+
+def test_api_key_body_limit_and_full_queue(server, tiny_checkpoint):
+    """Runs last: it replaces the main app with one that has an API key, a small body limit, one slot
+    and a one-request queue (one pdserve app at a time: the two share deployment names)."""
+    serve.delete("main")
+    serve.run(build_app({"model": tiny_checkpoint, "served_model_name": "tiny", "api_key": "sekret",
+                         "max_waiting": 1, "max_request_bytes": 4096, **ARGS | {"slots": 1, "max_model_len": 1024}}),
+              name="guarded", route_prefix="/guarded")
+    base = f"{server}/guarded/v1"
+    assert_error(httpx.post(f"{base}/completions", json={"model": "tiny", "prompt": "hi"}), 401)
+    assert_error(httpx.get(f"{base}/models"), 401)
+    auth = {"Authorization": "Bearer sekret"}
+    assert_error(httpx.post(f"{base}/completions", headers=auth,
+                            json={"model": "tiny", "prompt": "x" * 5000}), 413)
+    good = openai.OpenAI(base_url=base, api_key="sekret", max_retries=0, timeout=60)
+    assert good.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+
+    async def crowd():
+        async with httpx.AsyncClient(timeout=120) as http:
+            # a 1000-token prompt holds the only prefill row for 125 eight-token steps; the next one waits
+            long = {"model": "tiny", "prompt": [5 + i % 300 for i in range(1000)], "max_tokens": 4}
+            short = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4}
+            tasks = [asyncio.create_task(http.post(f"{base}/completions", headers=auth, json=long))]
+            await asyncio.sleep(0.3)
+            tasks.append(asyncio.create_task(http.post(f"{base}/completions", headers=auth, json=short)))
+            deadline, stats = time.monotonic() + 60, {}
+            while time.monotonic() < deadline:
+                stats = (await http.get(f"{server}/guarded/stats")).json()["workers"]["prefill-0"]
+                if stats["running"] == 1 and stats["waiting"] == 1:
+                    break
+                await asyncio.sleep(0.005)
+            assert stats["running"] == 1 and stats["waiting"] == 1, stats
+            third = await http.post(f"{base}/completions", headers=auth, json=short)
+            return third, [await t for t in tasks]
+
+    third, first_two = asyncio.run(crowd())
+    assert_error(third, 429, contains="busy")
+    assert third.headers["Retry-After"] == "1"
+    assert [(r.status_code, r.json()["usage"]["completion_tokens"]) for r in first_two] == [(200, 4)] * 2

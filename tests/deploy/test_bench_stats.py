@@ -1,0 +1,31 @@
+"""Percentiles and goodput on synthetic timings with known answers."""
+
+import pytest
+
+from deploy.bench_stats import goodput, percentile, summarize
+
+
+def test_percentiles_interpolate_between_ranks():
+    values = [5.0, 1.0, 4.0, 2.0, 3.0]  # order does not matter
+    assert percentile(values, 0) == 1.0 and percentile(values, 100) == 5.0
+    assert percentile(values, 50) == 3.0
+    assert percentile(values, 90) == pytest.approx(4.6)
+    assert percentile(list(range(101)), 99) == pytest.approx(99.0)
+    assert percentile([], 50) == 0.0
+    with pytest.raises(ValueError):
+        percentile(values, 101)
+
+
+def test_summary_has_mean_and_tail():
+    s = summarize("ttft_ms", [10.0] * 99 + [1000.0])
+    assert s["ttft_ms_mean"] == pytest.approx(19.9)
+    assert s["ttft_ms_p50"] == 10.0 and s["ttft_ms_p99"] == pytest.approx(19.9)
+
+
+def test_goodput_counts_requests_meeting_every_slo():
+    ttft = [0.1, 0.2, 0.5, 1.0]
+    tpot = [0.01, 0.05, 0.01, 0.01]
+    assert goodput(ttft, tpot, duration_s=2.0) == 2.0  # no SLO: all 4 in 2 s
+    assert goodput(ttft, tpot, 2.0, slo_ttft_ms=500) == 1.5  # 3 meet TTFT
+    assert goodput(ttft, tpot, 2.0, slo_ttft_ms=500, slo_tpot_ms=20) == 1.0  # 2 meet both
+    assert goodput(ttft, tpot, 2.0, slo_tpot_ms=5) == 0.0

@@ -1,0 +1,52 @@
+"""The scheduler's metrics reach Ray's Prometheus endpoint."""
+
+import re
+import time
+import urllib.request
+
+import pytest
+
+from deploy.config import EngineConfig
+from deploy.ray_client import run_requests, start_scheduler
+from tests.factories import make_requests
+
+pytestmark = pytest.mark.slow
+
+
+def scrape(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+
+def sample_sum(text: str, name: str, worker_id: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and f'WorkerId="{worker_id}"' in line:
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_ttft_histogram_counts_every_served_request(ray_session, tiny_checkpoint):
+    config = EngineConfig(model=tiny_checkpoint, mode="disaggregated", slots=3, max_model_len=128,
+                          token_budget=16, prefill_chunk=8)
+    handle = start_scheduler(config)
+    worker_id = ray_session.get(handle.ready.remote())["scheduler_worker_id"]
+    try:
+        results = run_requests(handle, make_requests(7, [5, 20, 9], [4, 9, 6]))
+    finally:
+        ray_session.get(handle.shutdown.remote())
+    assert len(results) == 7
+    deadline, text = time.monotonic() + 40, ""
+    while time.monotonic() < deadline:  # Ray exports metrics every few seconds
+        text = scrape(ray_session.metrics_port)
+        if sample_sum(text, "ray_pdserve_ttft_seconds_count", worker_id) >= 7:
+            break
+        time.sleep(1)
+    assert sample_sum(text, "ray_pdserve_ttft_seconds_count", worker_id) == 7
+    assert sample_sum(text, "ray_pdserve_e2e_seconds_count", worker_id) == 7
+    finished = sum(sample_sum(text, "ray_pdserve_requests_finished_total", worker_id, reason=r)
+                   for r in ("stop", "length"))
+    assert finished == 7
+    assert sample_sum(text, "ray_pdserve_kv_handoff_bytes_count", worker_id) == 7
+    assert sample_sum(text, "ray_pdserve_step_seconds_count", worker_id, kind="decode") > 0
+    assert re.search(r"ray_pdserve_slots_in_use\{", text)
