@@ -146,7 +146,7 @@ class OpenAIIngress:
         if self._ready:
             return
         try:
-            await asyncio.wait_for(self.scheduler.check_health.remote(), timeout=2.0)
+            await asyncio.wait_for(self.scheduler.check_health.remote(), timeout=10.0)
         except Exception as e:
             raise APIError(503, f"The service is starting or unhealthy ({type(e).__name__}); retry shortly.",
                            "service_unavailable", code="not_ready", headers={"Retry-After": "5"}) from None

@@ -1,11 +1,13 @@
 """colocated and disaggregated modes on Ray produce exactly what local mode produces."""
 
+import asyncio
+
 import pytest
 import ray
 
 from deploy.config import EngineConfig
 from deploy.engine_factory import build_local_engine
-from deploy.ray_client import run_requests, start_scheduler
+from deploy.ray_client import run_requests, start_scheduler, stream
 from scheduler.outputs import Completion
 from scheduler.request import SamplingParams
 from tests.factories import VOCAB, make_requests
@@ -87,9 +89,19 @@ def test_preemption_keeps_every_output_equal_to_local(ray_session, tiny_checkpoi
     engine, _ = build_local_engine(EngineConfig(model=tiny_checkpoint, **BASE))
     expected = {r.req_id: engine.run([r])[r.req_id].output_ids for r in workload()}
     handle = start_scheduler(EngineConfig(model=tiny_checkpoint, mode=mode, **(BASE | {"slots": 2})))
+    async def scenario():
+        requests = workload()
+        tasks = [asyncio.create_task(stream(handle, r)) for r in requests[:6]]
+        while (await handle.stats.remote())["workers"]["decode-0"]["running"] < 2:  # both slots busy
+            await asyncio.sleep(0.005)
+        for urgent in requests[6:]:  # then the urgent ones arrive
+            tasks.append(asyncio.create_task(stream(handle, urgent)))
+            await asyncio.sleep(0.05)
+        done = await asyncio.wait_for(asyncio.gather(*tasks), timeout=180)
+        return {c.req_id: c for c in done}, await handle.stats.remote()
+
     try:
-        results = run_requests(handle, workload(), arrival_s={"r6": 0.3, "r7": 0.6})
-        stats = ray.get(handle.stats.remote())
+        results, stats = asyncio.run(scenario())
     finally:
         ray.get(handle.shutdown.remote())
     assert {k: c.token_ids for k, c in results.items()} == expected

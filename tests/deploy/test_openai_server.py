@@ -1,0 +1,62 @@
+"""The OpenAI layer against the real scheduler actor (no Serve): a full queue answers 429 at once."""
+
+import asyncio
+import time
+
+import pytest
+import ray
+
+from deploy.config import EngineConfig
+from deploy.openai_api import OpenAIServer, ServedModel
+from deploy.openai_schemas import APIError, CompletionBody
+from deploy.ray_client import start_scheduler
+from workers.loader import load_tokenizer
+
+pytestmark = pytest.mark.slow
+
+
+class ActorClient:
+    """An engine client over a plain scheduler actor handle (Serve's client streams the same way)."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    async def generate(self, request):
+        async for ref in self.handle.generate.remote(request):
+            yield await ref
+
+
+def test_full_queue_gets_429_with_retry_after(ray_session, tiny_checkpoint):
+    config = EngineConfig(model=tiny_checkpoint, mode="disaggregated", slots=1, prefill_slots=1, max_model_len=1024,
+                          token_budget=8, prefill_chunk=8, max_waiting=1)
+    handle = start_scheduler(config)
+    info = load_tokenizer(tiny_checkpoint)
+    server = OpenAIServer(ActorClient(handle), ServedModel("tiny", info.tokenizer, info.eos_token_ids, 1024))
+
+    async def wait_for(condition):
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            stats = (await handle.stats.remote())["workers"]["prefill-0"]
+            if condition(stats):
+                return
+            await asyncio.sleep(0.005)
+        raise AssertionError(f"timed out: {stats}")
+
+    async def scenario():
+        long = CompletionBody(model="tiny", prompt=[5 + i % 300 for i in range(1000)], max_tokens=4)
+        short = CompletionBody(model="tiny", prompt=[5, 6, 7], max_tokens=4)
+        first = asyncio.create_task(server.completions(long))  # holds the one prefill row for 125 steps
+        await wait_for(lambda s: s["running"] == 1)
+        second = asyncio.create_task(server.completions(short))  # waits for the row
+        await wait_for(lambda s: s["waiting"] == 1)
+        with pytest.raises(APIError) as info:
+            await server.completions(short)
+        return info.value, await first, await second
+
+    try:
+        error, first, second = asyncio.run(scenario())
+    finally:
+        ray.get(handle.shutdown.remote())
+    assert error.status == 429 and error.headers == {"Retry-After": "1"} and error.code == "queue_full"
+    assert error.body()["error"]["type"] == "rate_limit_error"
+    assert first.status_code == 200 and second.status_code == 200  # the queued ones were not disturbed
