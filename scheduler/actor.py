@@ -220,9 +220,11 @@ class SchedulerActor:
                 continue
             try:
                 self._apply(worker, plan, result)
-            except Exception:  # a bug: say so loudly, but keep the other requests going
+            except Exception as e:  # a bug: say so loudly, end this worker's requests, keep the loop alive
                 log.exception("applying a step of %s failed", worker.name)
-                raise
+                for request in list(worker.sched.running) + list(worker.sched.waiting_requests()):
+                    worker.sched.evict(request.req_id)
+                    self._fail(request, f"internal error on {worker.name}: {type(e).__name__}: {e}")
 
     def _imports(self, plan: StepPlan) -> list[Any]:
         from workers.messages import KVImport
