@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -42,11 +43,15 @@ def test_ray_job_submit_runs_a_generate_job(tiny_checkpoint, tmp_path):
                    check=True, env=env, capture_output=True, timeout=120)
     try:
         # the head enabled token authentication; the job client sends the token from ~/.ray/auth_token
-        job = subprocess.run(
-            [BIN / "ray", "job", "submit", f"--address=http://127.0.0.1:{dashboard}", "--working-dir", ROOT, "--",
-             "pdserve", "generate", "--mode", "disaggregated", "--model", tiny_checkpoint, "--input",
-             str(tmp_path / "in.jsonl"), "--output", str(out), "--max-model-len", "64"],
-            env=env | {"RAY_AUTH_MODE": "token"}, capture_output=True, text=True, timeout=400)
+        submit = [BIN / "ray", "job", "submit", f"--address=http://127.0.0.1:{dashboard}", "--working-dir", ROOT,
+                  "--", "pdserve", "generate", "--mode", "disaggregated", "--model", tiny_checkpoint, "--input",
+                  str(tmp_path / "in.jsonl"), "--output", str(out), "--max-model-len", "64"]
+        for _ in range(10):  # right after `ray start` the node's job agent may not be up yet
+            job = subprocess.run(submit, env=env | {"RAY_AUTH_MODE": "token"}, capture_output=True, text=True,
+                                 timeout=400)
+            if "No available agent" not in job.stdout + job.stderr:
+                break
+            time.sleep(3)
         logs = job.stdout + job.stderr
         assert job.returncode == 0, logs[-4000:]
         assert "succeeded" in logs and "wrote 4 results" in logs
