@@ -25,6 +25,7 @@ class LocalEngine:
             raise ValueError("the scheduler plans more slots or positions than the runner's cache holds")
         self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
         self.outputs = OutputProcessor(tokenizer)
+        self.last_outputs: list[RequestOutput] = []  # each request's new tokens and text from the last step
         self.num_steps = 0
         # profile: seconds per whole step and inside the model forward, overall and for decode-only steps
         self.profile = {"step_s": 0.0, "model_s": 0.0, "decode_steps": 0, "decode_step_s": 0.0,
@@ -53,7 +54,7 @@ class LocalEngine:
         sampled = self.runner.execute(plan)
         with self._lock:
             finished = self.scheduler.update(plan, sampled)
-            self.last_outputs: list[RequestOutput] = self.outputs.apply(self.scheduler, sampled, finished)
+            self.last_outputs = self.outputs.apply(self.scheduler, sampled, finished)
         self.num_steps += 1
         elapsed, profile = time.perf_counter() - start, self.profile
         profile["step_s"] += elapsed
