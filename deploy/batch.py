@@ -15,6 +15,7 @@ from tqdm import tqdm
 from deploy.config import EngineConfig
 from deploy.requests import build_request, encode_prompt
 from scheduler.outputs import Completion
+from scheduler.policy import Scheduler
 from scheduler.request import Request
 
 
@@ -77,9 +78,7 @@ def to_requests(lines: list[GenerateLine], tokenizer: Any, eos_token_ids: frozen
                 temperature=line.temperature, top_p=line.top_p, top_k=line.top_k, seed=line.seed,
                 stop=line.stop, stop_token_ids=line.stop_token_ids, ignore_eos=line.ignore_eos,
                 priority=line.priority)
-            if len(prompt_ids) + line.max_tokens > capacity:
-                raise ValueError(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({line.max_tokens}) is "
-                                 f"over the context limit of {capacity} tokens")
+            Scheduler.check_fits(request, capacity)
         except ValueError as e:
             raise BatchInputError(f"request {line.id!r} (entry {number}): {e}") from None
         requests.append(request)

@@ -44,7 +44,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         lines = run_generate(config, args.input, args.output, progress=not args.quiet)
-    except (BatchInputError, ValidationError, ValueError, FileNotFoundError, NotImplementedError) as e:
+    except (BatchInputError, ValidationError, ValueError, FileNotFoundError) as e:
         print(f"pdserve generate: error: {e}", file=sys.stderr)
         return 2
     tokens = sum(len(line["token_ids"]) for line in lines)
@@ -58,7 +58,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         run_bench(config, args)
-    except (ValidationError, ValueError, FileNotFoundError, NotImplementedError) as e:
+    except (ValidationError, ValueError, FileNotFoundError) as e:
         print(f"pdserve bench: error: {e}", file=sys.stderr)
         return 2
     return 0

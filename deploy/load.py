@@ -15,6 +15,8 @@ from typing import Any
 
 import httpx
 
+from deploy.bench_stats import percentile
+
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain what a CPU does.",
            "Name three colours.", "How many legs does a spider have?", "Say hello in Spanish."]
 
@@ -57,11 +59,6 @@ async def _client(http: httpx.AsyncClient, url: str, model: str, max_tokens: int
         stats["ttft"].append((first or time.perf_counter()) - start)
 
 
-def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))] if ordered else 0.0
-
-
 async def run_load(url: str, model: str, clients: int, duration_s: float, max_tokens: int, seed: int = 0,
                    api_key: str | None = None) -> dict[str, Any]:
     stats: dict[str, Any] = {"ok": 0, "chunks": 0, "ttft": [], "failures": []}
@@ -80,5 +77,6 @@ async def run_load(url: str, model: str, clients: int, duration_s: float, max_to
     return {"clients": clients, "duration_s": round(elapsed, 1), "requests_ok": stats["ok"],
             "failed": len(stats["failures"]), "failures": stats["failures"][:5],
             "stream_chunks_per_s": round(stats["chunks"] / elapsed, 1),
-            "ttft_s_p50": round(_pct(stats["ttft"], 50), 3), "ttft_s_p99": round(_pct(stats["ttft"], 99), 3),
+            "ttft_s_p50": round(percentile(stats["ttft"], 50), 3),
+            "ttft_s_p99": round(percentile(stats["ttft"], 99), 3),
             "slots_in_use_after": slots_in_use, "live_handoffs_after": server["live_handoffs"]}

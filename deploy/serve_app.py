@@ -122,10 +122,7 @@ class OpenAIIngress:
 
     async def _body(self, request: Request, schema: type[BaseModel]) -> Any:
         """Auth, then size, then JSON: each failure with its own status."""
-        if self.config.api_key is not None:
-            if request.headers.get("authorization", "") != f"Bearer {self.config.api_key}":
-                raise APIError(401, "Missing or wrong API key: send `Authorization: Bearer <key>`.",
-                               "authentication_error", code="invalid_api_key")
+        self._check_auth(request)
         limit = self.config.max_request_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -141,6 +138,12 @@ class OpenAIIngress:
             return schema.model_validate_json(bytes(raw))
         except ValidationError as e:
             raise _from_validation(e.errors()) from None
+
+    def _check_auth(self, request: Request) -> None:
+        if self.config.api_key is not None and \
+                request.headers.get("authorization", "") != f"Bearer {self.config.api_key}":
+            raise APIError(401, "Missing or wrong API key: send `Authorization: Bearer <key>`.",
+                           "authentication_error", code="invalid_api_key")
 
     async def _check_ready(self) -> None:
         if self._ready:
@@ -162,8 +165,7 @@ class OpenAIIngress:
 
     @ingress_app.get("/v1/models")
     async def models(self, request: Request) -> Response:
-        if self.config.api_key is not None and request.headers.get("authorization") != f"Bearer {self.config.api_key}":
-            raise APIError(401, "Missing or wrong API key.", "authentication_error", code="invalid_api_key")
+        self._check_auth(request)
         return JSONResponse(self.server.models())
 
     @ingress_app.get("/health")

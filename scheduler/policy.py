@@ -129,10 +129,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         """Free its slot now; it waits again and, readmitted, recomputes prompt + output so far."""
-        self.running.remove(request)
-        assert request.slot is not None
-        self.free_slots.append(request.slot)
-        self.free_slots.sort()
+        self._release_slot(request)
         self.num_preemptions += 1
         self.num_recomputed_tokens += request.num_computed
         request.reset_cache()
@@ -203,12 +200,15 @@ class Scheduler:
         if request.status is RequestStatus.WAITING:
             self.waiting = [e for e in self.waiting if e[3] is not request]
         else:
-            self.running.remove(request)
-            assert request.slot is not None
-            self.free_slots.append(request.slot)
-            self.free_slots.sort()
+            self._release_slot(request)
         request.slot, request.status = None, RequestStatus.WAITING
         return request
+
+    def _release_slot(self, request: Request) -> None:
+        self.running.remove(request)
+        assert request.slot is not None, f"{request.req_id} is running without a slot"
+        self.free_slots.append(request.slot)
+        self.free_slots.sort()  # lowest slots first keeps decode rows in a short span
 
     def abort(self, req_id: str) -> Request | None:
         """Cancel a request in any state; its slot is free at once."""
