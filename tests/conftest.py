@@ -13,13 +13,11 @@ def tiny_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def ray_session():
     """A local Ray with more logical CPUs than cores, so 2 prefill + 2 decode workers fit on 2 cores."""
-    import socket
-
     import ray
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        metrics_port = s.getsockname()[1]
+    from tests.factories import free_port
+
+    metrics_port = free_port()
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
              _metrics_export_port=metrics_port)
     ray.metrics_port = metrics_port  # for the test that scrapes Ray's Prometheus endpoint

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import socket
 
 import torch
 
@@ -100,3 +101,10 @@ def save_tiny_checkpoint(path, kind: str = "llama"):  # type: ignore[no-untyped-
     tiny_hf_model(kind).save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
+
+
+def free_port() -> int:
+    """A free loopback TCP port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

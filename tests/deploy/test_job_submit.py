@@ -7,7 +7,6 @@ Ray is already up in this process.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,15 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.factories import free_port
+
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_ray_job_submit_runs_a_generate_job(tiny_checkpoint, tmp_path):

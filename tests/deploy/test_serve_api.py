@@ -2,7 +2,6 @@
 
 import asyncio
 import json
-import socket
 import time
 
 import httpx
@@ -14,15 +13,11 @@ from deploy.config import EngineConfig
 from deploy.engine_factory import build_local_engine
 from deploy.requests import build_request, encode_prompt
 from deploy.serve_app import OpenAIIngress, build_app
+from tests.factories import free_port
 
 pytestmark = pytest.mark.slow
 ARGS = dict(mode="disaggregated", slots=2, prefill_slots=1, max_model_len=256, token_budget=16, prefill_chunk=8)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
