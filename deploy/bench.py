@@ -1,4 +1,9 @@
-"""`pdserve bench`: the engine against serial and static-batch `transformers.generate`, in one run."""
+"""`pdserve bench`: serving figures of the engine (or a running endpoint) and `transformers` baselines in one run.
+
+One run crosses every mode × slot count × token budget × arrival rate × priority setting asked for,
+on the same prompts, and prints one JSON summary line per configuration (then per-request lines);
+`--output` writes them all to a file and `--plot` draws the figure (deploy/bench_plot.py).
+"""
 
 from __future__ import annotations
 
@@ -7,10 +12,13 @@ import json
 import random
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from deploy.bench_stats import goodput, percentile, summarize
 from deploy.config import EngineConfig
@@ -24,10 +32,14 @@ class Workload:
     output_lens: list[int]
     arrival_s: list[float]  # offsets from the start (all 0: everything at once)
     urgent: list[bool]  # urgent requests get priority 0, the others 1 (when priorities are on)
+    rate: float = 0.0  # the Poisson rate the arrivals were drawn at (0: all at once)
 
     @property
     def num_output_tokens(self) -> int:
         return sum(self.output_lens)
+
+    def priorities(self, on: bool) -> list[int]:
+        return [0 if (urgent or not on) else 1 for urgent in self.urgent]
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -39,22 +51,68 @@ def parse_range(text: str) -> tuple[int, int]:
     return low, high
 
 
+def parse_list(text: str | None, kind: type, name: str) -> list[Any]:
+    """A comma list of numbers ('1,2,4'); a bad item names the flag."""
+    try:
+        return [kind(x) for x in (text or "").split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{name}: expected a comma list of numbers, got {text!r}") from None
+
+
+def poisson_arrivals(num_requests: int, rate: float, seed: int) -> list[float]:
+    """Arrival offsets of a Poisson process at `rate` requests/s (all 0 when rate is 0)."""
+    if rate < 0:
+        raise ValueError(f"rate must be >= 0, got {rate}")
+    rng = random.Random(f"arrivals-{seed}")
+    arrivals, t = [], 0.0
+    for _ in range(num_requests):
+        arrivals.append(t)
+        t += rng.expovariate(rate) if rate > 0 else 0.0
+    return arrivals
+
+
 def make_workload(num_requests: int, prompt_len: str, output_len: str, vocab_size: int, seed: int,
                   rate: float = 0.0, urgent_fraction: float = 0.0) -> Workload:
     """Random-token prompts and output lengths drawn uniformly from the ranges, Poisson arrivals at
-    `rate` requests/s (0: all at once) and a random `urgent_fraction` of urgent requests, reproducibly."""
+    `rate` requests/s (0: all at once) and a random `urgent_fraction` of urgent requests, reproducibly.
+    The prompts and lengths depend only on the seed, not on the rate."""
     rng = random.Random(seed)
     (p_lo, p_hi), (o_lo, o_hi) = parse_range(prompt_len), parse_range(output_len)
     low_id = min(100, vocab_size // 4)  # keep clear of the special tokens at the start of most vocabularies
     prompts = [[rng.randrange(low_id, vocab_size) for _ in range(rng.randint(p_lo, p_hi))]
                for _ in range(num_requests)]
     output_lens = [rng.randint(o_lo, o_hi) for _ in range(num_requests)]
-    arrivals, t = [], 0.0
-    for _ in range(num_requests):
-        arrivals.append(t)
-        t += rng.expovariate(rate) if rate > 0 else 0.0
     urgent = [rng.random() < urgent_fraction for _ in range(num_requests)]
-    return Workload(prompts, output_lens, arrivals, urgent)
+    return Workload(prompts, output_lens, poisson_arrivals(num_requests, rate, seed), urgent, rate)
+
+
+def load_workload(path: str, tokenizer: Any, num_requests: int, output_len: str, seed: int,
+                  urgent_fraction: float = 0.0) -> Workload:
+    """Prompts from a JSONL file, one object per line with `prompt` (text), `messages` (chat) or
+    `prompt_token_ids`, and optionally `max_tokens` (else drawn from `output_len`). The first
+    `num_requests` lines are used (all if 0)."""
+    from deploy.requests import encode_prompt
+
+    rng = random.Random(seed)
+    o_lo, o_hi = parse_range(output_len)
+    prompts, output_lens = [], []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if num_requests and len(prompts) == num_requests:
+                break
+            try:
+                item = json.loads(line)
+                fields = {k: item[k] for k in ("prompt", "messages", "prompt_token_ids") if k in item}
+                prompts.append(encode_prompt(tokenizer, **fields))
+                output_lens.append(int(item.get("max_tokens") or rng.randint(o_lo, o_hi)))
+            except (ValueError, TypeError, AttributeError) as e:
+                raise ValueError(f"{path}:{number}: {e}") from None
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    urgent = [rng.random() < urgent_fraction for _ in prompts]
+    return Workload(prompts, output_lens, [0.0] * len(prompts), urgent)
 
 
 def bench_serial(hf: Any, work: Workload, limit: int) -> dict[str, float]:
@@ -78,86 +136,104 @@ def bench_static(hf: Any, work: Workload, batch_size: int) -> dict[str, float]:
         width = max(map(len, prompts))
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        hf.generate(ids, attention_mask=mask, max_new_tokens=max(lens), min_new_tokens=max(lens),
-                    do_sample=False, pad_token_id=0)
+        hf.generate(ids.to(hf.device), attention_mask=mask.to(hf.device), max_new_tokens=max(lens),
+                    min_new_tokens=max(lens), do_sample=False, pad_token_id=0)
     return {"static_tok_s": work.num_output_tokens / (time.perf_counter() - start)}
 
 
 def _requests(work: Workload, priorities: bool) -> list[Request]:
-    return [Request(req_id=str(i), prompt_ids=p, max_tokens=n, sampling=SamplingParams(),
-                    priority=0 if (urgent or not priorities) else 1)
-            for i, (p, n, urgent) in enumerate(zip(work.prompts, work.output_lens, work.urgent, strict=True))]
+    return [Request(req_id=str(i), prompt_ids=p, max_tokens=n, sampling=SamplingParams(), priority=prio)
+            for i, (p, n, prio) in enumerate(zip(work.prompts, work.output_lens, work.priorities(priorities),
+                                                 strict=True))]
 
 
-def bench_mode(config: EngineConfig, loaded: Any, work: Workload, sequential: bool = False,
-               priorities: bool = True, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
-               ) -> tuple[dict[str, Any], list[dict]]:
-    """Run the workload through one mode: at its arrival times, or one request at a time
-    (`sequential`, the low-load case). Returns a summary line and per-request lines."""
+def _warmup_request(work: Workload) -> Request:
+    """A short request run before the clock starts: first calls into torch (and fresh worker processes)
+    are slower than every later one."""
+    return Request(req_id="warmup", prompt_ids=work.prompts[0][:16], max_tokens=2)
+
+
+def run_engine(config: EngineConfig, loaded: Any, work: Workload, sequential: bool, priorities: bool,
+               on_finish: Callable[[Completion], None]) -> tuple[dict[str, Completion], float, dict[str, Any]]:
+    """The workload through one engine mode, at its arrival times or one request at a time
+    (`sequential`: the low-load case), after a warm-up request. Returns completions, wall seconds and
+    mode-specific figures."""
     requests = _requests(work, priorities)
     batches = [[r] for r in requests] if sequential else [requests]
     arrivals = None if sequential else {str(i): t for i, t in enumerate(work.arrival_s)}
-    summary: dict[str, Any] = {"mode": config.mode, "slots": config.slots, "token_budget": config.token_budget,
-                               "prefill_chunk": config.prefill_chunk, "sequential": sequential,
-                               "priorities": priorities}
     results: dict[str, Completion] = {}
+    extra: dict[str, Any] = {}
     if config.mode == "local":
         from deploy.engine_factory import build_local_engine
 
         engine, _ = build_local_engine(config, loaded)
+        engine.run([_warmup_request(work)])
+        engine.reset_profile()
         start = time.perf_counter()
         for batch in batches:
-            results |= {k: Completion.from_request(r) for k, r in engine.run(batch, arrival_s=arrivals).items()}
+            finished = engine.run(batch, arrival_s=arrivals, on_finish=lambda r: on_finish(Completion.from_request(r)))
+            results |= {k: Completion.from_request(r) for k, r in finished.items()}
         elapsed = time.perf_counter() - start
         prof = engine.profile
-        summary |= {"engine_steps": engine.num_steps,
-                    "model_fraction": prof["model_s"] / max(prof["step_s"], 1e-9),
-                    "decode_steps": prof["decode_steps"],
-                    "decode_step_ms": 1000 * prof["decode_step_s"] / max(prof["decode_steps"], 1),
-                    "decode_model_fraction": prof["decode_model_s"] / max(prof["decode_step_s"], 1e-9)}
-    else:
-        import ray
+        extra = {"engine_steps": engine.num_steps,
+                 "model_fraction": prof["model_s"] / max(prof["step_s"], 1e-9),
+                 "decode_steps": prof["decode_steps"],
+                 "decode_step_ms": 1000 * prof["decode_step_s"] / max(prof["decode_steps"], 1),
+                 "decode_model_fraction": prof["decode_model_s"] / max(prof["decode_step_s"], 1e-9)}
+        return results, elapsed, extra
+    import ray
 
-        from deploy.ray_client import run_requests, start_scheduler
+    from deploy.ray_client import run_requests, start_scheduler
 
-        handle = start_scheduler(config)
-        try:
-            start = time.perf_counter()
-            for batch in batches:
-                results |= run_requests(handle, batch, arrival_s=arrivals)
-            elapsed = time.perf_counter() - start
-        finally:
-            ray.get(handle.shutdown.remote())
-            ray.kill(handle)
-        handoff_bytes = sum(c.metrics.get("kv_handoff_bytes", 0) for c in results.values())
-        handoff_s = sum(c.metrics.get("kv_handoff_s", 0.0) for c in results.values())
-        if handoff_bytes:
-            summary |= {"handoff_mb_per_request": handoff_bytes / len(results) / 1e6,
-                        "handoff_gb_s": handoff_bytes / handoff_s / 1e9}
-    assert sum(len(c.token_ids) for c in results.values()) == work.num_output_tokens
-    done = list(results.values())
+    handle = start_scheduler(config)
+    try:
+        run_requests(handle, [_warmup_request(work)])
+        start = time.perf_counter()
+        for batch in batches:
+            results |= run_requests(handle, batch, arrival_s=arrivals, on_finish=on_finish)
+        elapsed = time.perf_counter() - start
+    finally:
+        ray.get(handle.shutdown.remote())
+        ray.kill(handle)
+    handoff_bytes = sum(c.metrics.get("kv_handoff_bytes", 0) for c in results.values())
+    handoff_s = sum(c.metrics.get("kv_handoff_s", 0.0) for c in results.values())
+    if handoff_bytes:
+        extra = {"handoff_mb_per_request": handoff_bytes / len(results) / 1e6,
+                 "handoff_gb_s": handoff_bytes / handoff_s / 1e9}
+    return results, elapsed, extra
+
+
+def summarize_run(work: Workload, results: dict[str, Completion], elapsed: float, slo_ttft_ms: float | None,
+                  slo_tpot_ms: float | None) -> dict[str, Any]:
+    """Throughput, goodput, and mean/p50/p90/p99 of TTFT, TPOT, inter-token latency and end-to-end latency."""
+    done = [results[str(i)] for i in range(len(work.prompts))]
+    short = [(c.req_id, len(c.token_ids), n) for c, n in zip(done, work.output_lens, strict=True)
+             if len(c.token_ids) != n]
+    if short:
+        raise RuntimeError(f"requests ended early (id, tokens, asked): {short[:5]}; finish reasons: "
+                           f"{sorted({c.finish_reason for c in done})}")
     ttft_s = [c.metrics["ttft_s"] for c in done]
     tpot_s = [c.metrics["tpot_s"] for c in done]
-    summary |= {"batched_tok_s": work.num_output_tokens / elapsed, "requests_per_s": len(done) / elapsed,
-                "goodput_req_s": goodput(ttft_s, tpot_s, elapsed, slo_ttft_ms, slo_tpot_ms),
-                "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms,
-                "preemptions": sum(c.metrics.get("preemptions", 0) for c in done)}
+    summary: dict[str, Any] = {
+        "output_tok_s": work.num_output_tokens / elapsed, "requests_per_s": len(done) / elapsed,
+        "duration_s": elapsed,
+        "goodput_req_s": goodput(ttft_s, tpot_s, elapsed, slo_ttft_ms, slo_tpot_ms),
+        "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms,
+        "preemptions": sum(c.metrics.get("preemptions", 0) for c in done)}
     summary |= summarize("ttft_ms", [1000 * t for t in ttft_s])
     summary |= summarize("tpot_ms", [1000 * c.metrics["tpot_s"] for c in done if len(c.token_ids) > 1])
+    summary |= summarize("itl_ms", [1000 * gap for c in done for gap in c.inter_token_s()])
     summary |= summarize("e2e_ms", [1000 * c.metrics["e2e_s"] for c in done])
-    for phase in ("queue", "prefill", "decode"):
-        summary[f"{phase}_ms_mean"] = 1000 * sum(c.metrics.get(f"{phase}_s", 0.0) for c in done) / len(done)
-    if any(work.urgent):
+    for phase in ("queue", "prefill", "handoff", "decode"):
+        key = "kv_handoff_s" if phase == "handoff" else f"{phase}_s"
+        if any(key in c.metrics for c in done):
+            summary[f"{phase}_ms_mean"] = 1000 * sum(c.metrics.get(key, 0.0) for c in done) / len(done)
+    if any(work.urgent) and not all(work.urgent):
         for label, want in (("urgent", True), ("normal", False)):
             values = [1000 * results[str(i)].metrics["ttft_s"] for i, u in enumerate(work.urgent) if u == want]
             summary |= {f"{label}_ttft_ms_p50": percentile(values, 50),
                         f"{label}_ttft_ms_p99": percentile(values, 99)}
-    per_request = [{"rid": r.req_id, "mode": config.mode, "slots": config.slots,
-                    "ttft_ms": round(1000 * results[r.req_id].metrics["ttft_s"], 2),
-                    "tpot_ms": round(1000 * results[r.req_id].metrics["tpot_s"], 2),
-                    "tokens": len(results[r.req_id].token_ids), "finish": results[r.req_id].finish_reason}
-                   for r in requests]
-    return summary, per_request
+    return summary
 
 
 def bench_copy(num_bytes: int, repeat: int = 5) -> float:
@@ -171,58 +247,166 @@ def bench_copy(num_bytes: int, repeat: int = 5) -> float:
     return num_bytes * repeat / (time.perf_counter() - start) / 1e9
 
 
-def run_bench(config: EngineConfig, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Print (and optionally write) JSON lines: one summary per engine run, then per-request lines."""
-    from transformers import AutoModelForCausalLM
+@dataclass(frozen=True)
+class Run:
+    """One configuration of the cross product."""
 
-    from workers.loader import load_model, resolve_checkpoint
+    mode: str  # local, colocated, disaggregated, or "url"
+    slots: int | None
+    token_budget: int | None
+    rate: float
+    priorities: bool
 
-    loaded = load_model(config.model, config.dtype, config.device)
-    work = make_workload(args.num_requests, args.prompt_len, args.output_len, loaded.model.spec.vocab_size,
-                         args.seed, args.rate, args.urgent_fraction)
-    baselines = [b for b in args.baselines.split(",") if b and b != "none"]
-    head: dict[str, Any] = {"model": config.model, "requests": len(work.prompts),
-                            "output_tokens": work.num_output_tokens, "torch_threads": torch.get_num_threads()}
-    if baselines:
-        weight = loaded.model.output_weight()
-        hf = AutoModelForCausalLM.from_pretrained(resolve_checkpoint(config.model), dtype=weight.dtype)
-        hf = hf.to(weight.device).eval()
-        with torch.inference_mode():
-            if "serial" in baselines:
-                head |= bench_serial(hf, work, args.serial_requests)
-            if "static" in baselines:
-                head |= bench_static(hf, work, config.slots)
-        del hf
-        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in head.items()}),
-              file=sys.stderr, flush=True)
-    slot_counts = [int(s) for s in args.sweep_slots.split(",")] if args.sweep_slots else [config.slots]
-    modes = args.modes.split(",") if args.modes else [config.mode]
-    lines: list[dict[str, Any]] = []
-    runs = [(mode, slots, prio) for mode in modes for slots in slot_counts
+    def label(self) -> str:
+        parts = [self.mode] + [f"{k}={v}" for k, v in (("slots", self.slots), ("budget", self.token_budget))
+                               if v is not None]
+        return " ".join(parts + [f"rate={self.rate:g}" if self.rate else "all-at-once"]
+                        + ([] if self.priorities else ["no-priorities"]))
+
+
+def plan_runs(args: argparse.Namespace, config: EngineConfig) -> list[Run]:
+    slots = parse_list(args.sweep_slots, int, "--sweep-slots") or [config.slots]
+    budgets = parse_list(args.sweep_token_budget, int, "--sweep-token-budget") or [config.token_budget]
+    rates = parse_list(args.rate, float, "--rate") or [0.0]
+    if any(r < 0 for r in rates) or any(s < 1 for s in slots) or any(b < 1 for b in budgets):
+        raise ValueError("rates must be >= 0, slot counts and token budgets >= 1")
+    if args.url:
+        if args.modes or args.sweep_slots or args.sweep_token_budget:
+            raise ValueError("--url benches the endpoint as it runs: --modes, --sweep-slots and "
+                             "--sweep-token-budget apply only when the bench starts the engine itself")
+        return [Run("url", None, None, rate, prio) for rate in rates
+                for prio in ((False, True) if args.compare_priorities else (True,))]
+    modes = (args.modes or config.mode).split(",")
+    for mode in modes:
+        if mode not in ("local", "colocated", "disaggregated"):
+            raise ValueError(f"--modes: unknown mode {mode!r} (local, colocated, disaggregated)")
+    return [Run(mode, s, b, rate, prio) for mode in modes for s in slots for b in budgets for rate in rates
             for prio in ((False, True) if args.compare_priorities else (True,))]
-    for mode, slots, prio in runs:
-        summary, per_request = bench_mode(config.model_copy(update={"slots": slots, "mode": mode}), loaded,
-                                          work, sequential=args.sequential, priorities=prio,
-                                          slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
-        summary = head | summary
+
+
+def _rounded(line: dict[str, Any]) -> dict[str, Any]:
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in line.items()}
+
+
+def run_bench(config: EngineConfig, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Print (and optionally write) JSON lines: one summary per configuration, then per-request lines;
+    draw the figure if asked."""
+    runs = plan_runs(args, config)
+    loaded = None
+    if args.url:
+        from deploy.bench_http import served_model
+        from workers.loader import load_tokenizer
+
+        served = served_model(args.url, args.api_key)
+        model_name = args.served_model_name or served["id"]
+        tokenizer = load_tokenizer(config.model).tokenizer  # the prompts' vocabulary: --model, as served
+    else:
+        from workers.loader import load_model
+
+        loaded = load_model(config.model, config.dtype, config.device)
+        tokenizer = loaded.tokenizer
+    if args.prompts_file:
+        base = load_workload(args.prompts_file, tokenizer, args.num_requests, args.output_len, args.seed,
+                             args.urgent_fraction)
+    else:
+        vocab = loaded.model.spec.vocab_size if loaded is not None else len(tokenizer)
+        base = make_workload(args.num_requests, args.prompt_len, args.output_len, vocab, args.seed,
+                             urgent_fraction=args.urgent_fraction)
+    head: dict[str, Any] = {"model": config.model, "requests": len(base.prompts),
+                            "output_tokens": base.num_output_tokens, "seed": args.seed,
+                            "torch_threads": torch.get_num_threads()}
+    if args.url:
+        head |= {"url": args.url, "served_model": model_name}
+        from deploy.bench_http import run_http
+
+        run_http(args.url, model_name, [base.prompts[0][:16]], [2], [0.0], [0])  # warm-up, untimed
+    baselines = [b for b in args.baselines.split(",") if b and b != "none"]
+    unknown = set(baselines) - {"serial", "static"}
+    if unknown:
+        raise ValueError(f"--baselines: unknown {sorted(unknown)} (serial, static or none)")
+    if baselines and loaded is None:
+        raise ValueError("the serial and static baselines run the model in this process: with --url use "
+                         "--baselines none")
+    if baselines and loaded is not None:
+        head |= _baselines(config, loaded, base, baselines, args.serial_requests)
+        print(json.dumps(_rounded(head)), file=sys.stderr, flush=True)
+    lines: list[dict[str, Any]] = []
+    for run in runs:
+        work = replace(base, arrival_s=poisson_arrivals(len(base.prompts), run.rate, args.seed), rate=run.rate)
+        bar = tqdm(total=len(work.prompts), desc=run.label(), unit="req", file=sys.stderr, leave=False,
+                   disable=args.quiet)
+        on_finish = lambda _done, bar=bar: bar.update(1)
+        extra: dict[str, Any] = {}
+        try:
+            if run.mode == "url":
+                start = time.perf_counter()
+                results = run_http(args.url, model_name, work.prompts, work.output_lens, work.arrival_s,
+                                   work.priorities(run.priorities), args.api_key, on_finish)
+                elapsed = time.perf_counter() - start
+            else:
+                assert run.slots is not None and run.token_budget is not None
+                run_config = config.model_copy(update={
+                    "mode": run.mode, "slots": run.slots, "token_budget": run.token_budget,
+                    "prefill_chunk": min(config.prefill_chunk, run.token_budget)})
+                results, elapsed, extra = run_engine(run_config, loaded, work, args.sequential, run.priorities,
+                                                     on_finish)
+        finally:
+            bar.close()
+        summary = head | {"mode": run.mode, "slots": run.slots, "token_budget": run.token_budget,
+                          "prefill_chunk": min(config.prefill_chunk, run.token_budget) if run.token_budget else None,
+                          "rate": run.rate, "sequential": args.sequential, "priorities": run.priorities}
+        summary |= summarize_run(work, results, elapsed, args.slo_ttft_ms, args.slo_tpot_ms) | extra
         for key in ("serial_tok_s", "static_tok_s"):
             if key in head:
-                summary[f"x_{key.split('_')[0]}"] = summary["batched_tok_s"] / head[key]
+                summary[f"x_{key.split('_')[0]}"] = summary["output_tok_s"] / head[key]
         if "handoff_mb_per_request" in summary:
             copy = bench_copy(int(summary["handoff_mb_per_request"] * 1e6))
             summary |= {"copy_gb_s": copy, "handoff_vs_copy": summary["handoff_gb_s"] / copy}
+        per_request = [{"rid": rid, "mode": run.mode, "slots": run.slots, "token_budget": run.token_budget,
+                        "rate": run.rate, "ttft_ms": round(1000 * c.metrics["ttft_s"], 2),
+                        "tpot_ms": round(1000 * c.metrics["tpot_s"], 2), "e2e_ms": round(1000 * c.metrics["e2e_s"], 2),
+                        "tokens": len(c.token_ids), "finish": c.finish_reason}
+                       for rid, c in sorted(results.items(), key=lambda kv: int(kv[0]))]
         lines += [summary] + per_request
-        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in summary.items()}),
-              flush=True)
-    by_mode = {line["mode"]: line for line in lines if "rid" not in line}
-    if "colocated" in by_mode and "disaggregated" in by_mode:
-        ratio = by_mode["disaggregated"]["ttft_ms_mean"] / by_mode["colocated"]["ttft_ms_mean"]
-        print(json.dumps({"ttft_disaggregated_over_colocated": round(ratio, 3)}), flush=True)
+        print(json.dumps(_rounded(summary)), flush=True)
+    _compare_modes(lines)
     for line in lines:
         if "rid" in line:
             print(json.dumps(line), file=sys.stderr if args.output else sys.stdout)
     if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         with open(args.output, "w") as f:
             for line in lines:
                 f.write(json.dumps(line) + "\n")
+    plot_path = args.plot or (str(Path(args.output).with_suffix(".png")) if args.output else None)
+    if plot_path:
+        from deploy.bench_plot import plot_bench
+
+        plot_bench([line for line in lines if "rid" not in line], plot_path)
+        print(f"figure: {plot_path}", file=sys.stderr)
     return lines
+
+
+def _baselines(config: EngineConfig, loaded: Any, work: Workload, baselines: list[str],
+               serial_requests: int) -> dict[str, float]:
+    from transformers import AutoModelForCausalLM
+
+    from workers.loader import resolve_checkpoint
+
+    weight = loaded.model.output_weight()
+    hf = AutoModelForCausalLM.from_pretrained(resolve_checkpoint(config.model), dtype=weight.dtype)
+    hf = hf.to(weight.device).eval()
+    out: dict[str, float] = {}
+    with torch.inference_mode():
+        if "serial" in baselines:
+            out |= bench_serial(hf, work, serial_requests)
+        if "static" in baselines:
+            out |= bench_static(hf, work, config.slots)
+    return out
+
+
+def _compare_modes(lines: list[dict[str, Any]]) -> None:
+    by_mode = {line["mode"]: line for line in lines if "rid" not in line}
+    if "colocated" in by_mode and "disaggregated" in by_mode:
+        ratio = by_mode["disaggregated"]["ttft_ms_mean"] / by_mode["colocated"]["ttft_ms_mean"]
+        print(json.dumps({"ttft_disaggregated_over_colocated": round(ratio, 3)}), flush=True)

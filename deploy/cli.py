@@ -54,11 +54,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from deploy.bench import run_bench
+    from deploy.bench_http import EndpointError
 
+    if args.baselines is None:
+        args.baselines = "none" if args.url else "serial,static"
     try:
         config = config_from_args(args)
         run_bench(config, args)
-    except (ValidationError, ValueError, FileNotFoundError) as e:
+    except (ValidationError, ValueError, FileNotFoundError, EndpointError) as e:
         print(f"pdserve bench: error: {e}", file=sys.stderr)
         return 2
     return 0
@@ -117,28 +120,45 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
 
-    bench = sub.add_parser("bench", help="throughput of the engine against serial and static generate")
+    bench = sub.add_parser("bench", help="serving benchmark: engine modes and sweeps, or a running endpoint "
+                           "(--url), against serial and static transformers generate")
     add_engine_args(bench)
-    bench.add_argument("--num-requests", type=int, default=32)
+    bench.add_argument("--url", default=None, help="bench this running OpenAI endpoint (e.g. "
+                       "http://127.0.0.1:8000/v1) instead of starting an engine; --model names the tokenizer "
+                       "that random prompts are drawn from")
+    bench.add_argument("--served-model-name", default=None, help="with --url: the `model` to send "
+                       "(default: the first one the endpoint lists)")
+    bench.add_argument("--api-key", default=None, help="with --url: sent as `Authorization: Bearer`")
+    bench.add_argument("--num-requests", type=int, default=32, help="requests per configuration (with "
+                       "--prompts-file: the first N lines, 0 for all)")
     bench.add_argument("--prompt-len", default="16:512", help="N or MIN:MAX (uniform), tokens")
     bench.add_argument("--output-len", default="16:256", help="N or MIN:MAX (uniform), tokens")
+    bench.add_argument("--prompts-file", default=None, help="JSONL of prompts instead of random ones: "
+                       "`prompt`, `messages` or `prompt_token_ids` per line, optional `max_tokens`")
     bench.add_argument("--sweep-slots", default=None, help="comma list of slot counts to run the engine with")
-    bench.add_argument("--baselines", default="serial,static", help="comma list of serial,static or none")
+    bench.add_argument("--sweep-token-budget", default=None,
+                       help="comma list of token budgets (e.g. 64,256,1024); prefill_chunk is capped at each")
+    bench.add_argument("--baselines", default=None, help="comma list of serial,static or none "
+                       "(default: serial,static; none with --url)")
     bench.add_argument("--serial-requests", type=int, default=8,
                        help="serial generate runs only this many requests (its rate is per token)")
     bench.add_argument("--modes", default=None, help="comma list of modes to run side by side in one run "
                        "(e.g. colocated,disaggregated); default: --mode")
     bench.add_argument("--sequential", action="store_true",
                        help="send one request at a time (low load: time to first token without queueing)")
-    bench.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals, requests/s (0: all at once)")
+    bench.add_argument("--rate", default="0", help="Poisson arrivals, requests/s (0: all at once); a comma list "
+                       "sweeps the rates (e.g. 0.5,1,2)")
     bench.add_argument("--urgent-fraction", type=float, default=0.0,
                        help="this fraction of requests is urgent (priority 0; the rest priority 1)")
     bench.add_argument("--compare-priorities", action="store_true",
                        help="run each configuration with priorities off and on (urgent TTFT side by side)")
     bench.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput counts requests under this TTFT")
     bench.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput counts requests under this TPOT")
-    bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--output", default=None, help="also write the JSON lines to this file")
+    bench.add_argument("--seed", type=int, default=0, help="prompts, lengths and arrivals depend only on it")
+    bench.add_argument("--output", default=None, help="also write the JSON lines to this file "
+                       "(and the figure next to it, as .png)")
+    bench.add_argument("--plot", default=None, help="write the figure here (PNG; default: --output with .png)")
+    bench.add_argument("--quiet", action="store_true", help="no progress bar")
     bench.set_defaults(func=_cmd_bench)
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API through Ray Serve")

@@ -51,6 +51,7 @@ async def stream(handle: Any, request: Request) -> Completion:
     done = Completion(request.req_id, len(request.prompt_ids))
     async for ref in handle.generate.remote(request):
         out = await ref
+        done.token_times_s += [time.perf_counter()] * len(out.token_ids)
         done.token_ids += out.token_ids
         done.text += out.text
         if out.finished:

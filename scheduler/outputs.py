@@ -86,9 +86,17 @@ class Completion:
     finish_reason: str | None = None
     error: str | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
+    # when the consumer got each token (perf_counter): inter-token latency as a client sees it
+    token_times_s: list[float] = field(default_factory=list)
 
     @classmethod
     def from_request(cls, request: Request) -> Completion:
         assert request.finish_reason is not None
         return cls(request.req_id, len(request.prompt_ids), list(request.output_ids), request.text,
-                   OPENAI_FINISH_REASON[request.finish_reason], request.error, request.metrics())
+                   OPENAI_FINISH_REASON[request.finish_reason], request.error, request.metrics(),
+                   list(request.token_times_s))
+
+    def inter_token_s(self) -> list[float]:
+        """Gaps between successive tokens' arrivals (tokens that arrive together count as 0)."""
+        times = self.token_times_s
+        return [b - a for a, b in zip(times, times[1:], strict=False)]

@@ -170,6 +170,7 @@ class Scheduler:
                 continue
             token = sampled[chunk.req_id]
             request.output_ids.append(token)
+            request.token_times_s.append(now)
             if request.first_token_s is None:
                 request.first_token_s = now
             if token in request.stop_token_ids:

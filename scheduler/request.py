@@ -83,6 +83,7 @@ class Request:
     scheduled_s: float | None = None  # first admitted into a slot
     first_token_s: float | None = None
     finish_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list)  # when each output token was sampled
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

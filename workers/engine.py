@@ -26,11 +26,15 @@ class LocalEngine:
         self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
         self.outputs = OutputProcessor(tokenizer)
         self.last_outputs: list[RequestOutput] = []  # each request's new tokens and text from the last step
+        self.reset_profile()
+        self._lock = threading.Lock()
+
+    def reset_profile(self) -> None:
+        """Zero the step count and the profile: seconds per whole step and inside the model forward,
+        overall and for decode-only steps."""
         self.num_steps = 0
-        # profile: seconds per whole step and inside the model forward, overall and for decode-only steps
         self.profile = {"step_s": 0.0, "model_s": 0.0, "decode_steps": 0, "decode_step_s": 0.0,
                         "decode_model_s": 0.0}
-        self._lock = threading.Lock()
 
     def submit(self, request: Request) -> None:
         """Queue a request; raises ValueError (nothing queued) if it can never run."""

@@ -50,6 +50,7 @@ def test_greedy_outputs_equal_local_mode(ray_session, tiny_checkpoint, overrides
         got = results[req_id]
         assert got.token_ids == expected.token_ids, req_id
         assert got.finish_reason == expected.finish_reason and got.error is None
+        assert len(got.token_times_s) == len(got.token_ids) and got.token_times_s == sorted(got.token_times_s)
     assert stats["live_handoffs"] == 0 and stats["streams"] == 0
     assert all(w["slots_used"] == 0 and w["waiting"] == 0 for w in stats["workers"].values())
     handed_off = {r: c.metrics["kv_handoff_bytes"] > 0 for r, c in results.items()}

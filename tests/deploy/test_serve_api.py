@@ -136,6 +136,26 @@ def test_disconnected_stream_frees_its_slot(server):
     assert slots_used() == 0
 
 
+def test_bench_against_the_running_endpoint(server, tiny_checkpoint, tmp_path):
+    """`pdserve bench --url`: a rate sweep streamed through the app, every request its full length."""
+    from deploy.bench import make_workload
+    from deploy.cli import main
+
+    out = tmp_path / "url.jsonl"
+    assert main(["bench", "--url", f"{server}/v1", "--model", tiny_checkpoint, "--num-requests", "5",
+                 "--prompt-len", "4:20", "--output-len", "3:9", "--rate", "0,100", "--output", str(out),
+                 "--quiet"]) == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    summaries = [line for line in lines if "rid" not in line]
+    runs = [(s["mode"], s["served_model"], s["rate"]) for s in summaries]
+    assert runs == [("url", "tiny", 0.0), ("url", "tiny", 100.0)]
+    assert all(s["ttft_ms_p50"] > 0 and s["itl_ms_mean"] > 0 and s["output_tok_s"] > 0 for s in summaries)
+    asked = make_workload(5, "4:20", "3:9", 384, seed=0).output_lens
+    for rate in (0.0, 100.0):
+        assert [line["tokens"] for line in lines if line.get("rid") and line["rate"] == rate] == asked
+    assert out.with_suffix(".png").exists()
+
+
 def test_not_ready_scheduler_gives_503():
     class Hanging:
         class check_health:  # noqa: N801 - mimics a handle method

@@ -77,8 +77,11 @@ def test_requests_submitted_while_running_arrive_late_and_finish():
     results = engine.run(requests, arrival_s=arrivals)
     for request in mixed_requests():
         assert results[request.req_id].output_ids == solo("llama", request).output_ids
-        m = results[request.req_id].metrics()
+        done = results[request.req_id]
+        m = done.metrics()
         assert 0 <= m["ttft_s"] <= m["e2e_s"]
+        times = done.token_times_s  # one per token, the first at the first token, in order
+        assert len(times) == len(done.output_ids) and times[0] == done.first_token_s and times == sorted(times)
 
 
 def priority_requests(sampling=None):

@@ -1,0 +1,103 @@
+"""Sends a bench workload to a running OpenAI-compatible endpoint (`pdserve bench --url`), streaming.
+
+Each request is a `/v1/completions` call with the prompt as token ids, greedy, `ignore_eos` (so every
+request makes exactly its output length on servers that honour it, as pdserve and vLLM do) and
+`stream_options.include_usage`. Times are taken as the client sees them, the way vLLM's serving
+benchmark takes them: TTFT at the first chunk that carries text, inter-token gaps between chunks,
+TPOT as (end - first chunk) / (completion tokens - 1) with the token count from `usage`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from scheduler.outputs import Completion
+
+
+class EndpointError(RuntimeError):
+    """The endpoint refused or broke a request: the bench stops rather than report partial figures."""
+
+
+async def _one(http: httpx.AsyncClient, url: str, model: str, rid: str, prompt: list[int], max_tokens: int,
+               priority: int) -> Completion:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, "priority": priority}
+    done = Completion(rid, len(prompt))
+    start = time.perf_counter()
+    first: float | None = None
+    completion_tokens = None
+    async with http.stream("POST", f"{url}/completions", json=body) as r:
+        if r.status_code != 200:
+            raise EndpointError(f"request {rid}: status {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if "error" in data:
+                raise EndpointError(f"request {rid}: {data['error'].get('message', data['error'])}")
+            if data.get("usage"):
+                completion_tokens = data["usage"]["completion_tokens"]
+            for choice in data.get("choices", []):
+                now = time.perf_counter()
+                if choice.get("text"):
+                    first = first or now
+                    done.text += choice["text"]
+                    done.token_times_s.append(now)
+                done.finish_reason = choice.get("finish_reason") or done.finish_reason
+    end = time.perf_counter()
+    if done.finish_reason is None:
+        raise EndpointError(f"request {rid}: the stream ended without a finish_reason")
+    if completion_tokens is None:
+        raise EndpointError(f"request {rid}: no usage in the stream (the server ignores stream_options)")
+    first = first if first is not None else end
+    done.token_ids = [0] * completion_tokens  # the endpoint reports how many, not which (text is kept)
+    done.metrics = {"ttft_s": first - start, "e2e_s": end - start,
+                    "tpot_s": (end - first) / (completion_tokens - 1) if completion_tokens > 1 else 0.0}
+    return done
+
+
+def run_http(url: str, model: str, prompts: list[list[int]], output_lens: list[int], arrival_s: list[float],
+             priorities: list[int], api_key: str | None = None,
+             on_finish: Callable[[Completion], None] | None = None) -> dict[str, Completion]:
+    """Send every request at its arrival offset, concurrently; return completions by id ("0", "1", ...)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    url = url.rstrip("/")
+
+    async def everything() -> list[Completion]:
+        limits = httpx.Limits(max_connections=len(prompts) + 4)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits, headers=headers) as http:
+            t0 = time.perf_counter()
+
+            async def scheduled(i: int) -> Completion:
+                await asyncio.sleep(max(0.0, arrival_s[i] - (time.perf_counter() - t0)))
+                done = await _one(http, url, model, str(i), prompts[i], output_lens[i], priorities[i])
+                if on_finish is not None:
+                    on_finish(done)
+                return done
+
+            return await asyncio.gather(*(scheduled(i) for i in range(len(prompts))))
+
+    try:
+        return {c.req_id: c for c in asyncio.run(everything())}
+    except httpx.HTTPError as e:
+        raise EndpointError(f"{url}: {type(e).__name__}: {e}") from None
+
+
+def served_model(url: str, api_key: str | None = None) -> dict[str, Any]:
+    """The first model the endpoint lists (`/v1/models`): its id and, on pdserve, its max_model_len."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(f"{url.rstrip('/')}/models", headers=headers, timeout=30.0)
+        r.raise_for_status()
+    except httpx.HTTPError as e:
+        raise EndpointError(f"{url}: cannot list models: {e}") from None
+    models = r.json().get("data", [])
+    if not models:
+        raise EndpointError(f"{url}: serves no model")
+    return models[0]

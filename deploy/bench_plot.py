@@ -1,0 +1,110 @@
+"""Draws `pdserve bench` summaries as one PNG: the slots sweep, the token-budget sweep, the rate sweep.
+
+Panels: output tokens/s and mean TPOT against slots (with the serial and static `generate`
+baselines when measured); p50 and p99 TTFT against the token budget (runs under Poisson load); and,
+when several rates were run, p50/p99 TTFT and goodput against the arrival rate. A panel whose sweep
+was not run shows the points there are and says so.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+_FIXED = ("mode", "slots", "token_budget", "rate", "priorities")
+
+
+def _label(settings: dict[str, Any]) -> str:
+    parts = [str(settings["mode"])] if settings.get("mode") else []
+    parts += [f"{k}={v:g}" for k, v in settings.items() if k not in ("mode", "priorities") and v is not None]
+    return ", ".join(parts + (["no priorities"] if settings.get("priorities") is False else []))
+
+
+def _series(lines: list[dict[str, Any]], x: str, where: Any = None) -> dict[str, list[dict[str, Any]]]:
+    """Lines grouped by every setting except `x`, each group sorted by `x`; keyed by a legend label."""
+    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for line in lines:
+        if where is None or where(line):
+            groups[_label({k: line.get(k) for k in _FIXED if k != x})].append(line)
+    return {label: sorted(members, key=lambda line: line[x]) for label, members in groups.items()}
+
+
+def _log2_ticks(ax: Any, values: list[int]) -> None:
+    """A base-2 log axis labelled with the values that were run."""
+    ax.set_xscale("log", base=2)
+    if values:
+        ax.set_xticks(sorted(set(values)), [str(v) for v in sorted(set(values))])
+        ax.minorticks_off()
+
+
+def plot_bench(summaries: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = {line.get("rate", 0.0) for line in summaries}
+    panels = 3 if len(rates) > 1 else 2
+    fig, axes = plt.subplots(1, panels, figsize=(6.2 * panels, 4.6), constrained_layout=True)
+
+    ax = axes[0]
+    tpot_ax = ax.twinx()
+    # throughput is a closed-loop figure: under Poisson arrivals it only shows the offered rate
+    saturated = [line for line in summaries if not line.get("rate")] or summaries
+    by_slots = _series(saturated, "slots", lambda line: line.get("slots") is not None)
+    for label, group in by_slots.items():
+        xs = [line["slots"] for line in group]
+        (handle,) = ax.plot(xs, [line["output_tok_s"] for line in group], "o-", label=f"tok/s: {label}")
+        tpot_ax.plot(xs, [line["tpot_ms_mean"] for line in group], "s--", color=handle.get_color(), alpha=0.6,
+                     label=f"TPOT: {label}")
+    for key, name, style in (("static_tok_s", "static generate", ":"), ("serial_tok_s", "serial generate", "-.")):
+        if summaries and key in summaries[0]:
+            ax.axhline(summaries[0][key], color="grey", linestyle=style, label=name)
+    _log2_ticks(ax, [line["slots"] for group in by_slots.values() for line in group])
+    ax.set_xlabel("slots (requests decoding at once)")
+    ax.set_ylabel("output tokens/s (solid)")
+    tpot_ax.set_ylabel("mean TPOT, ms (dashed)")
+    ax.set_title("Throughput and TPOT vs slots" + ("" if any(len(g) > 1 for g in by_slots.values())
+                                                 else " (no slots sweep in this run)"))
+    if by_slots:
+        ax.legend(fontsize=7, loc="upper left")
+    ax.grid(alpha=0.3)
+
+    ax = axes[1]
+    poisson = [line for line in summaries if line.get("rate", 0.0) > 0]
+    by_budget = _series(poisson, "token_budget", lambda line: line.get("token_budget") is not None)
+    for label, group in by_budget.items():
+        xs = [line["token_budget"] for line in group]
+        (handle,) = ax.plot(xs, [line["ttft_ms_p50"] for line in group], "o-", label=f"p50: {label}")
+        ax.plot(xs, [line["ttft_ms_p99"] for line in group], "^--", color=handle.get_color(), label=f"p99: {label}")
+    _log2_ticks(ax, [line["token_budget"] for group in by_budget.values() for line in group])
+    ax.set_xlabel("token budget (tokens per step)")
+    ax.set_ylabel("TTFT, ms")
+    note = "" if any(len(g) > 1 for g in by_budget.values()) else (
+        " (no Poisson runs)" if not poisson else " (no budget sweep in this run)")
+    ax.set_title("TTFT vs token budget under Poisson load" + note)
+    if by_budget:
+        ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+
+    if panels == 3:
+        ax = axes[2]
+        good_ax = ax.twinx()
+        for label, group in _series(summaries, "rate").items():
+            xs = [line["rate"] for line in group]
+            (handle,) = ax.plot(xs, [line["ttft_ms_p50"] for line in group], "o-", label=f"TTFT p50: {label}")
+            ax.plot(xs, [line["ttft_ms_p99"] for line in group], "^--", color=handle.get_color(),
+                    label=f"TTFT p99: {label}")
+            good_ax.plot(xs, [line["goodput_req_s"] for line in group], "s:", color=handle.get_color(),
+                         label=f"goodput: {label}")
+        ax.set_xlabel("arrival rate, requests/s (0: all at once)")
+        ax.set_ylabel("TTFT, ms")
+        good_ax.set_ylabel("goodput, requests/s (dotted)")
+        ax.set_title("TTFT and goodput vs arrival rate")
+        ax.legend(fontsize=7, loc="upper left")
+        ax.grid(alpha=0.3)
+
+    model = summaries[0].get("served_model") or summaries[0].get("model") if summaries else ""
+    fig.suptitle(f"pdserve bench: {model}", fontsize=10)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

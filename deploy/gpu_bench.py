@@ -1,0 +1,408 @@
+"""`pdserve gpu-bench`: a one-command, offline GPU benchmark of the local engine on a random-weight Qwen3-0.6B.
+
+It builds a Qwen3-0.6B-shaped model with random weights (no network: config from code, weights from a fixed
+seed, a word-level tokenizer over the vocabulary), saves it with `save_pretrained` and loads it back through
+pdserve's own loader. Then, for each slot count of the sweep, it runs the same workload (random prompts, all
+arriving at once, fixed output lengths) through the `local`-mode engine and through `transformers`' static
+batching (`generate` on fixed batches of that many requests), and reports throughput and each decode step's
+achieved memory bandwidth (weight + KV bytes read per step / step time) as a fraction of the device's
+measured copy bandwidth. One JSON line per slot count goes to stdout (and to --output) as it finishes, then
+a summary line; progress and a final table go to stderr. The sweep stops early, and says so, when the next
+slot count would not finish inside --time-limit.
+
+    python -m deploy.gpu_bench                                 # cuda if present, bf16, slots 1..64
+    python -m deploy.gpu_bench --preset tiny --device cpu --slots 1,2,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deploy.bench import make_workload
+from deploy.config import EngineConfig
+from scheduler.plan import StepPlan
+from scheduler.request import Request
+
+PRESETS = ("qwen3-0.6b", "tiny")
+# How bytes are counted: a decode step's bytes are what it reads (weights + KV), the issue's definition; the
+# copy's are what it reads plus what it writes (2 x the tensor size), the usual convention for a device-to-
+# device copy. A step that reads at the copy's full speed therefore scores about 1.0.
+BYTES_CONVENTION = "decode step: bytes read (weights + KV); copy: bytes read + bytes written (2 x size)"
+KV_BYTES_MODEL = ("per decode-only step: K and V of every layer for the decode span (max slot - min slot + 1) x "
+                  "decode context (max position + 1), as workers/model.py reads them; summed from the step "
+                  "plans, then averaged over decode steps (KV writes and activations not counted)")
+WEIGHT_BYTES_MODEL = ("every parameter once per step (a tied embedding once, as the lm_head read) + the "
+                      "embedding rows looked up")
+NOTES = {"bytes_convention": BYTES_CONVENTION, "weight_bytes_model": WEIGHT_BYTES_MODEL,
+         "kv_bytes_model": KV_BYTES_MODEL,
+         "decode_step_ms": "whole engine step (plan, forward, sampling, update) over decode-only steps; the "
+                           "bandwidth uses it. decode_model_ms is the forward only, mostly launch time on cuda"}
+
+
+def qwen3_config(preset: str) -> Any:
+    """A transformers Qwen3Config: Qwen3-0.6B's shape, or a tiny two-layer one for tests."""
+    from transformers import Qwen3Config
+
+    if preset == "qwen3-0.6b":
+        return Qwen3Config(
+            vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+            num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, max_position_embeddings=40960,
+            rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False,
+            bos_token_id=151643, eos_token_id=151645, pad_token_id=0,
+        )
+    if preset == "tiny":
+        return Qwen3Config(
+            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, max_position_embeddings=1024,
+            rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=511, pad_token_id=0,
+        )
+    raise ValueError(f"unknown preset {preset!r}; use one of {', '.join(PRESETS)}")
+
+
+def word_level_tokenizer(vocab_size: int, eos_token_id: int) -> Any:
+    """A tokenizer built offline: token i is the word `t{i}`, so every id decodes and load_model finds one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token=f"t{eos_token_id}")
+
+
+def build_checkpoint(preset: str, dtype: torch.dtype, device: str, seed: int, root: Path) -> Path:
+    """Save a random-weight model of the preset (and a tokenizer) under `root`; reuse one saved before."""
+    from transformers import AutoModelForCausalLM
+
+    path = root / f"{preset}-{str(dtype).removeprefix('torch.')}-seed{seed}"
+    done = path / ".complete"
+    if done.exists():
+        return path
+    config = qwen3_config(preset)
+    torch.manual_seed(seed)
+    with torch.device(device):  # random init on the device: seconds for 0.6B parameters on a GPU
+        hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    hf.save_pretrained(path)
+    word_level_tokenizer(config.vocab_size, config.eos_token_id).save_pretrained(path)
+    del hf
+    done.touch()
+    return path
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str, num_bytes: int, trials: int = 5, copies: int = 10) -> float:
+    """GB/s of `dst.copy_(src)` on the device, counting bytes read + bytes written (2 x the size); best trial."""
+    src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)  # ones: touches every page on CPU
+    dst = torch.empty_like(src)
+    nbytes = src.numel() * src.element_size()
+    for _ in range(2):
+        dst.copy_(src)
+    best = 0.0
+    for _ in range(trials):
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(copies):
+            dst.copy_(src)
+        synchronize(device)
+        best = max(best, 2 * nbytes * copies / (time.perf_counter() - start) / 1e9)
+    del src, dst
+    return best
+
+
+@dataclasses.dataclass
+class DecodeTally:
+    """What the decode-only steps read from the KV cache, taken from the plans the runner executes."""
+
+    bytes_per_token: int  # K + V bytes of one position, all layers
+    steps: int = 0
+    tokens: int = 0
+    span_rows: int = 0  # sum over steps of the decode span (cache rows attended)
+    context: int = 0  # sum over steps of the decode context (positions attended per row)
+    kv_bytes: int = 0
+
+    def record(self, plan: StepPlan) -> None:
+        if not plan.decode or plan.prefill:
+            return  # the engine's profile times decode-only steps; count the same ones
+        slots = [c.slot for c in plan.decode]
+        span, context = max(slots) - min(slots) + 1, max(c.start_pos for c in plan.decode) + 1
+        self.steps += 1
+        self.tokens += len(plan.decode)
+        self.span_rows += span
+        self.context += context
+        self.kv_bytes += span * context * self.bytes_per_token
+
+
+def weight_bytes_read(model: Any, decode_tokens: float) -> float:
+    """Bytes of weights one decode step reads: every parameter once (a tied embedding is the lm_head, read
+    whole once), and for an untied embedding only the rows looked up."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.model.embed_tokens.weight
+    row = embed.shape[1] * embed.element_size()
+    if not model.spec.tie_word_embeddings:
+        total -= embed.numel() * embed.element_size()
+    return total + decode_tokens * row
+
+
+def bench_engine(loaded: Any, config: EngineConfig, prompts: list[list[int]], output_len: int,
+                 device: str) -> dict[str, Any]:
+    """Warm up, then run the workload through a local engine; return throughput and decode-step numbers."""
+    from deploy.engine_factory import build_local_engine
+    from workers.kv_cache import SlotKVCache
+
+    engine, _ = build_local_engine(config, loaded)
+    spec = loaded.model.spec
+    tally = DecodeTally(SlotKVCache.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                                                    engine.runner.dtype))
+    execute = engine.runner.execute
+
+    def counted_execute(plan: StepPlan) -> dict[str, int]:
+        tally.record(plan)
+        return execute(plan)
+
+    warm = [Request(req_id=f"warm{i}", prompt_ids=p, max_tokens=min(4, output_len))
+            for i, p in enumerate(prompts[: config.slots])]
+    engine.run(warm)
+    engine.runner.execute = counted_execute  # type: ignore[method-assign]
+    before, steps_before = dict(engine.profile), engine.num_steps
+    requests = [Request(req_id=str(i), prompt_ids=p, max_tokens=output_len) for i, p in enumerate(prompts)]
+    synchronize(device)
+    start = time.perf_counter()
+    results = engine.run(requests)
+    synchronize(device)
+    elapsed = time.perf_counter() - start
+    prof = {k: engine.profile[k] - before[k] for k in before}
+    if prof["decode_steps"] != tally.steps:
+        raise RuntimeError(f"profile counted {prof['decode_steps']} decode steps, the plans {tally.steps}")
+    tokens = sum(len(r.output_ids) for r in results.values())
+    steps = max(tally.steps, 1)
+    step_s = prof["decode_step_s"] / steps
+    mean_tokens = tally.tokens / steps
+    weights = weight_bytes_read(loaded.model, mean_tokens)
+    kv = tally.kv_bytes / steps
+    out = {
+        "engine_tokens": tokens, "engine_s": elapsed, "engine_tok_s": tokens / elapsed,
+        "engine_steps": engine.num_steps - steps_before, "decode_steps": tally.steps,
+        "decode_step_ms": 1000 * step_s,
+        # time inside the forward; on cuda kernels run asynchronously, so this is mostly launch time (the
+        # step's sampling waits for them): use decode_step_ms for bandwidth
+        "decode_model_ms": 1000 * prof["decode_model_s"] / steps,
+        "decode_tok_s": tally.tokens / max(prof["decode_step_s"], 1e-12),
+        "mean_decode_batch": mean_tokens, "mean_decode_span": tally.span_rows / steps,
+        "mean_decode_context": tally.context / steps,
+        "weight_bytes_per_step": weights, "kv_bytes_per_step": kv, "bytes_per_step": weights + kv,
+        "achieved_gb_s": (weights + kv) / max(step_s, 1e-12) / 1e9,
+    }
+    del engine
+    return out
+
+
+def bench_static(hf: Any, prompts: list[list[int]], output_len: int, batch_size: int,
+                 device: str) -> dict[str, Any]:
+    """transformers' static batching: fixed batches of `batch_size` through greedy `generate`, each run for
+    exactly `output_len` new tokens. (deploy.bench.bench_static builds its inputs on the CPU and does not
+    synchronize a GPU, so it does not fit here.) Prompts have one length, so there is no padding."""
+
+    def generate(batch: list[list[int]], new_tokens: int) -> int:
+        ids = torch.tensor(batch, device=device)
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        return (out.shape[1] - ids.shape[1]) * len(batch)
+
+    with torch.inference_mode():
+        generate(prompts[:batch_size], min(4, output_len))  # warmup
+        synchronize(device)
+        start, tokens = time.perf_counter(), 0
+        for i in range(0, len(prompts), batch_size):
+            tokens += generate(prompts[i : i + batch_size], output_len)
+        synchronize(device)
+        elapsed = time.perf_counter() - start
+    return {"static_tokens": tokens, "static_s": elapsed, "static_tok_s": tokens / elapsed}
+
+
+def auto_token_budget(slots: int, prompt_len: int, prefill_chunk: int) -> int:
+    """A budget that prefills every slot's next chunk in one step, so requests decode in lockstep and
+    prefill is never starved: max(256, slots x min(prompt, chunk))."""
+    return max(256, slots * min(prompt_len, prefill_chunk))
+
+
+def _round(line: dict[str, Any]) -> dict[str, Any]:
+    """Floats to 6 significant digits (a small bandwidth fraction keeps its digits)."""
+    return {k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in line.items()}
+
+
+def _progress(start: float, message: str) -> None:
+    print(f"[gpu-bench {time.perf_counter() - start:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def _table(lines: list[dict[str, Any]]) -> str:
+    header = (f"{'slots':>5} {'engine tok/s':>12} {'static tok/s':>12} {'x static':>8} {'step ms':>8} "
+              f"{'GB/s':>9} {'of copy':>8}")
+    rows = [header] + [
+        f"{ln['slots']:>5} {ln['engine_tok_s']:>12.1f} {ln['static_tok_s']:>12.1f} {ln['x_static']:>8.2f} "
+        f"{ln['decode_step_ms']:>8.2f} {ln['achieved_gb_s']:>9.2f} {ln['bandwidth_fraction']:>8.3f}"
+        for ln in lines
+    ]
+    return "\n".join(rows)
+
+
+def run_gpu_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Run the sweep; print and write one JSON line per slot count and a summary line; return them all."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from workers.loader import load_model, resolve_device, resolve_dtype
+
+    start = time.perf_counter()
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    slot_counts = [int(s) for s in str(args.slots).split(",") if s.strip()]
+    if not slot_counts or min(slot_counts) < 1:
+        raise ValueError(f"--slots must list positive integers, got {args.slots!r}")
+    if args.prompt_len < 1 or args.output_len < 1:
+        raise ValueError("--prompt-len and --output-len must be >= 1")
+    copy_bytes = int((args.copy_mib or (1024 if device.startswith("cuda") else 128)) * 2**20)
+    output = Path(args.output) if args.output else None
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text("")
+
+    with tempfile.TemporaryDirectory(prefix="pdserve-gpu-bench-") as tmp:
+        root = Path(args.workdir) if args.workdir else Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        _progress(start, f"building the {args.preset} checkpoint ({dtype}, {device}) under {root}")
+        checkpoint = build_checkpoint(args.preset, dtype, device, args.seed, root)
+        _progress(start, "loading it through pdserve's loader")
+        loaded = load_model(str(checkpoint), args.dtype, device)
+        _progress(start, "loading it into transformers for the static-batching baseline")
+        hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device).eval()
+        _progress(start, f"measuring copy bandwidth ({copy_bytes / 2**20:.0f} MiB)")
+        copy_gb_s = copy_bandwidth(device, copy_bytes)
+        setup_s = time.perf_counter() - start
+        _progress(start, f"copy bandwidth {copy_gb_s:.1f} GB/s (read + write); setup took {setup_s:.1f}s")
+
+        max_model_len = math.ceil((args.prompt_len + args.output_len) / 16) * 16
+        head = {
+            "record": "sweep", "preset": args.preset, "device": device,
+            "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+            "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
+            "transformers": transformers.__version__, "torch_threads": torch.get_num_threads(),
+            "hf_attn_implementation": getattr(hf.config, "_attn_implementation", None),
+            "prompt_len": args.prompt_len, "output_len": args.output_len, "max_model_len": max_model_len,
+            "detokenize": args.detokenize, "model_params": sum(p.numel() for p in loaded.model.parameters()),
+            "copy_gb_s": copy_gb_s, "bytes_convention": "step bytes read vs copy bytes read+written",
+            "kv_bytes_model": "span x max context, per decode step",  # NOTES in the summary line say more
+        }
+        # Without --detokenize the engine gets no tokenizer: random ids make meaningless text, and its
+        # per-token detokenization would add CPU time to the decode steps being measured.
+        engine_model = loaded if args.detokenize else dataclasses.replace(loaded, tokenizer=None)
+        lines: list[dict[str, Any]] = []
+        skipped: list[int] = []
+        last: tuple[int, float] | None = None
+        for index, slots in enumerate(slot_counts):
+            if last is not None:
+                # conservative: a run's time grows at most linearly with the slot count
+                projected = last[1] * max(1.0, slots / last[0])
+                if time.perf_counter() - start + projected > args.time_limit:
+                    skipped = slot_counts[index:]
+                    _progress(start, f"stopping early: slots {slots} is projected to take {projected:.0f}s, "
+                              f"past the {args.time_limit:.0f}s limit; skipping {skipped}")
+                    break
+            run_start = time.perf_counter()
+            num_requests = max(args.min_requests, args.requests_per_slot * slots)
+            work = make_workload(num_requests, str(args.prompt_len), str(args.output_len),
+                                 loaded.model.spec.vocab_size, args.seed + slots)
+            chunk = min(args.prefill_chunk, args.token_budget) if args.token_budget else args.prefill_chunk
+            budget = args.token_budget or auto_token_budget(slots, args.prompt_len, chunk)
+            config = EngineConfig(model=str(checkpoint), mode="local", slots=slots, max_model_len=max_model_len,
+                                  token_budget=budget, prefill_chunk=chunk, dtype=args.dtype, device=device)
+            _progress(start, f"slots {slots}: engine, {num_requests} requests")
+            line = head | {"slots": slots, "requests": num_requests, "requested_tokens": work.num_output_tokens,
+                           "token_budget": budget, "prefill_chunk": chunk}
+            line |= bench_engine(engine_model, config, work.prompts, args.output_len, device)
+            _progress(start, f"slots {slots}: transformers static batching")
+            line |= bench_static(hf, work.prompts, args.output_len, slots, device)
+            line |= {"x_static": line["engine_tok_s"] / line["static_tok_s"],
+                     "bandwidth_fraction": line["achieved_gb_s"] / copy_gb_s,
+                     "run_s": time.perf_counter() - run_start, "elapsed_s": time.perf_counter() - start}
+            if device.startswith("cuda"):
+                line["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                torch.cuda.empty_cache()
+            line = _round(line)
+            lines.append(line)
+            last = (slots, line["run_s"])
+            print(json.dumps(line), flush=True)
+            if output is not None:
+                with output.open("a") as f:
+                    f.write(json.dumps(line) + "\n")
+        del hf, loaded, engine_model
+
+    summary = _round({
+        "record": "summary", "preset": args.preset, "device": head["device_name"], "dtype": head["dtype"],
+        "completed_slots": [ln["slots"] for ln in lines], "skipped_slots": skipped, "stopped_early": bool(skipped),
+        "time_limit_s": args.time_limit, "setup_s": setup_s, "elapsed_s": time.perf_counter() - start,
+        "copy_gb_s": copy_gb_s, "notes": NOTES,
+    })
+    print(json.dumps(summary), flush=True)
+    if output is not None:
+        with output.open("a") as f:
+            f.write(json.dumps(summary) + "\n")
+    print(_table(lines), file=sys.stderr)
+    if skipped:
+        print(f"stopped early at the {args.time_limit:.0f}s limit: slots {skipped} not run", file=sys.stderr)
+    print(f"copy bandwidth {copy_gb_s:.1f} GB/s (read + write); total {summary['elapsed_s']:.1f}s"
+          + (f"; results in {output}" if output else ""), file=sys.stderr, flush=True)
+    return lines + [summary]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", choices=PRESETS, default="qwen3-0.6b",
+                        help="model shape, random weights: qwen3-0.6b (Qwen3-0.6B) or tiny (for tests)")
+    parser.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
+    parser.add_argument("--slots", default="1,2,4,8,16,32,64", help="comma-separated slot counts to sweep")
+    parser.add_argument("--requests-per-slot", type=int, default=2, help="requests per slot count: this x slots")
+    parser.add_argument("--min-requests", type=int, default=4, help="at least this many requests per slot count")
+    parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens of every request")
+    parser.add_argument("--output-len", type=int, default=128, help="output tokens of every request")
+    parser.add_argument("--prefill-chunk", type=int, default=128, help="most prompt tokens of one request per step")
+    parser.add_argument("--token-budget", type=int, default=0,
+                        help="tokens per engine step; 0: max(256, slots x min(prompt, chunk)), all prefill at once")
+    parser.add_argument("--detokenize", action="store_true",
+                        help="give the engine the (word-level) tokenizer, so decode steps include detokenizing")
+    parser.add_argument("--copy-mib", type=float, default=0,
+                        help="tensor size of the copy-bandwidth measurement; 0: 1024 on cuda, 128 on cpu")
+    parser.add_argument("--time-limit", type=float, default=540.0,
+                        help="seconds; slot counts projected to end past this are skipped (and reported)")
+    parser.add_argument("--workdir", default=None,
+                        help="where the random checkpoint is saved (and reused); default: a temporary folder")
+    parser.add_argument("--output", default="results/gpu_bench.jsonl", help="JSON lines file ('' for none)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deploy.gpu_bench",
+                                     description="GPU benchmark of the local engine on a random-weight Qwen3-0.6B.")
+    add_arguments(parser)
+    run_gpu_bench(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
