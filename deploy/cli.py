@@ -1,4 +1,4 @@
-"""The `pdserve` console script: `generate` (batch job), `bench` (benchmark) and `serve` (HTTP)."""
+"""The `pdserve` console script: `generate` (batch job), `bench` / `gpu-bench`, `serve` (HTTP), `load`."""
 
 from __future__ import annotations
 
@@ -160,6 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", default=None, help="write the figure here (PNG; default: --output with .png)")
     bench.add_argument("--quiet", action="store_true", help="no progress bar")
     bench.set_defaults(func=_cmd_bench)
+
+    from deploy import gpu_bench
+
+    gpu = sub.add_parser("gpu-bench", help="offline GPU benchmark: a random-weight Qwen3-0.6B, slots sweep "
+                         "against transformers static batching, decode-step memory bandwidth")
+    gpu_bench.add_arguments(gpu)
+    gpu.set_defaults(func=lambda args: gpu_bench.run_gpu_bench(args) and 0)
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API through Ray Serve")
     add_engine_args(serve)
