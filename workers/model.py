@@ -36,15 +36,31 @@ class BatchLayout:
     """Where each token of a flat batch belongs: decode tokens first, then prompt chunks.
 
     Tensors live on the model's device; the Python ints describe the prompt chunks, one attention
-    call each, while all decode tokens share one batched attention call.
+    call each. Decode tokens attend one call per row on CPU (each reads only its own keys) or in one
+    batched call over their slot span on an accelerator (`batched_decode`), where launches cost more
+    than reading padded keys.
     """
 
     positions: torch.Tensor  # [num_tokens] position of each token in its sequence
     slots: torch.Tensor  # [num_tokens] cache row of each token
     num_decode: int  # the first num_decode tokens are single decode tokens
+    decode_rows: list[tuple[int, int]]  # (slot, position) of each decode token
     decode_context: int  # max(position) + 1 over decode tokens: keys to read for them
     decode_span: tuple[int, int]  # (min slot, max slot + 1) over decode tokens
     prefill: list[tuple[int, int, int, int]]  # (slot, first flat index, num_tokens, start_pos)
+    batched_decode: bool
+
+    @classmethod
+    def build(cls, positions: list[int], slots: list[int], num_decode: int,
+              prefill: list[tuple[int, int, int, int]], device: torch.device | str,
+              batched_decode: bool | None = None) -> BatchLayout:
+        decode_slots = slots[:num_decode]
+        return cls(
+            positions=torch.tensor(positions, device=device), slots=torch.tensor(slots, device=device),
+            num_decode=num_decode, decode_rows=list(zip(decode_slots, positions[:num_decode], strict=True)),
+            decode_context=max(positions[:num_decode], default=-1) + 1,
+            decode_span=(min(decode_slots, default=0), max(decode_slots, default=-1) + 1), prefill=prefill,
+            batched_decode=torch.device(device).type != "cpu" if batched_decode is None else batched_decode)
 
 
 class RMSNorm(nn.Module):
@@ -95,10 +111,21 @@ class Attention(nn.Module):
         v_cache[layout.slots, :, layout.positions] = v.to(v_cache.dtype)
 
         out = torch.empty_like(q)  # [N, H, D]
-        if layout.num_decode:
-            # Attend over the cache rows lo..hi-1 as a view (gathering the decode rows would copy every
-            # key and value: most of a step's time on CPU). Rows in the span that are not decoding get
-            # a dummy query that sees key 0 only; their outputs are dropped.
+        if layout.num_decode and not layout.batched_decode:
+            # On CPU each decode row attends over its own keys, as views of its cache row: no copy, and
+            # no reading past its length (a batched call reads every row up to the longest one).
+            # A decode row's query heads that share a KV head go in as that head's query rows (all at
+            # the same position, so no mask): no KV head is repeated for GQA.
+            group = self.num_heads // self.num_kv_heads
+            grouped = q[: layout.num_decode].view(-1, self.num_kv_heads, group, self.head_dim)  # [B, KVH, G, D]
+            grouped_out = out[: layout.num_decode].view(-1, self.num_kv_heads, group, self.head_dim)
+            for i, (slot, pos) in enumerate(layout.decode_rows):
+                grouped_out[i] = F.scaled_dot_product_attention(
+                    grouped[i][None], k_cache[slot, :, : pos + 1][None], v_cache[slot, :, : pos + 1][None])[0]
+        elif layout.num_decode:
+            # On an accelerator, one batched call over the cache rows lo..hi-1 as a view (gathering the
+            # decode rows would copy every key and value). Rows in the span that are not decoding get a
+            # dummy query that sees key 0 only; their outputs are dropped.
             b, ctx = layout.num_decode, layout.decode_context
             lo, hi = layout.decode_span
             rows = layout.slots[:b] - lo  # [B]

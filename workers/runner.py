@@ -50,18 +50,10 @@ class ModelRunner:
             if chunk.sample:
                 logits_indices.append(len(input_ids) - 1)
         num_decode = len(plan.decode)
-        device = self.device
-        layout = BatchLayout(
-            positions=torch.tensor(positions, device=device),
-            slots=torch.tensor(slots, device=device),
-            num_decode=num_decode,
-            decode_context=max(positions[:num_decode], default=-1) + 1,
-            decode_span=(min(slots[:num_decode], default=0), max(slots[:num_decode], default=-1) + 1),
-            prefill=prefill,
-        )
+        layout = BatchLayout.build(positions, slots, num_decode, prefill, self.device)
         forward_start = time.perf_counter()
-        logits = self.model(torch.tensor(input_ids, device=device), layout, self.cache,
-                            torch.tensor(logits_indices, dtype=torch.long, device=device))  # [M, vocab]
+        logits = self.model(torch.tensor(input_ids, device=self.device), layout, self.cache,
+                            torch.tensor(logits_indices, dtype=torch.long, device=self.device))  # [M, vocab]
         self.last_forward_s = time.perf_counter() - forward_start
         sampling_chunks = [c for c in chunks if c.sample]
         tokens = sample(logits, [c.sampling for c in sampling_chunks], [c.output_index for c in sampling_chunks])

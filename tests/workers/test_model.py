@@ -8,7 +8,7 @@ from workers.kv_cache import SlotKVCache
 from workers.model import BatchLayout
 
 
-def _run(model, cache, chunks, decode_first: int):
+def _run(model, cache, chunks, decode_first: int, batched_decode: bool = False):
     """chunks: (slot, token_ids, start_pos); the first `decode_first` are single decode tokens."""
     ids, positions, slots, prefill = [], [], [], []
     for i, (slot, tokens, start) in enumerate(chunks):
@@ -17,14 +17,13 @@ def _run(model, cache, chunks, decode_first: int):
         ids += tokens
         positions += range(start, start + len(tokens))
         slots += [slot] * len(tokens)
-    layout = BatchLayout(torch.tensor(positions), torch.tensor(slots), decode_first,
-                         max(positions[:decode_first], default=-1) + 1,
-                         (min(slots[:decode_first], default=0), max(slots[:decode_first], default=-1) + 1), prefill)
+    layout = BatchLayout.build(positions, slots, decode_first, prefill, "cpu", batched_decode)
     return model(torch.tensor(ids), layout, cache, torch.arange(len(ids)))
 
 
+@pytest.mark.parametrize("batched_decode", [False, True], ids=["per-row-decode", "batched-decode"])
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "llama3-scaled"])
-def test_logits_match_transformers_for_chunks_and_batched_decode(kind):
+def test_logits_match_transformers_for_chunks_and_batched_decode(kind, batched_decode):
     hf, model = tiny_hf_model(kind), tiny_model(kind)
     spec = model.spec
     cache = SlotKVCache(spec.num_layers, 4, spec.num_kv_heads, 128, spec.head_dim)
@@ -40,7 +39,8 @@ def test_logits_match_transformers_for_chunks_and_batched_decode(kind):
     torch.testing.assert_close(out, ref_a[16:36], atol=2e-5, rtol=1e-4)
     # decode steps of both at different positions in one batched call, then a mixed step
     for step in range(3):
-        out = _run(model, cache, [(2, [seq_a[36 + step]], 36 + step), (0, [seq_b[20 + step]], 20 + step)], 2)
+        out = _run(model, cache, [(2, [seq_a[36 + step]], 36 + step), (0, [seq_b[20 + step]], 20 + step)], 2,
+                   batched_decode)
         torch.testing.assert_close(out[0], ref_a[36 + step], atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(out[1], ref_b[20 + step], atol=2e-5, rtol=1e-4)
     assert out.shape == (2, VOCAB)
