@@ -28,7 +28,7 @@ serve: $(STAMP)
 	$(VENV)/bin/pdserve serve
 
 bench: $(STAMP)
-	$(VENV)/bin/pdserve bench --mode local
+	$(VENV)/bin/pdserve bench --mode local --output results/bench.jsonl
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

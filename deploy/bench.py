@@ -127,7 +127,7 @@ def bench_serial(hf: Any, work: Workload, limit: int) -> dict[str, float]:
     return {"serial_tok_s": tokens / elapsed, "serial_requests": min(limit, len(work.prompts))}
 
 
-def bench_static(hf: Any, work: Workload, batch_size: int) -> dict[str, float]:
+def bench_static(hf: Any, work: Workload, batch_size: int) -> dict[str, Any]:
     """Fixed batches of `batch_size`, left-padded, each running until its longest output is done:
     only the tokens each request asked for count as useful."""
     start = time.perf_counter()
@@ -138,7 +138,7 @@ def bench_static(hf: Any, work: Workload, batch_size: int) -> dict[str, float]:
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         hf.generate(ids.to(hf.device), attention_mask=mask.to(hf.device), max_new_tokens=max(lens),
                     min_new_tokens=max(lens), do_sample=False, pad_token_id=0)
-    return {"static_tok_s": work.num_output_tokens / (time.perf_counter() - start)}
+    return {"static_tok_s": work.num_output_tokens / (time.perf_counter() - start), "static_batch": batch_size}
 
 
 def _requests(work: Workload, priorities: bool) -> list[Request]:
@@ -388,7 +388,7 @@ def run_bench(config: EngineConfig, args: argparse.Namespace) -> list[dict[str, 
 
 
 def _baselines(config: EngineConfig, loaded: Any, work: Workload, baselines: list[str],
-               serial_requests: int) -> dict[str, float]:
+               serial_requests: int) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from workers.loader import resolve_checkpoint
@@ -396,7 +396,7 @@ def _baselines(config: EngineConfig, loaded: Any, work: Workload, baselines: lis
     weight = loaded.model.output_weight()
     hf = AutoModelForCausalLM.from_pretrained(resolve_checkpoint(config.model), dtype=weight.dtype)
     hf = hf.to(weight.device).eval()
-    out: dict[str, float] = {}
+    out: dict[str, Any] = {}
     with torch.inference_mode():
         if "serial" in baselines:
             out |= bench_serial(hf, work, serial_requests)

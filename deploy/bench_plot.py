@@ -1,7 +1,8 @@
 """Draws `pdserve bench` summaries as one PNG: the slots sweep, the token-budget sweep, the rate sweep.
 
 Panels: output tokens/s and mean TPOT against slots (with the serial and static `generate`
-baselines when measured); p50 and p99 TTFT against the token budget (runs under Poisson load); and,
+baselines when measured); p50 and p99 TTFT and p99 inter-token latency against the token budget (runs
+under Poisson load: what a bigger budget buys and what it costs); and,
 when several rates were run, p50/p99 TTFT and goodput against the arrival rate. A panel whose sweep
 was not run shows the points there are and says so.
 """
@@ -22,11 +23,14 @@ def _label(settings: dict[str, Any]) -> str:
 
 def _series(lines: list[dict[str, Any]], x: str, where: Any = None) -> dict[str, list[dict[str, Any]]]:
     """Lines grouped by every setting except `x`, each group sorted by `x`; keyed by a legend label."""
-    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for line in lines:
-        if where is None or where(line):
-            groups[_label({k: line.get(k) for k in _FIXED if k != x})].append(line)
-    return {label: sorted(members, key=lambda line: line[x]) for label, members in groups.items()}
+        if where is None or where(line):  # lines of different workloads (runs, files) never share a series
+            workload = (line.get("requests"), line.get("output_tokens"), line.get("seed"))
+            groups[(_label({k: line.get(k) for k in _FIXED if k != x}), workload)].append(line)
+    labels = [label for label, _ in groups]
+    return {(label if labels.count(label) == 1 else f"{label}, {workload[0]} req / {workload[1]} tok"):
+            sorted(members, key=lambda line: line[x]) for (label, workload), members in groups.items()}
 
 
 def _log2_ticks(ax: Any, values: list[int]) -> None:
@@ -43,8 +47,9 @@ def plot_bench(summaries: list[dict[str, Any]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rates = {line.get("rate", 0.0) for line in summaries}
-    panels = 3 if len(rates) > 1 else 2
+    # a rate panel only for settings run at several rates (files of other workloads may sit at rate 0)
+    by_rate = {label: group for label, group in _series(summaries, "rate").items() if len(group) > 1}
+    panels = 3 if by_rate else 2
     fig, axes = plt.subplots(1, panels, figsize=(6.2 * panels, 4.6), constrained_layout=True)
 
     ax = axes[0]
@@ -57,9 +62,12 @@ def plot_bench(summaries: list[dict[str, Any]], path: str) -> None:
         (handle,) = ax.plot(xs, [line["output_tok_s"] for line in group], "o-", label=f"tok/s: {label}")
         tpot_ax.plot(xs, [line["tpot_ms_mean"] for line in group], "s--", color=handle.get_color(), alpha=0.6,
                      label=f"TPOT: {label}")
-    for key, name, style in (("static_tok_s", "static generate", ":"), ("serial_tok_s", "serial generate", "-.")):
-        if summaries and key in summaries[0]:
-            ax.axhline(summaries[0][key], color="grey", linestyle=style, label=name)
+    first = summaries[0] if summaries else {}
+    static = f"static generate, batch {first['static_batch']}" if "static_batch" in first else "static generate"
+    for key, name, style in (("static_tok_s", static, ":"),
+                             ("serial_tok_s", "serial generate", "-.")):
+        if key in first:
+            ax.axhline(first[key], color="grey", linestyle=style, label=name)
     _log2_ticks(ax, [line["slots"] for group in by_slots.values() for line in group])
     ax.set_xlabel("slots (requests decoding at once)")
     ax.set_ylabel("output tokens/s (solid)")
@@ -73,16 +81,20 @@ def plot_bench(summaries: list[dict[str, Any]], path: str) -> None:
     ax = axes[1]
     poisson = [line for line in summaries if line.get("rate", 0.0) > 0]
     by_budget = _series(poisson, "token_budget", lambda line: line.get("token_budget") is not None)
+    itl_ax = ax.twinx()
     for label, group in by_budget.items():
         xs = [line["token_budget"] for line in group]
-        (handle,) = ax.plot(xs, [line["ttft_ms_p50"] for line in group], "o-", label=f"p50: {label}")
-        ax.plot(xs, [line["ttft_ms_p99"] for line in group], "^--", color=handle.get_color(), label=f"p99: {label}")
+        (handle,) = ax.plot(xs, [line["ttft_ms_p50"] for line in group], "o-", label=f"TTFT p50: {label}")
+        ax.plot(xs, [line["ttft_ms_p99"] for line in group], "^--", color=handle.get_color(),
+                label=f"TTFT p99: {label}")
+        itl_ax.plot(xs, [line["itl_ms_p99"] for line in group], "x:", color=handle.get_color(), alpha=0.7)
+    itl_ax.set_ylabel("inter-token latency p99, ms (dotted x)")
     _log2_ticks(ax, [line["token_budget"] for group in by_budget.values() for line in group])
     ax.set_xlabel("token budget (tokens per step)")
     ax.set_ylabel("TTFT, ms")
     note = "" if any(len(g) > 1 for g in by_budget.values()) else (
         " (no Poisson runs)" if not poisson else " (no budget sweep in this run)")
-    ax.set_title("TTFT vs token budget under Poisson load" + note)
+    ax.set_title("TTFT and ITL vs token budget, Poisson load" + note)
     if by_budget:
         ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
@@ -90,7 +102,7 @@ def plot_bench(summaries: list[dict[str, Any]], path: str) -> None:
     if panels == 3:
         ax = axes[2]
         good_ax = ax.twinx()
-        for label, group in _series(summaries, "rate").items():
+        for label, group in by_rate.items():
             xs = [line["rate"] for line in group]
             (handle,) = ax.plot(xs, [line["ttft_ms_p50"] for line in group], "o-", label=f"TTFT p50: {label}")
             ax.plot(xs, [line["ttft_ms_p99"] for line in group], "^--", color=handle.get_color(),

@@ -67,6 +67,27 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_plot(args: argparse.Namespace) -> int:
+    import json
+
+    from deploy.bench_plot import plot_bench
+
+    summaries = []
+    try:
+        for path in args.results:
+            with open(path) as f:
+                summaries += [line for line in map(json.loads, filter(str.strip, f)) if "output_tok_s" in line]
+    except (OSError, ValueError) as e:
+        print(f"pdserve bench-plot: error: {e}", file=sys.stderr)
+        return 2
+    if not summaries:
+        print("pdserve bench-plot: error: no bench summary lines in the files given", file=sys.stderr)
+        return 2
+    plot_bench(summaries, args.plot)
+    print(f"figure: {args.plot} ({len(summaries)} runs)", file=sys.stderr)
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from ray import serve
 
@@ -160,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", default=None, help="write the figure here (PNG; default: --output with .png)")
     bench.add_argument("--quiet", action="store_true", help="no progress bar")
     bench.set_defaults(func=_cmd_bench)
+
+    replot = sub.add_parser("bench-plot", help="draw the bench figure from the JSON lines of one or more runs")
+    replot.add_argument("results", nargs="+", help="`pdserve bench --output` files (their serial/static "
+                        "baselines are taken from the first)")
+    replot.add_argument("--plot", required=True, help="PNG to write")
+    replot.set_defaults(func=_cmd_bench_plot)
 
     from deploy import gpu_bench
 

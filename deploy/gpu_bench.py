@@ -38,9 +38,10 @@ PRESETS = ("qwen3-0.6b", "tiny")
 # copy's are what it reads plus what it writes (2 x the tensor size), the usual convention for a device-to-
 # device copy. A step that reads at the copy's full speed therefore scores about 1.0.
 BYTES_CONVENTION = "decode step: bytes read (weights + KV); copy: bytes read + bytes written (2 x size)"
-KV_BYTES_MODEL = ("per decode-only step: K and V of every layer for the decode span (max slot - min slot + 1) x "
-                  "decode context (max position + 1), as workers/model.py reads them; summed from the step "
-                  "plans, then averaged over decode steps (KV writes and activations not counted)")
+KV_BYTES_MODEL = ("per decode-only step: K and V of every layer as workers/model.py reads them: on an accelerator "
+                  "the decode span (max slot - min slot + 1) x decode context (max position + 1), on CPU each "
+                  "decode row up to its own position; summed from the step plans, then averaged over decode "
+                  "steps (KV writes and activations not counted)")
 WEIGHT_BYTES_MODEL = ("every parameter once per step (a tied embedding once, as the lm_head read) + the "
                       "embedding rows looked up")
 NOTES = {"bytes_convention": BYTES_CONVENTION, "weight_bytes_model": WEIGHT_BYTES_MODEL,
@@ -131,6 +132,7 @@ class DecodeTally:
     """What the decode-only steps read from the KV cache, taken from the plans the runner executes."""
 
     bytes_per_token: int  # K + V bytes of one position, all layers
+    batched: bool  # decode attention reads span x max context (accelerators), else each row's own length
     steps: int = 0
     tokens: int = 0
     span_rows: int = 0  # sum over steps of the decode span (cache rows attended)
@@ -146,7 +148,8 @@ class DecodeTally:
         self.tokens += len(plan.decode)
         self.span_rows += span
         self.context += context
-        self.kv_bytes += span * context * self.bytes_per_token
+        positions = span * context if self.batched else sum(c.start_pos + 1 for c in plan.decode)
+        self.kv_bytes += positions * self.bytes_per_token
 
 
 def weight_bytes_read(model: Any, decode_tokens: float) -> float:
@@ -169,7 +172,8 @@ def bench_engine(loaded: Any, config: EngineConfig, prompts: list[list[int]], ou
     engine, _ = build_local_engine(config, loaded)
     spec = loaded.model.spec
     tally = DecodeTally(SlotKVCache.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
-                                                    engine.runner.dtype))
+                                                    engine.runner.dtype),
+                        batched=engine.runner.device.type != "cpu")  # as BatchLayout.build decides
     execute = engine.runner.execute
 
     def counted_execute(plan: StepPlan) -> dict[str, int]:
@@ -310,7 +314,7 @@ def run_gpu_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
             "prompt_len": args.prompt_len, "output_len": args.output_len, "max_model_len": max_model_len,
             "detokenize": args.detokenize, "model_params": sum(p.numel() for p in loaded.model.parameters()),
             "copy_gb_s": copy_gb_s, "bytes_convention": "step bytes read vs copy bytes read+written",
-            "kv_bytes_model": "span x max context, per decode step",  # NOTES in the summary line say more
+            "kv_bytes_model": "span x max context" if device != "cpu" else "each row to its position",  # see NOTES
         }
         # Without --detokenize the engine gets no tokenizer: random ids make meaningless text, and its
         # per-token detokenization would add CPU time to the decode steps being measured.

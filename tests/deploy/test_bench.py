@@ -40,6 +40,12 @@ def test_bench_sweeps_write_json_and_png(tiny_checkpoint, tmp_path, capsys):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [p["slots"] for p in printed] == [s["slots"] for s in summaries]
+    # the figure again from the file, and a clear error for a file with no summaries
+    assert main(["bench-plot", str(out), "--plot", str(tmp_path / "again.png")]) == 0
+    assert (tmp_path / "again.png").read_bytes()[:4] == b"\x89PNG"
+    (tmp_path / "empty.jsonl").write_text('{"rid": "0"}\n')
+    assert main(["bench-plot", str(tmp_path / "empty.jsonl"), "--plot", str(tmp_path / "x.png")]) == 2
+    assert "no bench summary lines" in capsys.readouterr().err
 
 
 def test_bench_rejects_bad_input_before_running(tiny_checkpoint, tmp_path, capsys):
