@@ -115,19 +115,23 @@ def load_workload(path: str, tokenizer: Any, num_requests: int, output_len: str,
     return Workload(prompts, output_lens, [0.0] * len(prompts), urgent)
 
 
-def bench_serial(hf: Any, work: Workload, limit: int) -> dict[str, float]:
+def bench_serial(hf: Any, work: Workload, limit: int,
+                 progress: Callable[[int], Any] | None = None) -> dict[str, float]:
     """One request at a time through `generate` (greedy, exact output lengths)."""
     tokens, start = 0, time.perf_counter()
     for prompt, n in list(zip(work.prompts, work.output_lens, strict=True))[:limit]:
         ids = torch.tensor([prompt])
-        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                    do_sample=False, pad_token_id=0)
+        hf.generate(ids.to(hf.device), attention_mask=torch.ones_like(ids).to(hf.device), max_new_tokens=n,
+                    min_new_tokens=n, do_sample=False, pad_token_id=0)
         tokens += n
+        if progress:
+            progress(1)
     elapsed = time.perf_counter() - start
     return {"serial_tok_s": tokens / elapsed, "serial_requests": min(limit, len(work.prompts))}
 
 
-def bench_static(hf: Any, work: Workload, batch_size: int) -> dict[str, Any]:
+def bench_static(hf: Any, work: Workload, batch_size: int,
+                 progress: Callable[[int], Any] | None = None) -> dict[str, Any]:
     """Fixed batches of `batch_size`, left-padded, each running until its longest output is done:
     only the tokens each request asked for count as useful."""
     start = time.perf_counter()
@@ -138,6 +142,8 @@ def bench_static(hf: Any, work: Workload, batch_size: int) -> dict[str, Any]:
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         hf.generate(ids.to(hf.device), attention_mask=mask.to(hf.device), max_new_tokens=max(lens),
                     min_new_tokens=max(lens), do_sample=False, pad_token_id=0)
+        if progress:
+            progress(len(prompts))
     return {"static_tok_s": work.num_output_tokens / (time.perf_counter() - start), "static_batch": batch_size}
 
 
@@ -312,6 +318,12 @@ def run_bench(config: EngineConfig, args: argparse.Namespace) -> list[dict[str, 
         vocab = loaded.model.spec.vocab_size if loaded is not None else len(tokenizer)
         base = make_workload(args.num_requests, args.prompt_len, args.output_len, vocab, args.seed,
                              urgent_fraction=args.urgent_fraction)
+    if loaded is not None:
+        capacity = config.context_len(loaded.max_context)
+        for i, (prompt, n) in enumerate(zip(base.prompts, base.output_lens, strict=True)):
+            if len(prompt) + n > capacity:
+                raise ValueError(f"request {i}: {len(prompt)} prompt + {n} output tokens exceed the "
+                                 f"{capacity} tokens a slot holds: raise --max-model-len or shorten the lengths")
     head: dict[str, Any] = {"model": config.model, "requests": len(base.prompts),
                             "output_tokens": base.num_output_tokens, "seed": args.seed,
                             "torch_threads": torch.get_num_threads()}
@@ -328,7 +340,7 @@ def run_bench(config: EngineConfig, args: argparse.Namespace) -> list[dict[str, 
         raise ValueError("the serial and static baselines run the model in this process: with --url use "
                          "--baselines none")
     if baselines and loaded is not None:
-        head |= _baselines(config, loaded, base, baselines, args.serial_requests)
+        head |= _baselines(config, loaded, base, baselines, args.serial_requests, args.quiet)
         print(json.dumps(_rounded(head)), file=sys.stderr, flush=True)
     lines: list[dict[str, Any]] = []
     for run in runs:
@@ -388,7 +400,7 @@ def run_bench(config: EngineConfig, args: argparse.Namespace) -> list[dict[str, 
 
 
 def _baselines(config: EngineConfig, loaded: Any, work: Workload, baselines: list[str],
-               serial_requests: int) -> dict[str, Any]:
+               serial_requests: int, quiet: bool) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from workers.loader import resolve_checkpoint
@@ -399,9 +411,13 @@ def _baselines(config: EngineConfig, loaded: Any, work: Workload, baselines: lis
     out: dict[str, Any] = {}
     with torch.inference_mode():
         if "serial" in baselines:
-            out |= bench_serial(hf, work, serial_requests)
+            with tqdm(total=min(serial_requests, len(work.prompts)), desc="serial generate", unit="req",
+                      file=sys.stderr, leave=False, disable=quiet) as bar:
+                out |= bench_serial(hf, work, serial_requests, bar.update)
         if "static" in baselines:
-            out |= bench_static(hf, work, config.slots)
+            with tqdm(total=len(work.prompts), desc=f"static generate, batches of {config.slots}", unit="req",
+                      file=sys.stderr, leave=False, disable=quiet) as bar:
+                out |= bench_static(hf, work, config.slots, bar.update)
     return out
 
 

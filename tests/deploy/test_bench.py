@@ -50,7 +50,8 @@ def test_bench_sweeps_write_json_and_png(tiny_checkpoint, tmp_path, capsys):
 
 def test_bench_rejects_bad_input_before_running(tiny_checkpoint, tmp_path, capsys):
     for extra in (["--rate", "1,x"], ["--sweep-slots", "0"], ["--modes", "remote"],
-                  ["--url", "http://127.0.0.1:9/v1", "--sweep-slots", "2"], ["--prompt-len", "9:3"]):
+                  ["--url", "http://127.0.0.1:9/v1", "--sweep-slots", "2"], ["--prompt-len", "9:3"],
+                  ["--max-model-len", "64", "--prompt-len", "60", "--output-len", "8"]):
         assert main(["bench", "--model", tiny_checkpoint, "--baselines", "none", "--quiet", *extra]) == 2, extra
         assert "pdserve bench: error:" in capsys.readouterr().err
     assert main(["bench", "--url", "http://127.0.0.1:9/v1", "--quiet"]) == 2  # nothing listens there
