@@ -26,6 +26,10 @@ from scheduler.outputs import Completion
 from scheduler.request import Request, SamplingParams
 
 
+class BenchFailed(RuntimeError):
+    """A run produced no figures worth reporting: every request failed, or the engine cut requests short."""
+
+
 @dataclass(frozen=True)
 class Workload:
     prompts: list[list[int]]
@@ -210,22 +214,33 @@ def run_engine(config: EngineConfig, loaded: Any, work: Workload, sequential: bo
 
 
 def summarize_run(work: Workload, results: dict[str, Completion], elapsed: float, slo_ttft_ms: float | None,
-                  slo_tpot_ms: float | None) -> dict[str, Any]:
-    """Throughput, goodput, and mean/p50/p90/p99 of TTFT, TPOT, inter-token latency and end-to-end latency."""
-    done = [results[str(i)] for i in range(len(work.prompts))]
-    short = [(c.req_id, len(c.token_ids), n) for c, n in zip(done, work.output_lens, strict=True)
-             if len(c.token_ids) != n]
-    if short:
-        raise RuntimeError(f"requests ended early (id, tokens, asked): {short[:5]}; finish reasons: "
-                           f"{sorted({c.finish_reason for c in done})}")
+                  slo_tpot_ms: float | None, exact: bool = True) -> dict[str, Any]:
+    """Throughput, goodput, and mean/p50/p90/p99 of TTFT, TPOT, inter-token latency and end-to-end latency
+    over the requests that succeeded; failed ones are counted (and never count as good). With `exact`
+    (the engine in process), a request that made fewer tokens than asked is a bug and raises; an endpoint
+    that does not honour `ignore_eos` may stop early, and its real token counts are used."""
+    every = [results[str(i)] for i in range(len(work.prompts))]
+    failed = [c for c in every if c.error is not None or c.finish_reason in ("error", "abort")]
+    done = [c for c in every if c.error is None and c.finish_reason not in ("error", "abort")]
+    if not done:
+        raise BenchFailed(f"every request failed, e.g. {failed[0].error or failed[0].finish_reason}")
+    short = [(c.req_id, len(c.token_ids), work.output_lens[int(c.req_id)]) for c in done
+             if len(c.token_ids) != work.output_lens[int(c.req_id)]]
+    if short and exact:
+        raise BenchFailed(f"requests ended early (id, tokens, asked): {short[:5]}; finish reasons: "
+                           f"{sorted({str(c.finish_reason) for c in done})}")
     ttft_s = [c.metrics["ttft_s"] for c in done]
     tpot_s = [c.metrics["tpot_s"] for c in done]
     summary: dict[str, Any] = {
-        "output_tok_s": work.num_output_tokens / elapsed, "requests_per_s": len(done) / elapsed,
-        "duration_s": elapsed,
+        "output_tok_s": sum(len(c.token_ids) for c in done) / elapsed, "requests_per_s": len(done) / elapsed,
+        "duration_s": elapsed, "failed_requests": len(failed),
         "goodput_req_s": goodput(ttft_s, tpot_s, elapsed, slo_ttft_ms, slo_tpot_ms),
         "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms,
         "preemptions": sum(c.metrics.get("preemptions", 0) for c in done)}
+    if failed:
+        summary["failures"] = sorted({c.error or str(c.finish_reason) for c in failed})[:3]
+    if short:
+        summary["requests_ended_early"] = len(short)
     summary |= summarize("ttft_ms", [1000 * t for t in ttft_s])
     summary |= summarize("tpot_ms", [1000 * c.metrics["tpot_s"] for c in done if len(c.token_ids) > 1])
     summary |= summarize("itl_ms", [1000 * gap for c in done for gap in c.inter_token_s()])
@@ -236,7 +251,7 @@ def summarize_run(work: Workload, results: dict[str, Completion], elapsed: float
             summary[f"{phase}_ms_mean"] = 1000 * sum(c.metrics.get(key, 0.0) for c in done) / len(done)
     if any(work.urgent) and not all(work.urgent):
         for label, want in (("urgent", True), ("normal", False)):
-            values = [1000 * results[str(i)].metrics["ttft_s"] for i, u in enumerate(work.urgent) if u == want]
+            values = [1000 * c.metrics["ttft_s"] for c in done if work.urgent[int(c.req_id)] == want]
             summary |= {f"{label}_ttft_ms_p50": percentile(values, 50),
                         f"{label}_ttft_ms_p99": percentile(values, 99)}
     return summary
@@ -300,7 +315,7 @@ def run_bench(config: EngineConfig, args: argparse.Namespace) -> list[dict[str, 
     runs = plan_runs(args, config)
     loaded = None
     if args.url:
-        from deploy.bench_http import served_model
+        from deploy.bench_http import EndpointError, run_http, served_model
         from workers.loader import load_tokenizer
 
         served = served_model(args.url, args.api_key)
@@ -329,9 +344,9 @@ def run_bench(config: EngineConfig, args: argparse.Namespace) -> list[dict[str, 
                             "torch_threads": torch.get_num_threads()}
     if args.url:
         head |= {"url": args.url, "served_model": model_name}
-        from deploy.bench_http import run_http
-
-        run_http(args.url, model_name, [base.prompts[0][:16]], [2], [0.0], [0])  # warm-up, untimed
+        warm = run_http(args.url, model_name, [base.prompts[0][:16]], [2], [0.0], [0], args.api_key)["0"]
+        if warm.error:  # untimed; a refusal here (wrong key, wrong model name) would fail every request
+            raise EndpointError(f"{args.url}: the warm-up request failed: {warm.error}")
     baselines = [b for b in args.baselines.split(",") if b and b != "none"]
     unknown = set(baselines) - {"serial", "static"}
     if unknown:
@@ -367,7 +382,8 @@ def run_bench(config: EngineConfig, args: argparse.Namespace) -> list[dict[str, 
         summary = head | {"mode": run.mode, "slots": run.slots, "token_budget": run.token_budget,
                           "prefill_chunk": min(config.prefill_chunk, run.token_budget) if run.token_budget else None,
                           "rate": run.rate, "sequential": args.sequential, "priorities": run.priorities}
-        summary |= summarize_run(work, results, elapsed, args.slo_ttft_ms, args.slo_tpot_ms) | extra
+        summary |= summarize_run(work, results, elapsed, args.slo_ttft_ms, args.slo_tpot_ms,
+                                 exact=run.mode != "url") | extra
         for key in ("serial_tok_s", "static_tok_s"):
             if key in head:
                 summary[f"x_{key.split('_')[0]}"] = summary["output_tok_s"] / head[key]
@@ -375,9 +391,10 @@ def run_bench(config: EngineConfig, args: argparse.Namespace) -> list[dict[str, 
             copy = bench_copy(int(summary["handoff_mb_per_request"] * 1e6))
             summary |= {"copy_gb_s": copy, "handoff_vs_copy": summary["handoff_gb_s"] / copy}
         per_request = [{"rid": rid, "mode": run.mode, "slots": run.slots, "token_budget": run.token_budget,
-                        "rate": run.rate, "ttft_ms": round(1000 * c.metrics["ttft_s"], 2),
-                        "tpot_ms": round(1000 * c.metrics["tpot_s"], 2), "e2e_ms": round(1000 * c.metrics["e2e_s"], 2),
-                        "tokens": len(c.token_ids), "finish": c.finish_reason}
+                        "rate": run.rate, "tokens": len(c.token_ids), "finish": c.finish_reason}
+                       | {f"{k}_ms": round(1000 * c.metrics[f"{k}_s"], 2) for k in ("ttft", "tpot", "e2e")
+                          if f"{k}_s" in c.metrics}
+                       | ({"error": c.error} if c.error else {})
                        for rid, c in sorted(results.items(), key=lambda kv: int(kv[0]))]
         lines += [summary] + per_request
         print(json.dumps(_rounded(summary)), flush=True)

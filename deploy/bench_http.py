@@ -4,7 +4,8 @@ Each request is a `/v1/completions` call with the prompt as token ids, greedy, `
 request makes exactly its output length on servers that honour it, as pdserve and vLLM do) and
 `stream_options.include_usage`. Times are taken as the client sees them, the way vLLM's serving
 benchmark takes them: TTFT at the first chunk that carries text, inter-token gaps between chunks,
-TPOT as (end - first chunk) / (completion tokens - 1) with the token count from `usage`.
+TPOT as (end - first chunk) / (completion tokens - 1) with the token count from `usage`. Requests the
+endpoint refuses (e.g. 429 when its queue is full) or breaks are counted as failed, not timed.
 """
 
 from __future__ import annotations
@@ -21,40 +22,51 @@ from scheduler.outputs import Completion
 
 
 class EndpointError(RuntimeError):
-    """The endpoint refused or broke a request: the bench stops rather than report partial figures."""
+    """The endpoint cannot be benched at all (unreachable, serves no model, every request failed)."""
 
 
 async def _one(http: httpx.AsyncClient, url: str, model: str, rid: str, prompt: list[int], max_tokens: int,
                priority: int) -> Completion:
+    """One streamed request. A refusal, an error event, a broken stream or a transport error makes a
+    failed completion (`error` set) that the bench counts, rather than ending the whole run."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}, "priority": priority}
     done = Completion(rid, len(prompt))
     start = time.perf_counter()
     first: float | None = None
     completion_tokens = None
-    async with http.stream("POST", f"{url}/completions", json=body) as r:
-        if r.status_code != 200:
-            raise EndpointError(f"request {rid}: status {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            if "error" in data:
-                raise EndpointError(f"request {rid}: {data['error'].get('message', data['error'])}")
-            if data.get("usage"):
-                completion_tokens = data["usage"]["completion_tokens"]
-            for choice in data.get("choices", []):
-                now = time.perf_counter()
-                if choice.get("text"):
-                    first = first or now
-                    done.text += choice["text"]
-                    done.token_times_s.append(now)
-                done.finish_reason = choice.get("finish_reason") or done.finish_reason
+    try:
+        async with http.stream("POST", f"{url}/completions", json=body) as r:
+            if r.status_code != 200:
+                done.error = f"status {r.status_code}: {(await r.aread())[:300].decode(errors='replace')}"
+                return done
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    done.error = f"error event: {data['error'].get('message', data['error'])}"
+                    return done
+                if data.get("usage"):
+                    completion_tokens = data["usage"]["completion_tokens"]
+                for choice in data.get("choices", []):
+                    now = time.perf_counter()
+                    if choice.get("text"):
+                        first = first or now
+                        done.text += choice["text"]
+                        done.token_times_s.append(now)
+                    done.finish_reason = choice.get("finish_reason") or done.finish_reason
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        done.error = f"{type(e).__name__}: {e}"
+        return done
     end = time.perf_counter()
     if done.finish_reason is None:
-        raise EndpointError(f"request {rid}: the stream ended without a finish_reason")
-    if completion_tokens is None:
-        raise EndpointError(f"request {rid}: no usage in the stream (the server ignores stream_options)")
+        done.error = "the stream ended without a finish_reason"
+    elif completion_tokens is None:
+        done.error = "no usage in the stream (the server ignores stream_options.include_usage)"
+    if done.error:
+        return done
+    assert completion_tokens is not None
     first = first if first is not None else end
     done.token_ids = [0] * completion_tokens  # the endpoint reports how many, not which (text is kept)
     done.metrics = {"ttft_s": first - start, "e2e_s": end - start,
@@ -83,10 +95,7 @@ def run_http(url: str, model: str, prompts: list[list[int]], output_lens: list[i
 
             return await asyncio.gather(*(scheduled(i) for i in range(len(prompts))))
 
-    try:
-        return {c.req_id: c for c in asyncio.run(everything())}
-    except httpx.HTTPError as e:
-        raise EndpointError(f"{url}: {type(e).__name__}: {e}") from None
+    return {c.req_id: c for c in asyncio.run(everything())}
 
 
 def served_model(url: str, api_key: str | None = None) -> dict[str, Any]:

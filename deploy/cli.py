@@ -53,7 +53,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from deploy.bench import run_bench
+    from deploy.bench import BenchFailed, run_bench
     from deploy.bench_http import EndpointError
 
     if args.baselines is None:
@@ -64,6 +64,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     except (ValidationError, ValueError, FileNotFoundError, EndpointError) as e:
         print(f"pdserve bench: error: {e}", file=sys.stderr)
         return 2
+    except BenchFailed as e:
+        print(f"pdserve bench: failed: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

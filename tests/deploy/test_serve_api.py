@@ -172,7 +172,7 @@ def test_not_ready_scheduler_gives_503():
     assert info.value.status == 503 and info.value.headers["Retry-After"]
 
 
-def test_api_key_and_body_limit(server, tiny_checkpoint):
+def test_api_key_and_body_limit(server, tiny_checkpoint, tmp_path):
     """Runs last: it replaces the main app with one that has an API key and a small body limit.
     (A full queue's 429 is tested against the scheduler actor in test_openai_server.py.)"""
     serve.delete("main")
@@ -187,4 +187,20 @@ def test_api_key_and_body_limit(server, tiny_checkpoint):
                             json={"model": "tiny", "prompt": "x" * 5000}), 413)
     good = openai.OpenAI(base_url=base, api_key="sekret", max_retries=0, timeout=60)
     assert good.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+
+    # `pdserve bench --url` here: a wrong key fails at the warm-up; with the key, 8 requests at once on
+    # one slot and a one-request queue get 429s, which the bench counts as failed and does not time
+    from deploy.cli import main
+
+    bench = ["bench", "--url", base, "--model", tiny_checkpoint, "--num-requests", "8", "--prompt-len", "8",
+             "--output-len", "200", "--quiet"]
+    assert main([*bench, "--api-key", "wrong"]) == 2
+    out = tmp_path / "guarded.jsonl"
+    assert main([*bench, "--api-key", "sekret", "--output", str(out)]) == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    summary, per_request = lines[0], lines[1:]
+    refused = [r for r in per_request if "error" in r]
+    assert summary["failed_requests"] == len(refused) >= 1 and "status 429" in refused[0]["error"]
+    assert summary["requests_per_s"] * summary["duration_s"] == pytest.approx(8 - len(refused))
+    assert all(r["tokens"] == 200 for r in per_request if "error" not in r)
 
