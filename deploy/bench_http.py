@@ -25,23 +25,27 @@ class EndpointError(RuntimeError):
     """The endpoint cannot be benched at all (unreachable, serves no model, every request failed)."""
 
 
-async def _one(http: httpx.AsyncClient, url: str, model: str, rid: str, prompt: list[int], max_tokens: int,
-               priority: int) -> Completion:
-    """One streamed request. A refusal, an error event, a broken stream or a transport error makes a
-    failed completion (`error` set) that the bench counts, rather than ending the whole run."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}, "priority": priority}
-    done = Completion(rid, len(prompt))
+async def stream_request(http: httpx.AsyncClient, url: str, body: dict[str, Any], rid: str,
+                         prompt_tokens: int = 0) -> Completion:
+    """POST one streaming completion or chat request (`url` is the endpoint's full address) and time it.
+
+    A refusal, an error event, a broken stream (no finish_reason, no usage, no `data: [DONE]`) or a
+    transport error makes a failed completion (`error` set) that callers count, rather than raising.
+    """
+    done = Completion(rid, prompt_tokens)
     start = time.perf_counter()
     first: float | None = None
-    completion_tokens = None
+    completion_tokens, finished = None, False
     try:
-        async with http.stream("POST", f"{url}/completions", json=body) as r:
+        async with http.stream("POST", url, json=body) as r:
             if r.status_code != 200:
                 done.error = f"status {r.status_code}: {(await r.aread())[:300].decode(errors='replace')}"
                 return done
             async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+                if line == "data: [DONE]":
+                    finished = True
+                    break
+                if not line.startswith("data: "):
                     continue
                 data = json.loads(line[6:])
                 if "error" in data:
@@ -51,9 +55,10 @@ async def _one(http: httpx.AsyncClient, url: str, model: str, rid: str, prompt: 
                     completion_tokens = data["usage"]["completion_tokens"]
                 for choice in data.get("choices", []):
                     now = time.perf_counter()
-                    if choice.get("text"):
+                    text = choice.get("text") or (choice.get("delta") or {}).get("content")
+                    if text:
                         first = first or now
-                        done.text += choice["text"]
+                        done.text += text
                         done.token_times_s.append(now)
                     done.finish_reason = choice.get("finish_reason") or done.finish_reason
     except (httpx.HTTPError, json.JSONDecodeError) as e:
@@ -64,6 +69,8 @@ async def _one(http: httpx.AsyncClient, url: str, model: str, rid: str, prompt: 
         done.error = "the stream ended without a finish_reason"
     elif completion_tokens is None:
         done.error = "no usage in the stream (the server ignores stream_options.include_usage)"
+    elif not finished:
+        done.error = "the stream ended without data: [DONE]"
     if done.error:
         return done
     assert completion_tokens is not None
@@ -88,7 +95,10 @@ def run_http(url: str, model: str, prompts: list[list[int]], output_lens: list[i
 
             async def scheduled(i: int) -> Completion:
                 await asyncio.sleep(max(0.0, arrival_s[i] - (time.perf_counter() - t0)))
-                done = await _one(http, url, model, str(i), prompts[i], output_lens[i], priorities[i])
+                body = {"model": model, "prompt": prompts[i], "max_tokens": output_lens[i], "temperature": 0.0,
+                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                        "priority": priorities[i]}
+                done = await stream_request(http, f"{url}/completions", body, str(i), len(prompts[i]))
                 if on_finish is not None:
                     on_finish(done)
                 return done

@@ -1,20 +1,20 @@
 """`pdserve load`: N concurrent streaming clients against a running endpoint for a fixed time.
 
 Each client sends chat requests back to back with `stream: true` and checks every response is whole:
-status 200, at least one token, a finish_reason, and `data: [DONE]` at the end. Reports requests,
+status 200, at least one token, a finish_reason, usage, and `data: [DONE]` at the end. Reports requests,
 failures, tokens/s and TTFT percentiles, then the server's slots still in use (from /stats).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from typing import Any
 
 import httpx
 
+from deploy.bench_http import stream_request
 from deploy.bench_stats import percentile
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain what a CPU does.",
@@ -24,39 +24,18 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Ex
 async def _client(http: httpx.AsyncClient, url: str, model: str, max_tokens: int, deadline: float,
                   rng: random.Random, stats: dict[str, Any]) -> None:
     while time.monotonic() < deadline:
-        body = {"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0.7,
-                "seed": rng.randrange(1 << 30), "messages": [{"role": "user", "content": rng.choice(PROMPTS)}]}
-        start = time.perf_counter()
-        first, tokens, finish, done = None, 0, None, False
-        try:
-            async with http.stream("POST", f"{url}/chat/completions", json=body) as r:
-                if r.status_code != 200:
-                    stats["failures"].append(f"status {r.status_code}: {(await r.aread())[:200]!r}")
-                    continue
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    if line == "data: [DONE]":
-                        done = True
-                        break
-                    data = json.loads(line[6:])
-                    if "error" in data:
-                        stats["failures"].append(f"error event: {data['error']['message'][:200]}")
-                        break
-                    choice = data["choices"][0]
-                    if choice["delta"].get("content"):
-                        tokens += 1
-                        first = first or time.perf_counter()
-                    finish = choice["finish_reason"] or finish
-        except httpx.HTTPError as e:
-            stats["failures"].append(f"{type(e).__name__}: {e}")
-            continue
-        if not done or finish is None:
-            stats["failures"].append(f"truncated: done={done} finish={finish}")
+        body = {"model": model, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens,
+                "temperature": 0.7, "seed": rng.randrange(1 << 30),
+                "messages": [{"role": "user", "content": rng.choice(PROMPTS)}]}
+        done = await stream_request(http, f"{url}/chat/completions", body, str(stats["ok"]))
+        if done.error is None and not done.token_ids:
+            done.error = "no tokens"
+        if done.error is not None:
+            stats["failures"].append(done.error)
             continue
         stats["ok"] += 1
-        stats["chunks"] += tokens
-        stats["ttft"].append((first or time.perf_counter()) - start)
+        stats["chunks"] += len(done.token_times_s)
+        stats["ttft"].append(done.metrics["ttft_s"])
 
 
 async def run_load(url: str, model: str, clients: int, duration_s: float, max_tokens: int, seed: int = 0,

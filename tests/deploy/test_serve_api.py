@@ -156,6 +156,18 @@ def test_bench_against_the_running_endpoint(server, tiny_checkpoint, tmp_path):
     assert out.with_suffix(".png").exists()
 
 
+def test_load_clients_get_whole_streams_and_leave_no_slot_in_use(server, capsys):
+    """`pdserve load`: closed-loop streaming chat clients for a fixed time; every response whole."""
+    from deploy.cli import main
+
+    rc = main(["load", "--url", f"{server}/v1", "--model-name", "tiny", "--clients", "3", "--duration", "2",
+               "--max-tokens", "8"])
+    result = json.loads(capsys.readouterr().out)
+    assert rc == 0 and result["failed"] == 0 and result["requests_ok"] >= 3, result
+    assert result["slots_in_use_after"] == 0 and result["live_handoffs_after"] == 0
+    assert 0 < result["ttft_s_p50"] <= result["ttft_s_p99"]
+
+
 def test_not_ready_scheduler_gives_503():
     class Hanging:
         class check_health:  # noqa: N801 - mimics a handle method
