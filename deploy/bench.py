@@ -315,9 +315,10 @@ def run_bench(config: EngineConfig, args: argparse.Namespace) -> list[dict[str, 
     runs = plan_runs(args, config)
     loaded = None
     if args.url:
-        from deploy.bench_http import EndpointError, run_http, served_model
+        from deploy.bench_http import EndpointError, run_http, served_model, wait_ready
         from workers.loader import load_tokenizer
 
+        wait_ready(args.url, args.ready_timeout)
         served = served_model(args.url, args.api_key)
         model_name = args.served_model_name or served["id"]
         tokenizer = load_tokenizer(config.model).tokenizer  # the prompts' vocabulary: --model, as served

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -106,6 +107,28 @@ def run_http(url: str, model: str, prompts: list[list[int]], output_lens: list[i
             return await asyncio.gather(*(scheduled(i) for i in range(len(prompts))))
 
     return {c.req_id: c for c in asyncio.run(everything())}
+
+
+def wait_ready(url: str, timeout_s: float = 120.0) -> None:
+    """Wait until the endpoint's `/health` (next to `/v1`) answers 200: a service that is still starting
+    refuses connections or answers 503. An endpoint without `/health` (404) counts as ready. Tries at
+    least once; says on stderr what it waits for."""
+    health = f"{url.rstrip('/').removesuffix('/v1')}/health"
+    start = time.monotonic()
+    while True:
+        try:
+            r = httpx.get(health, timeout=10.0)
+            if r.status_code in (200, 404):
+                return
+            last = f"status {r.status_code}: {r.text[:200]}"
+        except httpx.HTTPError as e:
+            last = f"{type(e).__name__}: {e}"
+        waited = time.monotonic() - start
+        if waited >= timeout_s:
+            raise EndpointError(f"{health} is not ready after {waited:.0f} s ({last})")
+        if int(waited) % 10 == 0:
+            print(f"waiting for {health} ({last})", file=sys.stderr, flush=True)
+        time.sleep(1.0)
 
 
 def served_model(url: str, api_key: str | None = None) -> dict[str, Any]:

@@ -124,8 +124,14 @@ def _cmd_load(args: argparse.Namespace) -> int:
     import asyncio
     import json
 
+    from deploy.bench_http import EndpointError, wait_ready
     from deploy.load import run_load
 
+    try:
+        wait_ready(args.url, args.ready_timeout)
+    except EndpointError as e:
+        print(f"pdserve load: error: {e}", file=sys.stderr)
+        return 2
     result = asyncio.run(run_load(args.url, args.model_name, args.clients, args.duration, args.max_tokens,
                                   api_key=args.api_key))
     print(json.dumps(result))
@@ -153,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--served-model-name", default=None, help="with --url: the `model` to send "
                        "(default: the first one the endpoint lists)")
     bench.add_argument("--api-key", default=None, help="with --url: sent as `Authorization: Bearer`")
+    bench.add_argument("--ready-timeout", type=float, default=120.0,
+                       help="with --url: seconds to wait for the endpoint's /health to answer 200")
     bench.add_argument("--num-requests", type=int, default=32, help="requests per configuration (with "
                        "--prompts-file: the first N lines, 0 for all)")
     bench.add_argument("--prompt-len", default="16:512", help="N or MIN:MAX (uniform), tokens")
@@ -213,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--duration", type=float, default=60.0, help="seconds")
     load.add_argument("--max-tokens", type=int, default=32)
     load.add_argument("--api-key", default=None)
+    load.add_argument("--ready-timeout", type=float, default=120.0,
+                      help="seconds to wait for the endpoint's /health to answer 200 before starting")
     load.set_defaults(func=_cmd_load)
     return parser
 
