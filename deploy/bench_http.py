@@ -114,7 +114,7 @@ def wait_ready(url: str, timeout_s: float = 120.0) -> None:
     refuses connections or answers 503. An endpoint without `/health` (404) counts as ready. Tries at
     least once; says on stderr what it waits for."""
     health = f"{url.rstrip('/').removesuffix('/v1')}/health"
-    start = time.monotonic()
+    start = next_note = time.monotonic()
     while True:
         try:
             r = httpx.get(health, timeout=10.0)
@@ -126,8 +126,9 @@ def wait_ready(url: str, timeout_s: float = 120.0) -> None:
         waited = time.monotonic() - start
         if waited >= timeout_s:
             raise EndpointError(f"{health} is not ready after {waited:.0f} s ({last})")
-        if int(waited) % 10 == 0:
+        if time.monotonic() >= next_note:
             print(f"waiting for {health} ({last})", file=sys.stderr, flush=True)
+            next_note += 10.0
         time.sleep(1.0)
 
 
