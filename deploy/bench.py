@@ -8,6 +8,7 @@ on the same prompts, and prints one JSON summary line per configuration (then pe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sys
@@ -310,17 +311,54 @@ def _rounded(line: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_bench(config: EngineConfig, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Print (and optionally write) JSON lines: one summary per configuration, then per-request lines;
-    draw the figure if asked."""
+    """Print JSON lines, one summary per configuration as it finishes (per-request lines after them, or
+    only in the `--output` file, which gets each run's lines as soon as it ends); draw the figure."""
     runs = plan_runs(args, config)
+    baselines = [b for b in args.baselines.split(",") if b and b != "none"]
+    if set(baselines) - {"serial", "static"}:
+        raise ValueError(f"--baselines: unknown {sorted(set(baselines) - {'serial', 'static'})} "
+                         "(serial, static or none)")
+    if baselines and args.url:
+        raise ValueError("the serial and static baselines run the model in this process: with --url use "
+                         "--baselines none")
+    loaded, head, base = _prepare(config, args)
+    if baselines:
+        head |= _baselines(config, loaded, base, baselines, args.serial_requests, args.quiet)
+        print(json.dumps(_rounded(head)), file=sys.stderr, flush=True)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    lines: list[dict[str, Any]] = []
+    with open(args.output, "w") if args.output else contextlib.nullcontext() as out:
+        for run in runs:
+            summary, per_request = _run_one(run, config, args, loaded, head, base)
+            print(json.dumps(_rounded(summary)), flush=True)
+            lines += [summary] + per_request
+            if out is not None:  # each run's lines as it ends: a later failure loses nothing before it
+                out.writelines(json.dumps(line) + "\n" for line in [summary] + per_request)
+                out.flush()
+    _compare_modes(lines)
+    for line in lines:
+        if "rid" in line:
+            print(json.dumps(line), file=sys.stderr if args.output else sys.stdout)
+    plot_path = args.plot or (str(Path(args.output).with_suffix(".png")) if args.output else None)
+    if plot_path:
+        from deploy.bench_plot import plot_bench
+
+        plot_bench([line for line in lines if "rid" not in line], plot_path)
+        print(f"figure: {plot_path}", file=sys.stderr)
+    return lines
+
+
+def _prepare(config: EngineConfig, args: argparse.Namespace) -> tuple[Any, dict[str, Any], Workload]:
+    """Load the model (or, with --url, wait for the endpoint and warm it up), build the workload and the
+    fields every summary line shares."""
     loaded = None
     if args.url:
-        from deploy.bench_http import EndpointError, run_http, served_model, wait_ready
+        from deploy.bench_http import served_model, wait_ready
         from workers.loader import load_tokenizer
 
         wait_ready(args.url, args.ready_timeout)
-        served = served_model(args.url, args.api_key)
-        model_name = args.served_model_name or served["id"]
+        model_name = args.served_model_name or served_model(args.url, args.api_key)["id"]
         tokenizer = load_tokenizer(config.model).tokenizer  # the prompts' vocabulary: --model, as served
     else:
         from workers.loader import load_model
@@ -334,87 +372,64 @@ def run_bench(config: EngineConfig, args: argparse.Namespace) -> list[dict[str, 
         vocab = loaded.model.spec.vocab_size if loaded is not None else len(tokenizer)
         base = make_workload(args.num_requests, args.prompt_len, args.output_len, vocab, args.seed,
                              urgent_fraction=args.urgent_fraction)
+    head: dict[str, Any] = {"model": config.model, "requests": len(base.prompts),
+                            "output_tokens": base.num_output_tokens, "seed": args.seed,
+                            "torch_threads": torch.get_num_threads()}
     if loaded is not None:
         capacity = config.context_len(loaded.max_context)
         for i, (prompt, n) in enumerate(zip(base.prompts, base.output_lens, strict=True)):
             if len(prompt) + n > capacity:
                 raise ValueError(f"request {i}: {len(prompt)} prompt + {n} output tokens exceed the "
                                  f"{capacity} tokens a slot holds: raise --max-model-len or shorten the lengths")
-    head: dict[str, Any] = {"model": config.model, "requests": len(base.prompts),
-                            "output_tokens": base.num_output_tokens, "seed": args.seed,
-                            "torch_threads": torch.get_num_threads()}
-    if args.url:
+    else:
+        from deploy.bench_http import EndpointError, run_http
+
         head |= {"url": args.url, "served_model": model_name}
         warm = run_http(args.url, model_name, [base.prompts[0][:16]], [2], [0.0], [0], args.api_key)["0"]
         if warm.error:  # untimed; a refusal here (wrong key, wrong model name) would fail every request
             raise EndpointError(f"{args.url}: the warm-up request failed: {warm.error}")
-    baselines = [b for b in args.baselines.split(",") if b and b != "none"]
-    unknown = set(baselines) - {"serial", "static"}
-    if unknown:
-        raise ValueError(f"--baselines: unknown {sorted(unknown)} (serial, static or none)")
-    if baselines and loaded is None:
-        raise ValueError("the serial and static baselines run the model in this process: with --url use "
-                         "--baselines none")
-    if baselines and loaded is not None:
-        head |= _baselines(config, loaded, base, baselines, args.serial_requests, args.quiet)
-        print(json.dumps(_rounded(head)), file=sys.stderr, flush=True)
-    lines: list[dict[str, Any]] = []
-    for run in runs:
-        work = replace(base, arrival_s=poisson_arrivals(len(base.prompts), run.rate, args.seed), rate=run.rate)
-        bar = tqdm(total=len(work.prompts), desc=run.label(), unit="req", file=sys.stderr, leave=False,
-                   disable=args.quiet)
-        on_finish = lambda _done, bar=bar: bar.update(1)
-        extra: dict[str, Any] = {}
-        try:
-            if run.mode == "url":
-                start = time.perf_counter()
-                results = run_http(args.url, model_name, work.prompts, work.output_lens, work.arrival_s,
-                                   work.priorities(run.priorities), args.api_key, on_finish)
-                elapsed = time.perf_counter() - start
-            else:
-                assert run.slots is not None and run.token_budget is not None
-                run_config = config.model_copy(update={
-                    "mode": run.mode, "slots": run.slots, "token_budget": run.token_budget,
-                    "prefill_chunk": min(config.prefill_chunk, run.token_budget)})
-                results, elapsed, extra = run_engine(run_config, loaded, work, args.sequential, run.priorities,
-                                                     on_finish)
-        finally:
-            bar.close()
-        summary = head | {"mode": run.mode, "slots": run.slots, "token_budget": run.token_budget,
-                          "prefill_chunk": min(config.prefill_chunk, run.token_budget) if run.token_budget else None,
-                          "rate": run.rate, "sequential": args.sequential, "priorities": run.priorities}
-        summary |= summarize_run(work, results, elapsed, args.slo_ttft_ms, args.slo_tpot_ms,
-                                 exact=run.mode != "url") | extra
-        for key in ("serial_tok_s", "static_tok_s"):
-            if key in head:
-                summary[f"x_{key.split('_')[0]}"] = summary["output_tok_s"] / head[key]
-        if "handoff_mb_per_request" in summary:
-            copy = bench_copy(int(summary["handoff_mb_per_request"] * 1e6))
-            summary |= {"copy_gb_s": copy, "handoff_vs_copy": summary["handoff_gb_s"] / copy}
-        per_request = [{"rid": rid, "mode": run.mode, "slots": run.slots, "token_budget": run.token_budget,
-                        "rate": run.rate, "tokens": len(c.token_ids), "finish": c.finish_reason}
-                       | {f"{k}_ms": round(1000 * c.metrics[f"{k}_s"], 2) for k in ("ttft", "tpot", "e2e")
-                          if f"{k}_s" in c.metrics}
-                       | ({"error": c.error} if c.error else {})
-                       for rid, c in sorted(results.items(), key=lambda kv: int(kv[0]))]
-        lines += [summary] + per_request
-        print(json.dumps(_rounded(summary)), flush=True)
-    _compare_modes(lines)
-    for line in lines:
-        if "rid" in line:
-            print(json.dumps(line), file=sys.stderr if args.output else sys.stdout)
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.output, "w") as f:
-            for line in lines:
-                f.write(json.dumps(line) + "\n")
-    plot_path = args.plot or (str(Path(args.output).with_suffix(".png")) if args.output else None)
-    if plot_path:
-        from deploy.bench_plot import plot_bench
+    return loaded, head, base
 
-        plot_bench([line for line in lines if "rid" not in line], plot_path)
-        print(f"figure: {plot_path}", file=sys.stderr)
-    return lines
+
+def _run_one(run: Run, config: EngineConfig, args: argparse.Namespace, loaded: Any, head: dict[str, Any],
+             base: Workload) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One configuration, with a progress bar: its summary line and per-request lines."""
+    work = replace(base, arrival_s=poisson_arrivals(len(base.prompts), run.rate, args.seed), rate=run.rate)
+    chunk = min(config.prefill_chunk, run.token_budget) if run.token_budget else None
+    extra: dict[str, Any] = {}
+    with tqdm(total=len(work.prompts), desc=run.label(), unit="req", file=sys.stderr, leave=False,
+              disable=args.quiet) as bar:
+        on_finish = lambda _done: bar.update(1)
+        if run.mode == "url":
+            from deploy.bench_http import run_http
+
+            start = time.perf_counter()
+            results = run_http(args.url, head["served_model"], work.prompts, work.output_lens, work.arrival_s,
+                               work.priorities(run.priorities), args.api_key, on_finish)
+            elapsed = time.perf_counter() - start
+        else:
+            run_config = config.model_copy(update={"mode": run.mode, "slots": run.slots,
+                                                   "token_budget": run.token_budget, "prefill_chunk": chunk})
+            results, elapsed, extra = run_engine(run_config, loaded, work, args.sequential, run.priorities,
+                                                 on_finish)
+    summary = head | {"mode": run.mode, "slots": run.slots, "token_budget": run.token_budget,
+                      "prefill_chunk": chunk, "rate": run.rate, "sequential": args.sequential,
+                      "priorities": run.priorities}
+    summary |= summarize_run(work, results, elapsed, args.slo_ttft_ms, args.slo_tpot_ms,
+                             exact=run.mode != "url") | extra
+    for key in ("serial_tok_s", "static_tok_s"):
+        if key in head:
+            summary[f"x_{key.split('_')[0]}"] = summary["output_tok_s"] / head[key]
+    if "handoff_mb_per_request" in summary:
+        copy = bench_copy(int(summary["handoff_mb_per_request"] * 1e6))
+        summary |= {"copy_gb_s": copy, "handoff_vs_copy": summary["handoff_gb_s"] / copy}
+    per_request = [{"rid": rid, "mode": run.mode, "slots": run.slots, "token_budget": run.token_budget,
+                    "rate": run.rate, "tokens": len(c.token_ids), "finish": c.finish_reason}
+                   | {f"{k}_ms": round(1000 * c.metrics[f"{k}_s"], 2) for k in ("ttft", "tpot", "e2e")
+                      if f"{k}_s" in c.metrics}
+                   | ({"error": c.error} if c.error else {})
+                   for rid, c in sorted(results.items(), key=lambda kv: int(kv[0]))]
+    return summary, per_request
 
 
 def _baselines(config: EngineConfig, loaded: Any, work: Workload, baselines: list[str],
