@@ -41,6 +41,19 @@ def _log2_ticks(ax: Any, values: list[int]) -> None:
         ax.minorticks_off()
 
 
+def _ttft_with(ax: Any, series: dict[str, list[dict[str, Any]]], x: str, other: str, other_label: str,
+               other_style: str) -> None:
+    """TTFT p50 (solid) and p99 (dashed) of each series against `x`, and one more figure on a right axis."""
+    right = ax.twinx()
+    for label, group in series.items():
+        xs = [line[x] for line in group]
+        (handle,) = ax.plot(xs, [line["ttft_ms_p50"] for line in group], "o-", label=f"TTFT p50: {label}")
+        ax.plot(xs, [line["ttft_ms_p99"] for line in group], "^--", color=handle.get_color(),
+                label=f"TTFT p99: {label}")
+        right.plot(xs, [line[other] for line in group], other_style, color=handle.get_color(), alpha=0.7)
+    right.set_ylabel(other_label)
+
+
 def plot_bench(summaries: list[dict[str, Any]], path: str) -> None:
     import matplotlib
 
@@ -81,14 +94,7 @@ def plot_bench(summaries: list[dict[str, Any]], path: str) -> None:
     ax = axes[1]
     poisson = [line for line in summaries if line.get("rate", 0.0) > 0]
     by_budget = _series(poisson, "token_budget", lambda line: line.get("token_budget") is not None)
-    itl_ax = ax.twinx()
-    for label, group in by_budget.items():
-        xs = [line["token_budget"] for line in group]
-        (handle,) = ax.plot(xs, [line["ttft_ms_p50"] for line in group], "o-", label=f"TTFT p50: {label}")
-        ax.plot(xs, [line["ttft_ms_p99"] for line in group], "^--", color=handle.get_color(),
-                label=f"TTFT p99: {label}")
-        itl_ax.plot(xs, [line["itl_ms_p99"] for line in group], "x:", color=handle.get_color(), alpha=0.7)
-    itl_ax.set_ylabel("inter-token latency p99, ms (dotted x)")
+    _ttft_with(ax, by_budget, "token_budget", "itl_ms_p99", "inter-token latency p99, ms (dotted x)", "x:")
     _log2_ticks(ax, [line["token_budget"] for group in by_budget.values() for line in group])
     ax.set_xlabel("token budget (tokens per step)")
     ax.set_ylabel("TTFT, ms")
@@ -101,17 +107,9 @@ def plot_bench(summaries: list[dict[str, Any]], path: str) -> None:
 
     if panels == 3:
         ax = axes[2]
-        good_ax = ax.twinx()
-        for label, group in by_rate.items():
-            xs = [line["rate"] for line in group]
-            (handle,) = ax.plot(xs, [line["ttft_ms_p50"] for line in group], "o-", label=f"TTFT p50: {label}")
-            ax.plot(xs, [line["ttft_ms_p99"] for line in group], "^--", color=handle.get_color(),
-                    label=f"TTFT p99: {label}")
-            good_ax.plot(xs, [line["goodput_req_s"] for line in group], "s:", color=handle.get_color(),
-                         label=f"goodput: {label}")
+        _ttft_with(ax, by_rate, "rate", "goodput_req_s", "goodput, requests/s (dotted)", "s:")
         ax.set_xlabel("arrival rate, requests/s (0: all at once)")
         ax.set_ylabel("TTFT, ms")
-        good_ax.set_ylabel("goodput, requests/s (dotted)")
         ax.set_title("TTFT and goodput vs arrival rate")
         ax.legend(fontsize=7, loc="upper left")
         ax.grid(alpha=0.3)
