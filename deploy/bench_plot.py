@@ -88,7 +88,7 @@ def plot_bench(summaries: list[dict[str, Any]], path: str) -> None:
     ax.set_title("Throughput and TPOT vs slots" + ("" if any(len(g) > 1 for g in by_slots.values())
                                                  else " (no slots sweep in this run)"))
     if by_slots:
-        ax.legend(fontsize=7, loc="upper left")
+        ax.legend(fontsize=7, loc="lower right")
     ax.grid(alpha=0.3)
 
     ax = axes[1]
