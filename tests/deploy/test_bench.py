@@ -85,3 +85,33 @@ def test_inter_token_gaps():
     done = Completion("x", 3, token_ids=[1, 2, 3, 4], token_times_s=[1.0, 1.5, 1.5, 2.25])
     assert done.inter_token_s() == [0.5, 0.0, 0.75]
     assert Completion("y", 3, token_ids=[1], token_times_s=[1.0]).inter_token_s() == []
+
+
+def test_wait_ready_waits_through_a_starting_service():
+    """A service that answers 503 while it starts is waited for; one that stays down fails with its last answer."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from deploy.bench_http import EndpointError, wait_ready
+
+    answers = [503, 503, 200]
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(answers.pop(0) if len(answers) > 1 else answers[0])
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        wait_ready(url, timeout_s=30)
+        assert answers == [200]  # it asked until the service was up
+        answers[:] = [503]
+        with pytest.raises(EndpointError, match="status 503"):
+            wait_ready(url, timeout_s=1.5)
+    finally:
+        server.shutdown()
