@@ -37,7 +37,6 @@ class Workload:
     output_lens: list[int]
     arrival_s: list[float]  # offsets from the start (all 0: everything at once)
     urgent: list[bool]  # urgent requests get priority 0, the others 1 (when priorities are on)
-    rate: float = 0.0  # the Poisson rate the arrivals were drawn at (0: all at once)
 
     @property
     def num_output_tokens(self) -> int:
@@ -88,7 +87,7 @@ def make_workload(num_requests: int, prompt_len: str, output_len: str, vocab_siz
                for _ in range(num_requests)]
     output_lens = [rng.randint(o_lo, o_hi) for _ in range(num_requests)]
     urgent = [rng.random() < urgent_fraction for _ in range(num_requests)]
-    return Workload(prompts, output_lens, poisson_arrivals(num_requests, rate, seed), urgent, rate)
+    return Workload(prompts, output_lens, poisson_arrivals(num_requests, rate, seed), urgent)
 
 
 def load_workload(path: str, tokenizer: Any, num_requests: int, output_len: str, seed: int,
@@ -138,18 +137,25 @@ def bench_serial(hf: Any, work: Workload, limit: int,
 def bench_static(hf: Any, work: Workload, batch_size: int,
                  progress: Callable[[int], Any] | None = None) -> dict[str, Any]:
     """Fixed batches of `batch_size`, left-padded, each running until its longest output is done:
-    only the tokens each request asked for count as useful."""
-    start = time.perf_counter()
+    only the tokens each request asked for count as useful (taken from what `generate` returned).
+    Timed with the device synchronized, so it holds on a GPU too."""
+    sync = torch.cuda.synchronize if hf.device.type == "cuda" else (lambda: None)
+    sync()
+    start, useful = time.perf_counter(), 0
     for i in range(0, len(work.prompts), batch_size):
         prompts, lens = work.prompts[i : i + batch_size], work.output_lens[i : i + batch_size]
         width = max(map(len, prompts))
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        hf.generate(ids.to(hf.device), attention_mask=mask.to(hf.device), max_new_tokens=max(lens),
-                    min_new_tokens=max(lens), do_sample=False, pad_token_id=0)
+        out = hf.generate(ids.to(hf.device), attention_mask=mask.to(hf.device), max_new_tokens=max(lens),
+                          min_new_tokens=max(lens), do_sample=False, pad_token_id=0)
+        useful += sum(min(n, out.shape[1] - width) for n in lens)
         if progress:
             progress(len(prompts))
-    return {"static_tok_s": work.num_output_tokens / (time.perf_counter() - start), "static_batch": batch_size}
+    sync()
+    elapsed = time.perf_counter() - start
+    return {"static_tok_s": useful / elapsed, "static_tokens": useful, "static_s": elapsed,
+            "static_batch": batch_size}
 
 
 def _requests(work: Workload, priorities: bool) -> list[Request]:
@@ -394,7 +400,7 @@ def _prepare(config: EngineConfig, args: argparse.Namespace) -> tuple[Any, dict[
 def _run_one(run: Run, config: EngineConfig, args: argparse.Namespace, loaded: Any, head: dict[str, Any],
              base: Workload) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """One configuration, with a progress bar: its summary line and per-request lines."""
-    work = replace(base, arrival_s=poisson_arrivals(len(base.prompts), run.rate, args.seed), rate=run.rate)
+    work = replace(base, arrival_s=poisson_arrivals(len(base.prompts), run.rate, args.seed))
     chunk = min(config.prefill_chunk, run.token_budget) if run.token_budget else None
     extra: dict[str, Any] = {}
     with tqdm(total=len(work.prompts), desc=run.label(), unit="req", file=sys.stderr, leave=False,

@@ -220,27 +220,18 @@ def bench_engine(loaded: Any, config: EngineConfig, prompts: list[list[int]], ou
     return out
 
 
-def bench_static(hf: Any, prompts: list[list[int]], output_len: int, batch_size: int,
-                 device: str) -> dict[str, Any]:
-    """transformers' static batching: fixed batches of `batch_size` through greedy `generate`, each run for
-    exactly `output_len` new tokens. (deploy.bench.bench_static builds its inputs on the CPU and does not
-    synchronize a GPU, so it does not fit here.) Prompts have one length, so there is no padding."""
-
-    def generate(batch: list[list[int]], new_tokens: int) -> int:
-        ids = torch.tensor(batch, device=device)
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-        return (out.shape[1] - ids.shape[1]) * len(batch)
+def bench_static_warm(hf: Any, work: Any, batch_size: int) -> dict[str, Any]:
+    """transformers' static batching (deploy.bench.bench_static, which synchronizes the GPU) after one
+    short untimed batch, as the engine gets a warm-up. Prompts have one length, so there is no padding."""
+    from deploy.bench import bench_static
 
     with torch.inference_mode():
-        generate(prompts[:batch_size], min(4, output_len))  # warmup
-        synchronize(device)
-        start, tokens = time.perf_counter(), 0
-        for i in range(0, len(prompts), batch_size):
-            tokens += generate(prompts[i : i + batch_size], output_len)
-        synchronize(device)
-        elapsed = time.perf_counter() - start
-    return {"static_tokens": tokens, "static_s": elapsed, "static_tok_s": tokens / elapsed}
+        ids = torch.tensor(work.prompts[:batch_size], device=hf.device)
+        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4,
+                    do_sample=False, pad_token_id=0)
+        out = bench_static(hf, work, batch_size)
+    out.pop("static_batch")
+    return out
 
 
 def auto_token_budget(slots: int, prompt_len: int, prefill_chunk: int) -> int:
@@ -344,7 +335,7 @@ def run_gpu_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                            "token_budget": budget, "prefill_chunk": chunk}
             line |= bench_engine(engine_model, config, work.prompts, args.output_len, device)
             _progress(start, f"slots {slots}: transformers static batching")
-            line |= bench_static(hf, work.prompts, args.output_len, slots, device)
+            line |= bench_static_warm(hf, work, slots)
             line |= {"x_static": line["engine_tok_s"] / line["static_tok_s"],
                      "bandwidth_fraction": line["achieved_gb_s"] / copy_gb_s,
                      "run_s": time.perf_counter() - run_start, "elapsed_s": time.perf_counter() - start}
