@@ -1,8 +1,18 @@
-"""Shared fixtures: one local Ray for the whole session (started on first use) and a tiny checkpoint."""
+"""Shared fixtures: one local Ray for the whole session (started on first use) and a tiny checkpoint.
+
+Every Ray the tests start authenticates with a token of this test session's own, passed in the
+environment: a fresh machine needs no `~/.ray/auth_token`, and the tests never write one.
+"""
+
+import os
+import secrets
 
 import pytest
 
 from tests.factories import save_tiny_checkpoint
+
+os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
 
 
 @pytest.fixture(scope="session")

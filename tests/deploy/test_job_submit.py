@@ -1,15 +1,20 @@
 """A real `ray start --head` on loopback and `ray job submit` of a generate job.
 
-`ray stop` stops every Ray on the machine, so this module must run before the session's shared Ray
-starts (tests/deploy/test_modes.py is the first to use it; files run in name order). It skips if a
-Ray is already up in this process.
+The head is this test's own: its own token (in the environment of the head and the client only), its
+own temp dir and ports, started with `--block` in a new session so that stopping it stops only it,
+never another Ray on the machine (such as the session's shared one). Nothing reads or writes `~/.ray`.
 """
 
 import json
 import os
+import secrets
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,38 +26,77 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 
+@pytest.fixture
+def ray_head() -> Iterator[tuple[str, dict[str, str]]]:
+    """Start a Ray head of our own; yield (dashboard address, client environment); stop only it."""
+    token = secrets.token_hex(32)
+    env = os.environ | {"PATH": f"{BIN}:{os.environ['PATH']}", "RAY_ADDRESS": "", "RAY_AUTH_MODE": "token",
+                        "RAY_AUTH_TOKEN": token}
+    env.pop("RAY_AUTH_TOKEN_PATH", None)
+    temp_dir = tempfile.mkdtemp(prefix="pdserve-ray-", dir="/tmp")  # short: Ray puts Unix sockets in it
+    dashboard = free_port()
+    ports = {"--port": free_port(), "--dashboard-port": dashboard, "--ray-client-server-port": free_port(),
+             "--dashboard-agent-listen-port": free_port(), "--dashboard-agent-grpc-port": free_port(),
+             "--metrics-export-port": free_port(), "--runtime-env-agent-port": free_port(),
+             "--node-manager-port": free_port(), "--object-manager-port": free_port()}
+    log = open(Path(temp_dir) / "head.log", "w")  # noqa: SIM115 (closed below)
+    head = subprocess.Popen(
+        [BIN / "ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
+         "--num-cpus=4", "--include-dashboard=true", "--disable-usage-stats", f"--temp-dir={temp_dir}",
+         *(f"{flag}={port}" for flag, port in ports.items())],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield f"http://127.0.0.1:{dashboard}", env
+    finally:
+        head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait()
+        time.sleep(1)
+        try:
+            os.killpg(head.pid, signal.SIGKILL)  # anything of its session that outlived it
+        except ProcessLookupError:
+            pass
+        log.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
-def test_ray_job_submit_runs_a_generate_job(tiny_checkpoint, tmp_path):
-    import ray
 
-    if ray.is_initialized():
-        pytest.skip("a Ray session is already up in this process; `ray stop` would end it")
-    env = os.environ | {"PATH": f"{BIN}:{os.environ['PATH']}", "RAY_ADDRESS": ""}
-    gcs, dashboard = free_port(), free_port()
+def test_ray_job_submit_runs_a_generate_job(ray_head, tiny_checkpoint, tmp_path):
+    address, env = ray_head
     rows = [{"id": f"q{i}", "prompt_token_ids": [5 + i, 9, 14, 100], "max_tokens": 6, "temperature": 0}
             for i in range(4)]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out.jsonl"
-    subprocess.run([BIN / "ray", "start", "--head", f"--port={gcs}", "--node-ip-address=127.0.0.1",
-                    "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--num-cpus=4",
-                    "--include-dashboard=true", "--disable-usage-stats"],
-                   check=True, env=env, capture_output=True, timeout=120)
-    try:
-        # the head enabled token authentication; the job client sends the token from ~/.ray/auth_token
-        submit = [BIN / "ray", "job", "submit", f"--address=http://127.0.0.1:{dashboard}", "--working-dir", ROOT,
-                  "--", "pdserve", "generate", "--mode", "disaggregated", "--model", tiny_checkpoint, "--input",
-                  str(tmp_path / "in.jsonl"), "--output", str(out), "--max-model-len", "64"]
-        for _ in range(10):  # right after `ray start` the node's job agent may not be up yet
-            job = subprocess.run(submit, env=env | {"RAY_AUTH_MODE": "token"}, capture_output=True, text=True,
-                                 timeout=400)
-            if "No available agent" not in job.stdout + job.stderr:
-                break
-            time.sleep(3)
+    submit = [BIN / "ray", "job", "submit", f"--address={address}", "--working-dir", ROOT,
+              "--", "pdserve", "generate", "--mode", "disaggregated", "--model", tiny_checkpoint, "--input",
+              str(tmp_path / "in.jsonl"), "--output", str(out), "--max-model-len", "64"]
+    deadline = time.monotonic() + 120
+    while True:  # until the head answers and its job agent is up
+        job = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=400)
         logs = job.stdout + job.stderr
-        assert job.returncode == 0, logs[-4000:]
-        assert "succeeded" in logs and "wrote 4 results" in logs
-        lines = [json.loads(line) for line in out.read_text().splitlines()]
-        assert [line["id"] for line in lines] == ["q0", "q1", "q2", "q3"]
-        assert all(len(line["token_ids"]) == 6 and line["metrics"]["kv_handoff_bytes"] > 0 for line in lines)
-    finally:
-        subprocess.run([BIN / "ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+        retry = any(s in logs for s in ("No available agent", "Connection refused", "Failed to connect"))
+        if not retry or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert job.returncode == 0, logs[-4000:]
+    assert "succeeded" in logs and "wrote 4 results" in logs
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["id"] for line in lines] == ["q0", "q1", "q2", "q3"]
+    assert all(len(line["token_ids"]) == 6 and line["metrics"]["kv_handoff_bytes"] > 0 for line in lines)
+
+
+def test_job_client_without_the_token_is_refused(ray_head):
+    """The head really requires the token: a client that lacks it is turned away."""
+    address, env = ray_head
+    without = {k: v for k, v in env.items() if k != "RAY_AUTH_TOKEN"} | {"HOME": tempfile.mkdtemp()}
+    deadline = time.monotonic() + 120
+    while True:
+        job = subprocess.run([BIN / "ray", "job", "list", f"--address={address}"], env=without,
+                             capture_output=True, text=True, timeout=120)
+        logs = job.stdout + job.stderr
+        if "Connection refused" not in logs and "Failed to connect" not in logs or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert job.returncode != 0 and "token" in logs.lower(), logs[-2000:]
