@@ -12,8 +12,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tqdm import tqdm
 
-from deploy.config import EngineConfig
-from deploy.requests import build_request, encode_prompt
+from deploy.config import EngineConfig, format_validation_errors
+from deploy.driver import open_engine
+from deploy.prompts import build_request, encode_prompt
 from scheduler.outputs import Completion
 from scheduler.policy import Scheduler
 from scheduler.request import Request
@@ -55,7 +56,7 @@ def read_lines(path: str | Path) -> list[GenerateLine]:
             try:
                 line = GenerateLine.model_validate_json(raw)
             except ValidationError as e:
-                problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'line'}: {err['msg']}" for err in e.errors())
+                problems = format_validation_errors(e.errors(), whole="line")
                 raise BatchInputError(f"{path}:{number}: {problems}") from None
             key = str(line.id)
             if key in seen:
@@ -119,27 +120,9 @@ def run_generate(config: EngineConfig, input_path: str, output_path: str, progre
     arrivals = {str(line.id): line.arrival_s for line in lines}
     bar = tqdm(total=len(lines), desc="generate", unit="req", file=sys.stderr, disable=not progress,
                mininterval=1.0)
-    if config.mode == "local":
-        from deploy.engine_factory import build_local_engine
-
-        engine, loaded = build_local_engine(config)
-        requests = to_requests(lines, loaded.tokenizer, loaded.eos_token_ids, engine.scheduler.capacity)
-        finished = engine.run(requests, arrival_s=arrivals, on_finish=lambda _: bar.update())
-        results = {req_id: Completion.from_request(r) for req_id, r in finished.items()}
-    else:
-        import ray
-
-        from deploy.ray_client import run_requests, start_scheduler
-        from workers.loader import load_tokenizer
-
-        info = load_tokenizer(config.model)
-        requests = to_requests(lines, info.tokenizer, info.eos_token_ids, config.context_len(info.max_context))
-        handle = start_scheduler(config)
-        try:
-            results = run_requests(handle, requests, arrivals, on_finish=lambda _: bar.update())
-        finally:
-            ray.get(handle.shutdown.remote())
-            ray.kill(handle)
+    with open_engine(config) as engine:
+        requests = to_requests(lines, engine.tokenizer, engine.eos_token_ids, engine.capacity)
+        results = engine.run(requests, arrivals, on_finish=lambda _: bar.update())
     bar.close()
     out = [result_line(results[r.req_id]) for r in requests]
     write_atomically(output_path, out)

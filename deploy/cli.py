@@ -6,34 +6,41 @@ import argparse
 import logging
 import sys
 import time
+import types
+import typing
 from typing import Any
 
 from pydantic import ValidationError
 
+from deploy.bench.arguments import add_bench_arguments, add_gpu_bench_arguments
 from deploy.config import EngineConfig
 
-_ENGINE_FLAGS: dict[str, tuple[str, type]] = {  # flag -> (EngineConfig field, type)
-    "--model": ("model", str), "--mode": ("mode", str), "--slots": ("slots", int),
-    "--max-model-len": ("max_model_len", int), "--token-budget": ("token_budget", int),
-    "--prefill-chunk": ("prefill_chunk", int), "--max-waiting": ("max_waiting", int),
-    "--dtype": ("dtype", str), "--device": ("device", str), "--prefill-workers": ("prefill_workers", int),
-    "--decode-workers": ("decode_workers", int), "--local-prefill-max-tokens": ("local_prefill_max_tokens", int),
-    "--num-cpus-per-worker": ("num_cpus_per_worker", float), "--max-preemptions": ("max_preemptions", int),
-}
+
+def _engine_fields() -> dict[str, tuple[str, type, tuple[str, ...] | None]]:
+    """Every EngineConfig field of a plain type as a flag: --flag-name -> (field, type, choices)."""
+    flags = {}
+    for name, field in EngineConfig.model_fields.items():
+        kind = field.annotation
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):  # `int | None` -> int
+            kind = next((k for k in typing.get_args(kind) if k is not type(None)), kind)
+        if typing.get_origin(kind) is typing.Literal:
+            flags[f"--{name.replace('_', '-')}"] = (name, str, typing.get_args(kind))
+        elif kind in (int, float, str):
+            flags[f"--{name.replace('_', '-')}"] = (name, kind, None)
+    return flags
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field, described by the config itself; unset flags keep its defaults."""
-    for flag, (name, kind) in _ENGINE_FLAGS.items():
+    for flag, (name, kind, choices) in _engine_fields().items():
         field = EngineConfig.model_fields[name]
-        extra = {"choices": ["local", "colocated", "disaggregated"]} if name == "mode" else {}
-        parser.add_argument(flag, dest=name, type=kind, default=None,
-                            help=f"{field.description} (default: {field.default})", **extra)
+        parser.add_argument(flag, dest=name, type=kind, default=None, choices=choices,
+                            help=f"{field.description} (default: {field.default})")
 
 
 def config_from_args(args: argparse.Namespace, cls: type[EngineConfig] = EngineConfig, **overrides: object) -> Any:
     """The config of the flags given; unset flags (None) keep the config class's defaults."""
-    names = [name for name, _ in _ENGINE_FLAGS.values()]
+    names = [name for name, _, _ in _engine_fields().values()]
     given = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     return cls(**(given | {k: v for k, v in overrides.items() if v is not None}))
 
@@ -53,8 +60,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from deploy.bench import BenchFailed, run_bench
-    from deploy.bench_http import EndpointError
+    from deploy.bench.http_client import EndpointError
+    from deploy.bench.runner import run_bench
+    from deploy.bench.stats import BenchFailed
 
     if args.baselines is None:
         args.baselines = "none" if args.url else "serial,static"
@@ -73,7 +81,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _cmd_bench_plot(args: argparse.Namespace) -> int:
     import json
 
-    from deploy.bench_plot import plot_bench
+    from deploy.bench.plot import plot_bench
 
     summaries = []
     try:
@@ -91,11 +99,18 @@ def _cmd_bench_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_gpu_bench(args: argparse.Namespace) -> int:
+    from deploy.bench.gpu import run_gpu_bench
+
+    run_gpu_bench(args)
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from ray import serve
 
-    from deploy.ray_client import init_ray
-    from deploy.serve_app import APP_NAME, ServiceConfig, build_app
+    from deploy.ray_engine import init_ray
+    from deploy.serving.app import APP_NAME, ServiceConfig, build_app
 
     try:
         config = config_from_args(args, ServiceConfig, served_model_name=args.served_model_name,
@@ -124,8 +139,8 @@ def _cmd_load(args: argparse.Namespace) -> int:
     import asyncio
     import json
 
-    from deploy.bench_http import EndpointError, wait_ready
-    from deploy.load import run_load
+    from deploy.bench.http_client import EndpointError, wait_ready
+    from deploy.bench.load import run_load
 
     try:
         wait_ready(args.url, args.ready_timeout)
@@ -153,44 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="serving benchmark: engine modes and sweeps, or a running endpoint "
                            "(--url), against serial and static transformers generate")
     add_engine_args(bench)
-    bench.add_argument("--url", default=None, help="bench this running OpenAI endpoint (e.g. "
-                       "http://127.0.0.1:8000/v1) instead of starting an engine; --model names the tokenizer "
-                       "that random prompts are drawn from")
-    bench.add_argument("--served-model-name", default=None, help="with --url: the `model` to send "
-                       "(default: the first one the endpoint lists)")
-    bench.add_argument("--api-key", default=None, help="with --url: sent as `Authorization: Bearer`")
-    bench.add_argument("--ready-timeout", type=float, default=120.0,
-                       help="with --url: seconds to wait for the endpoint's /health to answer 200")
-    bench.add_argument("--num-requests", type=int, default=32, help="requests per configuration (with "
-                       "--prompts-file: the first N lines, 0 for all)")
-    bench.add_argument("--prompt-len", default="16:512", help="N or MIN:MAX (uniform), tokens")
-    bench.add_argument("--output-len", default="16:256", help="N or MIN:MAX (uniform), tokens")
-    bench.add_argument("--prompts-file", default=None, help="JSONL of prompts instead of random ones: "
-                       "`prompt`, `messages` or `prompt_token_ids` per line, optional `max_tokens`")
-    bench.add_argument("--sweep-slots", default=None, help="comma list of slot counts to run the engine with")
-    bench.add_argument("--sweep-token-budget", default=None,
-                       help="comma list of token budgets (e.g. 64,256,1024); prefill_chunk is capped at each")
-    bench.add_argument("--baselines", default=None, help="comma list of serial,static or none "
-                       "(default: serial,static; none with --url)")
-    bench.add_argument("--serial-requests", type=int, default=8,
-                       help="serial generate runs only this many requests (its rate is per token)")
-    bench.add_argument("--modes", default=None, help="comma list of modes to run side by side in one run "
-                       "(e.g. colocated,disaggregated); default: --mode")
-    bench.add_argument("--sequential", action="store_true",
-                       help="send one request at a time (low load: time to first token without queueing)")
-    bench.add_argument("--rate", default="0", help="Poisson arrivals, requests/s (0: all at once); a comma list "
-                       "sweeps the rates (e.g. 0.5,1,2)")
-    bench.add_argument("--urgent-fraction", type=float, default=0.0,
-                       help="this fraction of requests is urgent (priority 0; the rest priority 1)")
-    bench.add_argument("--compare-priorities", action="store_true",
-                       help="run each configuration with priorities off and on (urgent TTFT side by side)")
-    bench.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput counts requests under this TTFT")
-    bench.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput counts requests under this TPOT")
-    bench.add_argument("--seed", type=int, default=0, help="prompts, lengths and arrivals depend only on it")
-    bench.add_argument("--output", default=None, help="also write the JSON lines to this file "
-                       "(and the figure next to it, as .png)")
-    bench.add_argument("--plot", default=None, help="write the figure here (PNG; default: --output with .png)")
-    bench.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_bench_arguments(bench)
     bench.set_defaults(func=_cmd_bench)
 
     replot = sub.add_parser("bench-plot", help="draw the bench figure from the JSON lines of one or more runs")
@@ -199,12 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     replot.add_argument("--plot", required=True, help="PNG to write")
     replot.set_defaults(func=_cmd_bench_plot)
 
-    from deploy import gpu_bench
-
     gpu = sub.add_parser("gpu-bench", help="offline GPU benchmark: a random-weight Qwen3-0.6B, slots sweep "
                          "against transformers static batching, decode-step memory bandwidth")
-    gpu_bench.add_arguments(gpu)
-    gpu.set_defaults(func=lambda args: gpu_bench.run_gpu_bench(args) and 0)
+    add_gpu_bench_arguments(gpu)
+    gpu.set_defaults(func=_cmd_gpu_bench)
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API through Ray Serve")
     add_engine_args(serve)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Sequence
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from workers.loader import DEFAULT_MODEL
+from scheduler.coordinator import MODES_ON_RAY, CellConfig
+from workers.catalog import DEFAULT_MODEL, MAX_DEFAULT_CONTEXT
 
 Mode = Literal["local", "colocated", "disaggregated"]
+MODES: tuple[str, ...] = get_args(Mode)
+assert set(MODES_ON_RAY) < set(MODES)
 
 
 class EngineConfig(BaseModel):
@@ -21,7 +25,7 @@ class EngineConfig(BaseModel):
                        "the same Ray workers; disaggregated: separate prefill and decode worker pools.")
     slots: int = Field(16, ge=1, description="Decode slots per worker: requests that can run at once.")
     max_model_len: int | None = Field(None, ge=2, description="Tokens per slot (prompt + output); default: "
-                                      "the model's context, capped at 4096.")
+                                      f"the model's context, capped at {MAX_DEFAULT_CONTEXT}.")
     token_budget: int = Field(256, ge=1, description="Tokens computed per step: decode tokens first, then "
                               "prompt chunks.")
     prefill_chunk: int = Field(128, ge=1, description="Most prompt tokens of one request in one step.")
@@ -55,9 +59,29 @@ class EngineConfig(BaseModel):
         return self
 
     def context_len(self, model_context: int) -> int:
-        """Slot capacity: max_model_len if set (never over the model's context), else min(context, 4096)."""
+        """Slot capacity: max_model_len if set (never over the model's context), else the model's context
+        capped at MAX_DEFAULT_CONTEXT."""
         if self.max_model_len is None:
-            return min(model_context, 4096)
+            return min(model_context, MAX_DEFAULT_CONTEXT)
         if self.max_model_len > model_context:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context of {model_context}")
         return self.max_model_len
+
+    def cell_config(self, capacity: int) -> CellConfig:
+        """The scheduler cell of a Ray mode, with slots of `capacity` tokens."""
+        return CellConfig(mode=self.mode, num_decode_workers=self.decode_workers,
+                          num_prefill_workers=self.prefill_workers, decode_slots=self.slots,
+                          prefill_slots=self.prefill_slots, capacity=capacity, token_budget=self.token_budget,
+                          prefill_chunk=self.prefill_chunk, max_waiting=self.max_waiting,
+                          max_preemptions=self.max_preemptions, max_recomputes=self.max_recomputes,
+                          local_prefill_max_tokens=self.local_prefill_max_tokens)
+
+
+def format_validation_errors(errors: Sequence[Any], skip: tuple[str, ...] = (), limit: int = 5,
+                             whole: str = "body") -> str:
+    """pydantic's errors as `where: what; ...` (the first `limit`; `whole` names an error of the whole
+    object), for a 400 or a bad input line. Parts of a location in `skip` are left out."""
+    def where(error: Any) -> str:
+        return ".".join(str(p) for p in error.get("loc", ()) if p not in skip)
+
+    return "; ".join(f"{where(e) or whole}: {e.get('msg')}" for e in list(errors)[:limit])

@@ -11,9 +11,9 @@ from typing import Any
 import ray
 import torch
 
+from scheduler.messages import KVHandoff, KVImport, StepResult
 from scheduler.plan import StepPlan
 from workers.loader import load_model, resolve_device
-from workers.messages import KVHandoff, KVImport, StepResult
 from workers.runner import ModelRunner
 
 
@@ -36,7 +36,7 @@ class _ModelWorker:
 class PrefillWorker(_ModelWorker):
     """Runs prompt chunks; when a prompt's last chunk is done, exports its KV rows to the object store."""
 
-    def step(self, plan: StepPlan) -> StepResult:
+    def step(self, plan: StepPlan, imports: list[KVImport]) -> StepResult:
         start = time.perf_counter()
         sampled = self.runner.execute(plan)
         handoffs = []
@@ -49,13 +49,14 @@ class PrefillWorker(_ModelWorker):
             ref = ray.put(rows)
             handoffs.append(KVHandoff(chunk.req_id, ref, length, rows.nbytes, time.perf_counter() - export_start,
                                       self.index))
-        return StepResult(sampled=sampled, handoffs=handoffs, step_s=time.perf_counter() - start)
+        return StepResult(sampled=sampled, handoffs=handoffs, step_s=time.perf_counter() - start,
+                          forward_s=self.runner.last_forward_s)
 
 
 class DecodeWorker(_ModelWorker):
     """Imports handed-off KV rows into its slots and runs decode steps (and short or colocated prompts)."""
 
-    def step(self, plan: StepPlan, imports: list[KVImport] = ()) -> StepResult:  # type: ignore[assignment]
+    def step(self, plan: StepPlan, imports: list[KVImport]) -> StepResult:
         start = time.perf_counter()
         failed: list[str] = []
         import_s: dict[str, float] = {}
@@ -77,4 +78,21 @@ class DecodeWorker(_ModelWorker):
                                        prefill=[c for c in plan.prefill if c.req_id not in lost])
         sampled = self.runner.execute(plan)
         return StepResult(sampled=sampled, failed_imports=failed, import_s=import_s,
-                          step_s=time.perf_counter() - start)
+                          step_s=time.perf_counter() - start, forward_s=self.runner.last_forward_s)
+
+
+def spawn_worker(config: Any, capacity: int, kind: str, index: int, num_slots: int) -> Any:
+    """Start one worker actor of a pool (`kind` "prefill" or "decode"); returns its handle at once.
+
+    `config` is deploy's EngineConfig (model, dtype, device, resources, restarts, CPUs per worker).
+    The scheduler actor calls this (through `functools.partial(spawn_worker, config, capacity)`), so it
+    owns its workers. A worker takes one GPU where the cluster has GPUs, else `num_cpus_per_worker` CPUs
+    and as many torch threads; Ray restarts it `max_worker_restarts` times.
+    """
+    gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+    cls = PrefillWorker if kind == "prefill" else DecodeWorker
+    options = {"max_restarts": config.max_worker_restarts, "max_task_retries": 0,
+               "num_cpus": config.num_cpus_per_worker, "num_gpus": gpus,
+               "resources": config.prefill_resources if kind == "prefill" else config.decode_resources}
+    return ray.remote(cls).options(**options).remote(
+        index, config.model, config.dtype, config.device, num_slots, capacity, max(1, int(config.num_cpus_per_worker)))

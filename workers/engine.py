@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from scheduler.arrivals import ArrivalSchedule
 from scheduler.outputs import OutputProcessor, RequestOutput
 from scheduler.policy import Scheduler
 from scheduler.request import Request
@@ -14,7 +15,7 @@ from workers.runner import ModelRunner
 
 
 class LocalEngine:
-    """Plans a step, runs it, records the sampled tokens, applies stop strings: `step()` is that loop.
+    """Plans a step, runs it, records the sampled tokens, applies stop strings: `step()` is one turn.
 
     `submit` and `abort` may be called from other threads while `run` steps; they take effect at the
     next step. With a tokenizer, each request's `text` is kept up to date and stop strings apply.
@@ -25,7 +26,6 @@ class LocalEngine:
             raise ValueError("the scheduler plans more slots or positions than the runner's cache holds")
         self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
         self.outputs = OutputProcessor(tokenizer)
-        self.last_outputs: list[RequestOutput] = []  # each request's new tokens and text from the last step
         self.reset_profile()
         self._lock = threading.Lock()
 
@@ -49,16 +49,16 @@ class LocalEngine:
                 self.outputs.close(request)
             return request
 
-    def step(self) -> list[Request]:
-        """One iteration; returns the requests that finished in it. `last_outputs` has each request's
-        new tokens and text from it."""
+    def step(self) -> list[RequestOutput]:
+        """One iteration: each request's new tokens and text from it; finished ones carry their
+        finish reason."""
         start = time.perf_counter()
         with self._lock:
             plan = self.scheduler.plan()
         sampled = self.runner.execute(plan)
         with self._lock:
             finished = self.scheduler.update(plan, sampled)
-            self.last_outputs = self.outputs.apply(self.scheduler, sampled, finished)
+            outputs = self.outputs.apply(self.scheduler, sampled, finished)
         self.num_steps += 1
         elapsed, profile = time.perf_counter() - start, self.profile
         profile["step_s"] += elapsed
@@ -67,7 +67,7 @@ class LocalEngine:
             profile["decode_steps"] += 1
             profile["decode_step_s"] += elapsed
             profile["decode_model_s"] += self.runner.last_forward_s
-        return finished
+        return outputs
 
     @property
     def idle(self) -> bool:
@@ -84,22 +84,21 @@ class LocalEngine:
 
         Returns every request by id. A request that cannot run raises before anything is submitted.
         """
-        pending = sorted(requests, key=lambda r: (arrival_s or {}).get(r.req_id, 0.0))
-        for request in pending:
+        by_id = {request.req_id: request for request in requests}
+        for request in by_id.values():
             self.scheduler.check(request)
+        schedule = ArrivalSchedule(by_id.values(), lambda r: (arrival_s or {}).get(r.req_id, 0.0))
         results: dict[str, Request] = {}
-        t0 = time.perf_counter()
-        while pending or not self.idle:
-            now = time.perf_counter() - t0
-            while pending and (arrival_s or {}).get(pending[0].req_id, 0.0) <= now:
-                request = pending.pop(0)
+        while schedule or not self.idle:
+            for request in schedule.due():
                 request.arrival_s = time.perf_counter()
                 self.submit(request)
-            if self.idle and pending:
-                time.sleep(max(0.0, (arrival_s or {})[pending[0].req_id] - now))
+            if self.idle and schedule:
+                time.sleep(schedule.wait_s())
                 continue
-            for request in self.step():
-                results[request.req_id] = request
-                if on_finish is not None:
-                    on_finish(request)
+            for out in self.step():
+                if out.finished:
+                    results[out.req_id] = by_id[out.req_id]
+                    if on_finish is not None:
+                        on_finish(by_id[out.req_id])
         return results

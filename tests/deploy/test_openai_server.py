@@ -7,23 +7,13 @@ import pytest
 import ray
 
 from deploy.config import EngineConfig
-from deploy.openai_api import OpenAIServer, ServedModel
-from deploy.openai_schemas import APIError, CompletionBody
-from deploy.ray_client import start_scheduler
+from deploy.engine_client import EngineClient
+from deploy.ray_engine import start_scheduler
+from deploy.serving.openai_api import OpenAIServer, ServedModel
+from deploy.serving.schemas import APIError, CompletionBody
 from workers.loader import load_tokenizer
 
 pytestmark = pytest.mark.slow
-
-
-class ActorClient:
-    """An engine client over a plain scheduler actor handle (Serve's client streams the same way)."""
-
-    def __init__(self, handle):
-        self.handle = handle
-
-    async def generate(self, request):
-        async for ref in self.handle.generate.remote(request):
-            yield await ref
 
 
 def test_full_queue_gets_429_with_retry_after(ray_session, tiny_checkpoint):
@@ -31,7 +21,7 @@ def test_full_queue_gets_429_with_retry_after(ray_session, tiny_checkpoint):
                           token_budget=8, prefill_chunk=8, max_waiting=1)
     handle = start_scheduler(config)
     info = load_tokenizer(tiny_checkpoint)
-    server = OpenAIServer(ActorClient(handle), ServedModel("tiny", info.tokenizer, info.eos_token_ids, 1024))
+    server = OpenAIServer(EngineClient(handle), ServedModel("tiny", info.tokenizer, info.eos_token_ids, 1024))
 
     async def wait_for(condition):
         deadline = time.monotonic() + 60

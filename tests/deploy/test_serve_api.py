@@ -10,9 +10,9 @@ import pytest
 from ray import serve
 
 from deploy.config import EngineConfig
-from deploy.engine_factory import build_local_engine
-from deploy.requests import build_request, encode_prompt
-from deploy.serve_app import OpenAIIngress, build_app
+from deploy.driver import open_engine
+from deploy.prompts import build_request, encode_prompt
+from deploy.serving.app import OpenAIIngress, build_app
 from tests.factories import free_port
 
 pytestmark = pytest.mark.slow
@@ -36,36 +36,37 @@ def client(server):
 
 
 def local_text(checkpoint, prompt=None, messages=None, max_tokens=12):
-    engine, loaded = build_local_engine(EngineConfig(model=checkpoint, max_model_len=256))
-    request = build_request("x", encode_prompt(loaded.tokenizer, prompt=prompt, messages=messages),
-                            max_tokens=max_tokens, eos_token_ids=loaded.eos_token_ids, temperature=0)
-    done = engine.run([request])["x"]
-    return done.text, len(done.prompt_ids), len(done.output_ids)
+    with open_engine(EngineConfig(model=checkpoint, max_model_len=256)) as engine:
+        request = build_request("x", encode_prompt(engine.tokenizer, prompt=prompt, messages=messages),
+                                max_tokens=max_tokens, eos_token_ids=engine.eos_token_ids, temperature=0)
+        done = engine.run([request])["x"]
+    return done.text, done.prompt_tokens, len(done.token_ids), done.finish_reason
 
 
 def test_completion_equals_local_generate_with_usage(client, tiny_checkpoint):
-    text, num_prompt, num_out = local_text(tiny_checkpoint, prompt="the quick brown fox")
+    text, num_prompt, num_out, finish = local_text(tiny_checkpoint, prompt="the quick brown fox")
     got = client.completions.create(model="tiny", prompt="the quick brown fox", max_tokens=12, temperature=0)
     assert got.choices[0].text == text
     assert got.usage.prompt_tokens == num_prompt and got.usage.completion_tokens == num_out
     assert got.usage.total_tokens == num_prompt + num_out
-    assert got.choices[0].finish_reason in ("stop", "length")
+    assert got.choices[0].finish_reason == finish
 
 
 def test_streamed_completion_joins_to_the_same_text_and_ends_with_usage(client, tiny_checkpoint):
-    text, num_prompt, num_out = local_text(tiny_checkpoint, prompt="hello world", max_tokens=20)
+    text, num_prompt, num_out, finish = local_text(tiny_checkpoint, prompt="hello world", max_tokens=20)
     chunks = list(client.completions.create(model="tiny", prompt="hello world", max_tokens=20, temperature=0,
                                             stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == text
     assert chunks[-1].usage.completion_tokens == num_out and chunks[-1].usage.prompt_tokens == num_prompt
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finish
 
 
 def test_chat_streaming_and_not(client, tiny_checkpoint):
     messages = [{"role": "user", "content": "paris is in"}]
-    text, _, num_out = local_text(tiny_checkpoint, messages=messages, max_tokens=15)
+    text, _, num_out, finish = local_text(tiny_checkpoint, messages=messages, max_tokens=15)
     got = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=15, temperature=0)
     assert got.choices[0].message.content == text and got.choices[0].message.role == "assistant"
+    assert got.choices[0].finish_reason == finish
     assert got.usage.completion_tokens == num_out
     chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=15, temperature=0,
                                                  stream=True))
@@ -138,7 +139,7 @@ def test_disconnected_stream_frees_its_slot(server):
 
 def test_bench_against_the_running_endpoint(server, tiny_checkpoint, tmp_path):
     """`pdserve bench --url`: a rate sweep streamed through the app, every request its full length."""
-    from deploy.bench import make_workload
+    from deploy.bench.workload import make_workload
     from deploy.cli import main
 
     out = tmp_path / "url.jsonl"
@@ -177,7 +178,7 @@ def test_not_ready_scheduler_gives_503():
 
     ingress = object.__new__(OpenAIIngress.func_or_class)
     ingress.scheduler, ingress._ready = Hanging(), False
-    from deploy.openai_schemas import APIError
+    from deploy.serving.schemas import APIError
 
     with pytest.raises(APIError) as info:
         asyncio.run(ingress._check_ready())

@@ -10,8 +10,9 @@ import ray
 from ray._private.internal_api import memory_summary
 
 from deploy.config import EngineConfig
-from deploy.engine_factory import build_local_engine
-from deploy.ray_client import run_requests, start_scheduler, stream
+from deploy.driver import RayEngine, open_engine
+from deploy.engine_client import EngineClient, complete
+from deploy.ray_engine import start_scheduler
 from scheduler.policy import QueueFullError
 from scheduler.request import Request
 from tests.factories import make_requests, prompt_ids
@@ -22,6 +23,17 @@ pytestmark = pytest.mark.slow
 def plasma_objects() -> int:
     """Objects in Ray's object store, counted by Ray itself (independent of the scheduler's books)."""
     return int(re.search(r"(\d+) objects", memory_summary(stats_only=True)).group(1))
+
+
+def streamer(handle):
+    """stream(request) -> its Completion, all through one consumer of the scheduler."""
+    client = EngineClient(handle)
+    return lambda request: complete(client, request)
+
+
+def local_outputs(config, requests):
+    with open_engine(config.model_copy(update={"mode": "local"})) as engine:
+        return {k: c.token_ids for k, c in engine.run(requests).items()}
 
 
 def req(req_id, prompt_len, max_tokens, seed=0):
@@ -46,17 +58,18 @@ def crowded_config(checkpoint, **kw):
 
 def test_abort_in_every_state_frees_slots_and_handoff_objects(ray_session, tiny_checkpoint):
     handle = start_scheduler(crowded_config(tiny_checkpoint))
+    stream = streamer(handle)
     decode, prefill = "decode-0", "prefill-0"
 
     async def scenario():
-        tasks = {r.req_id: asyncio.create_task(stream(handle, r))
+        tasks = {r.req_id: asyncio.create_task(stream(r))
                  for r in (req("A", 4, 600, 1), req("B", 4, 600, 2))}
         await wait_for(handle, lambda s: s["workers"][decode]["running"] == 2)
-        tasks["C"] = asyncio.create_task(stream(handle, req("C", 6, 10, 3)))  # prefilled, then waits
+        tasks["C"] = asyncio.create_task(stream(req("C", 6, 10, 3)))  # prefilled, then waits
         await wait_for(handle, lambda s: s["live_handoffs"] == 1)
         assert plasma_objects() >= 1
-        tasks["D"] = asyncio.create_task(stream(handle, req("D", 500, 5, 4)))  # 125 four-token chunks
-        tasks["E"] = asyncio.create_task(stream(handle, req("E", 10, 5, 5)))  # waits for the prefill row
+        tasks["D"] = asyncio.create_task(stream(req("D", 500, 5, 4)))  # 125 four-token chunks
+        tasks["E"] = asyncio.create_task(stream(req("E", 10, 5, 5)))  # waits for the prefill row
         stats = await wait_for(handle, lambda s: s["workers"][prefill]["running"] == 1
                                and s["workers"][prefill]["waiting"] == 1)
         assert stats["workers"][decode] == {"alive": True, "slots_used": 2, "running": 2, "waiting": 1}
@@ -86,11 +99,12 @@ def test_abort_in_every_state_frees_slots_and_handoff_objects(ray_session, tiny_
 
 def test_a_closed_stream_aborts_its_request(ray_session, tiny_checkpoint):
     handle = start_scheduler(crowded_config(tiny_checkpoint))
+    client = EngineClient(handle)
 
     async def scenario():
-        gen = handle.generate.remote(req("X", 4, 600))
-        await (await gen.__anext__())  # first output arrived: it is decoding
-        ray.cancel(gen)  # what Serve does when an HTTP client disconnects
+        outputs = client.generate(req("X", 4, 600))
+        await outputs.__anext__()  # first output arrived: it is decoding
+        await outputs.aclose()  # what the ingress does when an HTTP client disconnects
         return await wait_for(handle, lambda s: s["workers"]["decode-0"]["slots_used"] == 0, timeout=20)
 
     try:
@@ -100,18 +114,38 @@ def test_a_closed_stream_aborts_its_request(ray_session, tiny_checkpoint):
         ray.get(handle.shutdown.remote())
 
 
-def test_full_queue_and_oversized_requests_are_rejected_at_once(ray_session, tiny_checkpoint):
-    handle = start_scheduler(crowded_config(tiny_checkpoint, max_waiting=1))
+def test_outputs_of_many_streams_arrive_in_few_messages(ray_session, tiny_checkpoint):
+    """Outputs are batched per step per consumer: 8 streams of 40 tokens take far fewer polls than
+    the 320 messages a per-token stream would send, and every stream still gets all its tokens."""
+    config = EngineConfig(model=tiny_checkpoint, mode="disaggregated", slots=8, max_model_len=128, token_budget=64,
+                          prefill_chunk=16)
+    handle = start_scheduler(config)
+    client = EngineClient(handle)
 
     async def scenario():
-        running = [asyncio.create_task(stream(handle, req("long", 600, 5)))]  # holds the prefill row
+        return await asyncio.gather(*(complete(client, req(f"r{i}", 6, 40, i)) for i in range(8)))
+
+    try:
+        done = asyncio.run(scenario())
+    finally:
+        ray.get(handle.shutdown.remote())
+    assert [len(c.token_ids) for c in done] == [40] * 8 and {c.finish_reason for c in done} == {"length"}
+    assert client.num_polls < 8 * 40 / 4, client.num_polls
+
+
+def test_full_queue_and_oversized_requests_are_rejected_at_once(ray_session, tiny_checkpoint):
+    handle = start_scheduler(crowded_config(tiny_checkpoint, max_waiting=1))
+    stream = streamer(handle)
+
+    async def scenario():
+        running = [asyncio.create_task(stream(req("long", 600, 5)))]  # holds the prefill row
         await wait_for(handle, lambda s: s["workers"]["prefill-0"]["running"] == 1)
-        running.append(asyncio.create_task(stream(handle, req("next", 4, 5))))
+        running.append(asyncio.create_task(stream(req("next", 4, 5))))
         await wait_for(handle, lambda s: s["workers"]["prefill-0"]["waiting"] == 1)
         with pytest.raises(QueueFullError, match="full"):
-            await stream(handle, req("late", 4, 5))
+            await stream(req("late", 4, 5))
         with pytest.raises(ValueError, match="over the context limit of 640"):
-            await stream(handle, req("huge", 600, 100))
+            await stream(req("huge", 600, 100))
         for task in running:  # the queued requests were not disturbed
             assert (await task).finish_reason == "length"
 
@@ -125,15 +159,15 @@ def test_lost_handoff_is_prefilled_again(ray_session, tiny_checkpoint):
     """Kill the prefill worker while a handoff waits for a decode slot: its bytes die with their owner,
     the import fails, the request is prefilled again and still produces local mode's tokens."""
     config = crowded_config(tiny_checkpoint)
+    expected = local_outputs(config, [req("C", 6, 12, 3)])["C"]
     handle = start_scheduler(config)
+    stream = streamer(handle)
     waiting = req("C", 6, 12, 3)
-    engine, _ = build_local_engine(config.model_copy(update={"mode": "local"}))
-    expected = engine.run([req("C", 6, 12, 3)])["C"].output_ids
 
     async def scenario():
-        hogs = [asyncio.create_task(stream(handle, req(n, 4, 600, i))) for i, n in enumerate("AB")]
+        hogs = [asyncio.create_task(stream(req(n, 4, 600, i))) for i, n in enumerate("AB")]
         await wait_for(handle, lambda s: s["workers"]["decode-0"]["running"] == 2)
-        task = asyncio.create_task(stream(handle, waiting))
+        task = asyncio.create_task(stream(waiting))
         await wait_for(handle, lambda s: s["live_handoffs"] == 1)
         ray.kill((await handle.worker_handles.remote())["prefill-0"], no_restart=False)
         await asyncio.sleep(1.0)  # let Ray tell the decode worker the owner died, then free a slot
@@ -160,10 +194,9 @@ def test_killed_workers_lose_no_request(ray_session, tiny_checkpoint):
     def workload():
         return make_requests(10, [5, 40, 12, 70, 9], [20, 250, 300, 240, 280])
 
-    engine, _ = build_local_engine(config.model_copy(update={"mode": "local"}))
-    expected = {k: r.output_ids for k, r in engine.run(workload()).items()}
-    handle = start_scheduler(config)
-    workers = ray.get(handle.worker_handles.remote())
+    expected = local_outputs(config, workload())
+    engine = RayEngine(config)
+    workers = ray.get(engine.handle.worker_handles.remote())
     kills = threading.Event()
 
     def kill_workers():
@@ -179,11 +212,11 @@ def test_killed_workers_lose_no_request(ray_session, tiny_checkpoint):
 
     try:
         start = time.monotonic()
-        results = run_requests(handle, workload(), on_finish=on_finish)
+        results = engine.run(workload(), on_finish=on_finish)
         assert time.monotonic() - start < 240
-        stats = ray.get(handle.stats.remote())
+        stats = engine.stats()
     finally:
-        ray.get(handle.shutdown.remote())
+        engine.close()
     assert kills.is_set() and len(results) == 10
     for req_id, done in results.items():
         if done.finish_reason == "error":

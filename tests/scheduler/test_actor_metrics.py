@@ -7,7 +7,7 @@ import urllib.request
 import pytest
 
 from deploy.config import EngineConfig
-from deploy.ray_client import run_requests, start_scheduler
+from deploy.driver import RayEngine
 from tests.factories import make_requests
 
 pytestmark = pytest.mark.slow
@@ -29,12 +29,9 @@ def sample_sum(text: str, name: str, worker_id: str, **labels: str) -> float:
 def test_ttft_histogram_counts_every_served_request(ray_session, tiny_checkpoint):
     config = EngineConfig(model=tiny_checkpoint, mode="disaggregated", slots=3, max_model_len=128,
                           token_budget=16, prefill_chunk=8)
-    handle = start_scheduler(config)
-    worker_id = ray_session.get(handle.ready.remote())["scheduler_worker_id"]
-    try:
-        results = run_requests(handle, make_requests(7, [5, 20, 9], [4, 9, 6]))
-    finally:
-        ray_session.get(handle.shutdown.remote())
+    with RayEngine(config) as engine:
+        worker_id = ray_session.get(engine.handle.ready.remote())["scheduler_worker_id"]
+        results = engine.run(make_requests(7, [5, 20, 9], [4, 9, 6]))
     assert len(results) == 7
     deadline, text = time.monotonic() + 40, ""
     while time.monotonic() < deadline:  # Ray exports metrics every few seconds

@@ -3,8 +3,8 @@
 import pytest
 
 from deploy.config import EngineConfig
-from deploy.engine_factory import build_local_engine
-from deploy.requests import build_request, encode_prompt
+from deploy.driver import open_engine
+from deploy.prompts import build_request, encode_prompt
 from workers.loader import load_model
 
 
@@ -14,17 +14,17 @@ def loaded():
 
 
 def test_embedded_model_knows_the_capital_of_france(loaded):
-    engine, _ = build_local_engine(EngineConfig(slots=2, max_model_len=512), loaded)
     questions = ["What is the capital of France?", "What is 2 + 2?"]
     requests = [
         build_request(str(i), encode_prompt(loaded.tokenizer, messages=[{"role": "user", "content": q}]),
                       max_tokens=40, eos_token_ids=loaded.eos_token_ids, temperature=0)
         for i, q in enumerate(questions)
     ]
-    results = engine.run(requests)
+    with open_engine(EngineConfig(slots=2, max_model_len=512), loaded) as engine:
+        results = engine.run(requests)
     assert "Paris" in results["0"].text
     assert "4" in results["1"].text
-    assert results["0"].finish_reason.value == "stop"  # it ended its answer with <|im_end|>
+    assert results["0"].finish_reason == "stop"  # it ended its answer with <|im_end|>
     assert "<|im_end|>" not in results["0"].text
 
 

@@ -100,14 +100,16 @@ def priority_requests(sampling=None):
 def test_preempted_requests_produce_their_solo_outputs(sampling):
     engine = make_engine(num_slots=2, token_budget=16, prefill_chunk=8)
     normal, urgent = priority_requests(sampling)
+    by_id = {r.req_id: r for r in normal + urgent}
     for request in normal:
         engine.submit(request)
     finished = {}
     for step in range(400):
         if step in (10, 25):  # urgent requests arrive mid-run, when both slots are busy
             engine.submit(urgent[step == 25])
-        for request in engine.step():
-            finished[request.req_id] = request
+        for out in engine.step():
+            if out.finished:
+                finished[out.req_id] = by_id[out.req_id]
         if engine.idle and len(finished) == 8:
             break
     assert len(finished) == 8 and sorted(engine.scheduler.free_slots) == [0, 1]

@@ -14,8 +14,8 @@ from typing import Any
 
 import httpx
 
-from deploy.bench_http import stream_request
-from deploy.bench_stats import percentile
+from deploy.bench.http_client import auth_headers, stream_request
+from deploy.bench.stats import percentile
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain what a CPU does.",
            "Name three colours.", "How many legs does a spider have?", "Say hello in Spanish."]
@@ -41,9 +41,8 @@ async def _client(http: httpx.AsyncClient, url: str, model: str, max_tokens: int
 async def run_load(url: str, model: str, clients: int, duration_s: float, max_tokens: int, seed: int = 0,
                    api_key: str | None = None) -> dict[str, Any]:
     stats: dict[str, Any] = {"ok": 0, "chunks": 0, "ttft": [], "failures": []}
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=clients + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits, headers=headers) as http:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits, headers=auth_headers(api_key)) as http:
         deadline = time.monotonic() + duration_s
         start = time.perf_counter()
         await asyncio.gather(*(_client(http, url, model, max_tokens, deadline, random.Random(seed + i), stats)

@@ -10,8 +10,8 @@ measured copy bandwidth. One JSON line per slot count goes to stdout (and to --o
 a summary line; progress and a final table go to stderr. The sweep stops early, and says so, when the next
 slot count would not finish inside --time-limit.
 
-    python -m deploy.gpu_bench                                 # cuda if present, bf16, slots 1..64
-    python -m deploy.gpu_bench --preset tiny --device cpu --slots 1,2,4
+    python -m deploy.bench.gpu                                 # cuda if present, bf16, slots 1..64
+    python -m deploy.bench.gpu --preset tiny --device cpu --slots 1,2,4
 """
 
 from __future__ import annotations
@@ -28,12 +28,14 @@ from typing import Any
 
 import torch
 
-from deploy.bench import make_workload
+from deploy.bench.arguments import add_gpu_bench_arguments
+from deploy.bench.baselines import bench_static, copy_bandwidth, synchronize
+from deploy.bench.gpu_model import build_checkpoint
+from deploy.bench.workload import make_workload
 from deploy.config import EngineConfig
 from scheduler.plan import StepPlan
 from scheduler.request import Request
 
-PRESETS = ("qwen3-0.6b", "tiny")
 # How bytes are counted: a decode step's bytes are what it reads (weights + KV), the issue's definition; the
 # copy's are what it reads plus what it writes (2 x the tensor size), the usual convention for a device-to-
 # device copy. A step that reads at the copy's full speed therefore scores about 1.0.
@@ -48,83 +50,6 @@ NOTES = {"bytes_convention": BYTES_CONVENTION, "weight_bytes_model": WEIGHT_BYTE
          "kv_bytes_model": KV_BYTES_MODEL,
          "decode_step_ms": "whole engine step (plan, forward, sampling, update) over decode-only steps; the "
                            "bandwidth uses it. decode_model_ms is the forward only, mostly launch time on cuda"}
-
-
-def qwen3_config(preset: str) -> Any:
-    """A transformers Qwen3Config: Qwen3-0.6B's shape, or a tiny two-layer one for tests."""
-    from transformers import Qwen3Config
-
-    if preset == "qwen3-0.6b":
-        return Qwen3Config(
-            vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-            num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, max_position_embeddings=40960,
-            rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False,
-            bos_token_id=151643, eos_token_id=151645, pad_token_id=0,
-        )
-    if preset == "tiny":
-        return Qwen3Config(
-            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
-            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, max_position_embeddings=1024,
-            rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=511, pad_token_id=0,
-        )
-    raise ValueError(f"unknown preset {preset!r}; use one of {', '.join(PRESETS)}")
-
-
-def word_level_tokenizer(vocab_size: int, eos_token_id: int) -> Any:
-    """A tokenizer built offline: token i is the word `t{i}`, so every id decodes and load_model finds one."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token=f"t{eos_token_id}")
-
-
-def build_checkpoint(preset: str, dtype: torch.dtype, device: str, seed: int, root: Path) -> Path:
-    """Save a random-weight model of the preset (and a tokenizer) under `root`; reuse one saved before."""
-    from transformers import AutoModelForCausalLM
-
-    path = root / f"{preset}-{str(dtype).removeprefix('torch.')}-seed{seed}"
-    done = path / ".complete"
-    if done.exists():
-        return path
-    config = qwen3_config(preset)
-    torch.manual_seed(seed)
-    with torch.device(device):  # random init on the device: seconds for 0.6B parameters on a GPU
-        hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    hf.save_pretrained(path)
-    word_level_tokenizer(config.vocab_size, config.eos_token_id).save_pretrained(path)
-    del hf
-    done.touch()
-    return path
-
-
-def synchronize(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def copy_bandwidth(device: str, num_bytes: int, trials: int = 5, copies: int = 10) -> float:
-    """GB/s of `dst.copy_(src)` on the device, counting bytes read + bytes written (2 x the size); best trial."""
-    src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)  # ones: touches every page on CPU
-    dst = torch.empty_like(src)
-    nbytes = src.numel() * src.element_size()
-    for _ in range(2):
-        dst.copy_(src)
-    best = 0.0
-    for _ in range(trials):
-        synchronize(device)
-        start = time.perf_counter()
-        for _ in range(copies):
-            dst.copy_(src)
-        synchronize(device)
-        best = max(best, 2 * nbytes * copies / (time.perf_counter() - start) / 1e9)
-    del src, dst
-    return best
 
 
 @dataclasses.dataclass
@@ -166,10 +91,10 @@ def weight_bytes_read(model: Any, decode_tokens: float) -> float:
 def bench_engine(loaded: Any, config: EngineConfig, prompts: list[list[int]], output_len: int,
                  device: str) -> dict[str, Any]:
     """Warm up, then run the workload through a local engine; return throughput and decode-step numbers."""
-    from deploy.engine_factory import build_local_engine
+    from deploy.driver import InProcessEngine
     from workers.kv_cache import SlotKVCache
 
-    engine, _ = build_local_engine(config, loaded)
+    engine = InProcessEngine(config, loaded).engine
     spec = loaded.model.spec
     tally = DecodeTally(SlotKVCache.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
                                                     engine.runner.dtype),
@@ -221,10 +146,8 @@ def bench_engine(loaded: Any, config: EngineConfig, prompts: list[list[int]], ou
 
 
 def bench_static_warm(hf: Any, work: Any, batch_size: int) -> dict[str, Any]:
-    """transformers' static batching (deploy.bench.bench_static, which synchronizes the GPU) after one
-    short untimed batch, as the engine gets a warm-up. Prompts have one length, so there is no padding."""
-    from deploy.bench import bench_static
-
+    """transformers' static batching (`bench_static`, which synchronizes the GPU) after one short untimed
+    batch, as the engine gets a warm-up. Prompts have one length, so there is no padding."""
     with torch.inference_mode():
         ids = torch.tensor(work.prompts[:batch_size], device=hf.device)
         hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4,
@@ -291,7 +214,7 @@ def run_gpu_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
         _progress(start, "loading it into transformers for the static-batching baseline")
         hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device).eval()
         _progress(start, f"measuring copy bandwidth ({copy_bytes / 2**20:.0f} MiB)")
-        copy_gb_s = copy_bandwidth(device, copy_bytes)
+        copy_gb_s = copy_bandwidth(copy_bytes, device)
         setup_s = time.perf_counter() - start
         _progress(start, f"copy bandwidth {copy_gb_s:.1f} GB/s (read + write); setup took {setup_s:.1f}s")
 
@@ -369,35 +292,10 @@ def run_gpu_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     return lines + [summary]
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", choices=PRESETS, default="qwen3-0.6b",
-                        help="model shape, random weights: qwen3-0.6b (Qwen3-0.6B) or tiny (for tests)")
-    parser.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
-    parser.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
-    parser.add_argument("--slots", default="1,2,4,8,16,32,64", help="comma-separated slot counts to sweep")
-    parser.add_argument("--requests-per-slot", type=int, default=2, help="requests per slot count: this x slots")
-    parser.add_argument("--min-requests", type=int, default=4, help="at least this many requests per slot count")
-    parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens of every request")
-    parser.add_argument("--output-len", type=int, default=128, help="output tokens of every request")
-    parser.add_argument("--prefill-chunk", type=int, default=128, help="most prompt tokens of one request per step")
-    parser.add_argument("--token-budget", type=int, default=0,
-                        help="tokens per engine step; 0: max(256, slots x min(prompt, chunk)), all prefill at once")
-    parser.add_argument("--detokenize", action="store_true",
-                        help="give the engine the (word-level) tokenizer, so decode steps include detokenizing")
-    parser.add_argument("--copy-mib", type=float, default=0,
-                        help="tensor size of the copy-bandwidth measurement; 0: 1024 on cuda, 128 on cpu")
-    parser.add_argument("--time-limit", type=float, default=540.0,
-                        help="seconds; slot counts projected to end past this are skipped (and reported)")
-    parser.add_argument("--workdir", default=None,
-                        help="where the random checkpoint is saved (and reused); default: a temporary folder")
-    parser.add_argument("--output", default="results/gpu_bench.jsonl", help="JSON lines file ('' for none)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts")
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deploy.gpu_bench",
+    parser = argparse.ArgumentParser(prog="python -m deploy.bench.gpu",
                                      description="GPU benchmark of the local engine on a random-weight Qwen3-0.6B.")
-    add_arguments(parser)
+    add_gpu_bench_arguments(parser)
     run_gpu_bench(parser.parse_args(argv))
     return 0
 

@@ -19,7 +19,13 @@ from typing import Any
 
 import httpx
 
+from scheduler.arrivals import ArrivalSchedule, run_at_arrivals
 from scheduler.outputs import Completion
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The headers that carry an API key (none without one)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 class EndpointError(RuntimeError):
@@ -86,16 +92,14 @@ def run_http(url: str, model: str, prompts: list[list[int]], output_lens: list[i
              priorities: list[int], api_key: str | None = None,
              on_finish: Callable[[Completion], None] | None = None) -> dict[str, Completion]:
     """Send every request at its arrival offset, concurrently; return completions by id ("0", "1", ...)."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     url = url.rstrip("/")
 
     async def everything() -> list[Completion]:
         limits = httpx.Limits(max_connections=len(prompts) + 4)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits, headers=headers) as http:
-            t0 = time.perf_counter()
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits,
+                                     headers=auth_headers(api_key)) as http:
 
-            async def scheduled(i: int) -> Completion:
-                await asyncio.sleep(max(0.0, arrival_s[i] - (time.perf_counter() - t0)))
+            async def send(i: int) -> Completion:
                 body = {"model": model, "prompt": prompts[i], "max_tokens": output_lens[i], "temperature": 0.0,
                         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
                         "priority": priorities[i]}
@@ -104,7 +108,7 @@ def run_http(url: str, model: str, prompts: list[list[int]], output_lens: list[i
                     on_finish(done)
                 return done
 
-            return await asyncio.gather(*(scheduled(i) for i in range(len(prompts))))
+            return await run_at_arrivals(ArrivalSchedule(range(len(prompts)), lambda i: arrival_s[i]), send)
 
     return {c.req_id: c for c in asyncio.run(everything())}
 
@@ -134,9 +138,8 @@ def wait_ready(url: str, timeout_s: float = 120.0) -> None:
 
 def served_model(url: str, api_key: str | None = None) -> dict[str, Any]:
     """The first model the endpoint lists (`/v1/models`): its id and, on pdserve, its max_model_len."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        r = httpx.get(f"{url.rstrip('/')}/models", headers=headers, timeout=30.0)
+        r = httpx.get(f"{url.rstrip('/')}/models", headers=auth_headers(api_key), timeout=30.0)
         r.raise_for_status()
     except httpx.HTTPError as e:
         raise EndpointError(f"{url}: cannot list models: {e}") from None

@@ -1,4 +1,8 @@
-"""Messages between the scheduler actor and the worker actors: plain dataclasses of ints, lists, refs."""
+"""Messages between the scheduler and the workers: plain dataclasses of ints, lists and object refs.
+
+They live in the pure `scheduler` package so that the coordinator can read them and `workers/` can
+build them, with imports pointing one way (workers -> scheduler).
+"""
 
 from __future__ import annotations
 
@@ -39,3 +43,4 @@ class StepResult:
     failed_imports: list[str] = field(default_factory=list)  # decode workers: handoffs whose bytes were lost
     import_s: dict[str, float] = field(default_factory=dict)  # decode workers: seconds to fetch and copy in
     step_s: float = 0.0  # wall time of the step on the worker
+    forward_s: float = 0.0  # of which inside the model's forward

@@ -16,9 +16,11 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deploy.config import EngineConfig
-from deploy.openai_api import OpenAIServer, ServedModel, error_response
-from deploy.openai_schemas import APIError, ChatBody, CompletionBody
+from deploy.config import MODES_ON_RAY, EngineConfig, format_validation_errors
+from deploy.engine_client import EngineClient
+from deploy.ray_engine import scheduler_args
+from deploy.serving.openai_api import OpenAIServer, ServedModel, error_response
+from deploy.serving.schemas import APIError, ChatBody, CompletionBody
 from scheduler.actor import SchedulerActor
 
 log = logging.getLogger(__name__)
@@ -38,8 +40,8 @@ class ServiceConfig(EngineConfig):
 
     @model_validator(mode="after")
     def _serving_mode(self) -> "ServiceConfig":
-        if self.mode not in ("colocated", "disaggregated"):
-            raise ValueError(f"mode {self.mode!r} cannot be served: use colocated or disaggregated "
+        if self.mode not in MODES_ON_RAY:
+            raise ValueError(f"mode {self.mode!r} cannot be served: use {' or '.join(MODES_ON_RAY)} "
                              "(local mode runs in one process, without Ray)")
         return self
 
@@ -58,23 +60,8 @@ class SchedulerDeployment(SchedulerActor):
     """The central scheduler as a Serve replica: it creates and owns the worker actors."""
 
     async def __init__(self, config: dict[str, Any]) -> None:  # type: ignore[misc]
-        super().__init__(EngineConfig(**config))
+        super().__init__(*scheduler_args(EngineConfig(**config)))
         await self.ready()
-
-    async def check_health(self) -> None:
-        for pool in (self.prefill, self.decode):
-            if pool and all(w.gone for w in pool):
-                raise RuntimeError("a worker pool has no worker left")
-
-
-class ServeClient:
-    """The engine client the OpenAI server uses inside Serve: a streaming handle to the scheduler."""
-
-    def __init__(self, handle: DeploymentHandle) -> None:
-        self.handle = handle.options(stream=True)
-
-    def generate(self, request: Any) -> Any:
-        return self.handle.generate.remote(request)
 
 
 ingress_app = FastAPI(title="pdserve", description="OpenAI-compatible API for pdserve")
@@ -96,12 +83,9 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
 
 
 def _from_validation(errors: Any) -> APIError:
-    first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    where = ".".join(loc)
-    message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
-                        for e in errors[:5])
-    return APIError(400, f"Invalid request: {message}", param=where or None)
+    where = ".".join(str(p) for p in (errors[0].get("loc", ()) if errors else ()) if p != "body")
+    return APIError(400, f"Invalid request: {format_validation_errors(errors, skip=('body',))}",
+                    param=where or None)
 
 
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
@@ -117,7 +101,7 @@ class OpenAIIngress:
         model = ServedModel(self.config.model_name, info.tokenizer, info.eos_token_ids,
                             self.config.context_len(info.max_context))
         self.scheduler = scheduler
-        self.server = OpenAIServer(ServeClient(scheduler), model)
+        self.server = OpenAIServer(EngineClient(scheduler), model)
         self._ready = False
 
     async def _body(self, request: Request, schema: type[BaseModel]) -> Any:

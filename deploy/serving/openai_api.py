@@ -15,8 +15,8 @@ from typing import Any, Protocol
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from deploy.openai_schemas import APIError, ChatBody, CompletionBody, _SamplingBody
-from deploy.requests import build_request, encode_prompt
+from deploy.prompts import build_request, encode_prompt
+from deploy.serving.schemas import APIError, ChatBody, CompletionBody, _SamplingBody
 from scheduler.outputs import RequestOutput
 from scheduler.policy import QueueFullError
 from scheduler.request import Request

@@ -1,0 +1,1 @@
+"""Measuring: workloads, baselines, sweeps, statistics, figures, the HTTP client, load, GPU bench."""

@@ -1,0 +1,111 @@
+"""Bench workloads: random-token prompts or a JSONL file, output lengths, Poisson arrivals, urgency."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from scheduler.request import Request, SamplingParams
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+    arrival_s: list[float]  # offsets from the start (all 0: everything at once)
+    urgent: list[bool]  # urgent requests get priority 0, the others 1 (when priorities are on)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    def priorities(self, on: bool) -> list[int]:
+        return [0 if (urgent or not on) else 1 for urgent in self.urgent]
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """'N' or 'MIN:MAX' with 1 <= MIN <= MAX."""
+    parts = [int(p) for p in text.split(":")]
+    low, high = (parts[0], parts[0]) if len(parts) == 1 else (parts[0], parts[1])
+    if len(parts) > 2 or not 1 <= low <= high:
+        raise ValueError(f"bad length range {text!r}: use N or MIN:MAX with 1 <= MIN <= MAX")
+    return low, high
+
+
+def parse_list(text: str | None, kind: type, name: str) -> list[Any]:
+    """A comma list of numbers ('1,2,4'); a bad item names the flag."""
+    try:
+        return [kind(x) for x in (text or "").split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{name}: expected a comma list of numbers, got {text!r}") from None
+
+
+def poisson_arrivals(num_requests: int, rate: float, seed: int) -> list[float]:
+    """Arrival offsets of a Poisson process at `rate` requests/s (all 0 when rate is 0)."""
+    if rate < 0:
+        raise ValueError(f"rate must be >= 0, got {rate}")
+    rng = random.Random(f"arrivals-{seed}")
+    arrivals, t = [], 0.0
+    for _ in range(num_requests):
+        arrivals.append(t)
+        t += rng.expovariate(rate) if rate > 0 else 0.0
+    return arrivals
+
+
+def make_workload(num_requests: int, prompt_len: str, output_len: str, vocab_size: int, seed: int,
+                  rate: float = 0.0, urgent_fraction: float = 0.0) -> Workload:
+    """Random-token prompts and output lengths drawn uniformly from the ranges, Poisson arrivals at
+    `rate` requests/s (0: all at once) and a random `urgent_fraction` of urgent requests, reproducibly.
+    The prompts and lengths depend only on the seed, not on the rate."""
+    rng = random.Random(seed)
+    (p_lo, p_hi), (o_lo, o_hi) = parse_range(prompt_len), parse_range(output_len)
+    low_id = min(100, vocab_size // 4)  # keep clear of the special tokens at the start of most vocabularies
+    prompts = [[rng.randrange(low_id, vocab_size) for _ in range(rng.randint(p_lo, p_hi))]
+               for _ in range(num_requests)]
+    output_lens = [rng.randint(o_lo, o_hi) for _ in range(num_requests)]
+    urgent = [rng.random() < urgent_fraction for _ in range(num_requests)]
+    return Workload(prompts, output_lens, poisson_arrivals(num_requests, rate, seed), urgent)
+
+
+def load_workload(path: str, tokenizer: Any, num_requests: int, output_len: str, seed: int,
+                  urgent_fraction: float = 0.0) -> Workload:
+    """Prompts from a JSONL file, one object per line with `prompt` (text), `messages` (chat) or
+    `prompt_token_ids`, and optionally `max_tokens` (else drawn from `output_len`). The first
+    `num_requests` lines are used (all if 0)."""
+    from deploy.prompts import encode_prompt
+
+    rng = random.Random(seed)
+    o_lo, o_hi = parse_range(output_len)
+    prompts, output_lens = [], []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if num_requests and len(prompts) == num_requests:
+                break
+            try:
+                item = json.loads(line)
+                fields = {k: item[k] for k in ("prompt", "messages", "prompt_token_ids") if k in item}
+                prompts.append(encode_prompt(tokenizer, **fields))
+                output_lens.append(int(item.get("max_tokens") or rng.randint(o_lo, o_hi)))
+            except (ValueError, TypeError, AttributeError) as e:
+                raise ValueError(f"{path}:{number}: {e}") from None
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    urgent = [rng.random() < urgent_fraction for _ in prompts]
+    return Workload(prompts, output_lens, [0.0] * len(prompts), urgent)
+
+
+def engine_requests(work: Workload, priorities: bool) -> list[Request]:
+    """The workload as greedy requests "0", "1", ... that make exactly their output lengths."""
+    return [Request(req_id=str(i), prompt_ids=p, max_tokens=n, sampling=SamplingParams(), priority=prio)
+            for i, (p, n, prio) in enumerate(zip(work.prompts, work.output_lens, work.priorities(priorities),
+                                                 strict=True))]
+
+
+def warmup_request(work: Workload) -> Request:
+    """A short request run before the clock starts: first calls into torch (and fresh worker processes)
+    are slower than every later one."""
+    return Request(req_id="warmup", prompt_ids=work.prompts[0][:16], max_tokens=2)

@@ -1,0 +1,156 @@
+"""The one driver: run these requests at these arrival times in this config, get their completions.
+
+`open_engine(config)` starts the engine a config asks for (`local`: in this process; `colocated` /
+`disaggregated`: a scheduler actor and its workers on Ray) and `Engine.run` drives requests through it.
+The batch job, the benchmark and the tests all go through here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from deploy.config import EngineConfig
+from scheduler.arrivals import ArrivalSchedule, run_at_arrivals
+from scheduler.outputs import Completion
+from scheduler.policy import Scheduler
+from scheduler.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """A started engine of any mode. `capacity` is the tokens a slot holds; `close()` stops it."""
+
+    capacity: int
+    tokenizer: Any
+    eos_token_ids: frozenset[int]
+
+    def run(self, requests: list[Request], arrival_s: dict[str, float] | None = None,
+            on_finish: Callable[[Completion], None] | None = None) -> dict[str, Completion]:
+        """Submit each request at its arrival offset (seconds from now; 0 if not given) and return every
+        completion by id. A request that cannot run raises ValueError before anything is submitted."""
+        raise NotImplementedError
+
+    def profile(self) -> dict[str, Any]:
+        """Where the time went since the last `reset_profile` (mode-specific figures)."""
+        return {}
+
+    def reset_profile(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class InProcessEngine(Engine):
+    """`local` mode: the policy stepping the model in this process."""
+
+    def __init__(self, config: EngineConfig, loaded: Any = None) -> None:
+        import torch
+
+        from workers.engine import LocalEngine
+        from workers.loader import load_model
+        from workers.runner import ModelRunner
+
+        loaded = loaded or load_model(config.model, config.dtype, config.device)
+        self.capacity = config.context_len(loaded.max_context)
+        self.tokenizer, self.eos_token_ids = loaded.tokenizer, loaded.eos_token_ids
+        runner = ModelRunner(loaded.model, num_slots=config.slots, capacity=self.capacity)
+        scheduler = Scheduler(config.slots, self.capacity, config.token_budget, config.prefill_chunk,
+                              config.max_waiting, config.max_preemptions)
+        log.info("local engine: %s, %d slots x %d tokens, budget %d, chunk %d, torch threads %d", loaded.name,
+                 config.slots, self.capacity, config.token_budget, config.prefill_chunk, torch.get_num_threads())
+        self.engine = LocalEngine(runner, scheduler, loaded.tokenizer)
+
+    def run(self, requests: list[Request], arrival_s: dict[str, float] | None = None,
+            on_finish: Callable[[Completion], None] | None = None) -> dict[str, Completion]:
+        finished = self.engine.run(requests, arrival_s,
+                                   None if on_finish is None else lambda r: on_finish(Completion.from_request(r)))
+        return {req_id: Completion.from_request(r) for req_id, r in finished.items()}
+
+    def profile(self) -> dict[str, Any]:
+        prof = self.engine.profile
+        return {"engine_steps": self.engine.num_steps,
+                "model_fraction": prof["model_s"] / max(prof["step_s"], 1e-9),
+                "decode_steps": prof["decode_steps"],
+                "decode_step_ms": 1000 * prof["decode_step_s"] / max(prof["decode_steps"], 1),
+                "decode_model_fraction": prof["decode_model_s"] / max(prof["decode_step_s"], 1e-9)}
+
+    def reset_profile(self) -> None:
+        self.engine.reset_profile()
+
+
+class RayEngine(Engine):
+    """`colocated` / `disaggregated`: requests stream through a scheduler actor and its workers."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from deploy.ray_engine import start_scheduler
+        from workers.loader import load_tokenizer
+
+        info = load_tokenizer(config.model)
+        self.capacity = config.context_len(info.max_context)
+        self.tokenizer, self.eos_token_ids = info.tokenizer, info.eos_token_ids
+        self.handle = start_scheduler(config)
+
+    def run(self, requests: list[Request], arrival_s: dict[str, float] | None = None,
+            on_finish: Callable[[Completion], None] | None = None) -> dict[str, Completion]:
+        from deploy.engine_client import EngineClient, complete
+
+        check_requests(requests, self.capacity)
+        client = EngineClient(self.handle)
+
+        async def one(request: Request) -> Completion:
+            done = await complete(client, request)
+            if on_finish is not None:
+                on_finish(done)
+            return done
+
+        schedule = ArrivalSchedule(requests, lambda r: (arrival_s or {}).get(r.req_id, 0.0))
+        return {c.req_id: c for c in asyncio.run(run_at_arrivals(schedule, one))}
+
+    def profile(self) -> dict[str, Any]:
+        import ray
+
+        return {"timeline": ray.get(self.handle.stats.remote())["timeline"]}
+
+    def reset_profile(self) -> None:
+        import ray
+
+        ray.get(self.handle.reset_timeline.remote())
+
+    def stats(self) -> dict[str, Any]:
+        import ray
+
+        return ray.get(self.handle.stats.remote())
+
+    def close(self) -> None:
+        import ray
+
+        try:
+            ray.get(self.handle.shutdown.remote())
+        finally:
+            ray.kill(self.handle)
+
+
+def check_requests(requests: list[Request], capacity: int) -> None:
+    """Raise ValueError for the first request that can never run; nothing has been submitted."""
+    seen: set[str] = set()
+    for request in requests:
+        if request.req_id in seen:
+            raise ValueError(f"request id {request.req_id!r} is already in use")
+        seen.add(request.req_id)
+        Scheduler.check_fits(request, capacity)
+
+
+def open_engine(config: EngineConfig, loaded: Any = None) -> Engine:
+    """Start the engine of `config.mode`; `loaded` (a LoadedModel) saves loading it again in local mode."""
+    return InProcessEngine(config, loaded) if config.mode == "local" else RayEngine(config)

@@ -1,0 +1,52 @@
+"""Starts Ray (or joins a cluster) and the scheduler actor of a Ray mode, with its workers."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any
+
+import ray
+
+from deploy.config import EngineConfig
+from scheduler.actor import SchedulerActor
+from workers.actors import spawn_worker
+from workers.loader import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def init_ray(config: EngineConfig) -> None:
+    """Join the cluster in RAY_ADDRESS (as under `ray job submit`; `RAY_ADDRESS=auto` joins a cluster
+    started here with `ray start`), or start a new local Ray with CPUs enough for every worker
+    (logically: two workers on a 2-core laptop share its cores)."""
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+        return
+    workers = config.decode_workers + (config.prefill_workers if config.mode == "disaggregated" else 0)
+    num_cpus = max(os.cpu_count() or 1, int(workers * config.num_cpus_per_worker + 0.999))
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+
+
+def scheduler_args(config: EngineConfig) -> tuple[Any, ...]:
+    """The scheduler actor's constructor arguments for a config: its cell, how to spawn its workers and
+    the tokenizer its outputs are detokenized with. Loading the tokenizer converts a GGUF once, before
+    the workers look for the converted checkpoint."""
+    info = load_tokenizer(config.model)
+    capacity = config.context_len(info.max_context)
+    return config.cell_config(capacity), functools.partial(spawn_worker, config, capacity), info.tokenizer
+
+
+def start_scheduler(config: EngineConfig, name: str | None = None) -> Any:
+    """Create the scheduler actor (which creates the workers) and wait until every worker is ready."""
+    init_ray(config)
+    options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 100_000}
+    if name:
+        options |= {"name": name, "get_if_exists": True}
+    handle = ray.remote(SchedulerActor).options(**options).remote(*scheduler_args(config))
+    placement = ray.get(handle.ready.remote())
+    log.info("scheduler ready: %s", placement)
+    return handle

@@ -1,0 +1,350 @@
+"""The scheduler actor's decisions as plain code: routing, the handoff book, recompute, step results.
+
+No Ray, torch or numpy: the Ray actor (`scheduler/actor.py`) is a thin shell that calls these methods
+from its loops and does the remote calls, and tests drive them with hand-built `StepResult`s.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from scheduler.messages import KVHandoff, KVImport, StepResult
+from scheduler.metrics import RecordingBackend, SchedulerMetrics
+from scheduler.outputs import OutputProcessor, RequestOutput
+from scheduler.plan import StepPlan
+from scheduler.policy import QueueFullError, Scheduler
+from scheduler.request import FinishReason, Request
+
+log = logging.getLogger(__name__)
+
+MODES_ON_RAY = ("colocated", "disaggregated")
+
+
+@dataclass(frozen=True)
+class CellConfig:
+    """What one scheduler and its workers are: the pools, their slots, the budget and the limits."""
+
+    mode: str  # colocated: decode workers prefill too; disaggregated: prompts go to prefill workers
+    num_decode_workers: int
+    num_prefill_workers: int  # ignored when colocated
+    decode_slots: int  # requests decoding at once per decode worker
+    prefill_slots: int  # prompts prefilling at once per prefill worker
+    capacity: int  # tokens a slot holds (prompt + output)
+    token_budget: int = 256
+    prefill_chunk: int = 128
+    max_waiting: int | None = None  # past this many waiting requests, new ones are refused
+    max_preemptions: int = 2
+    max_recomputes: int = 3  # cache losses a request survives before it ends with an error
+    local_prefill_max_tokens: int = 0  # shorter prompts are prefilled on the decode worker
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES_ON_RAY:
+            raise ValueError(f"a scheduler cell runs {' or '.join(MODES_ON_RAY)} mode, not {self.mode!r}")
+
+
+class WorkerStatus(enum.Enum):
+    UP = "up"  # answering
+    RESTARTING = "restarting"  # died; Ray is restarting it and its queue waits for it
+    GONE = "gone"  # its restarts are spent: it never comes back
+
+
+@dataclass(eq=False)
+class WorkerState:
+    """One worker as the coordinator sees it: its pool, its slots' policy and whether it answers."""
+
+    kind: str  # "prefill" or "decode"
+    index: int
+    sched: Scheduler
+    status: WorkerStatus = WorkerStatus.UP
+    placement: dict[str, Any] = field(default_factory=dict)  # node, pid, device: what `ready` reported
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}-{self.index}"
+
+    @property
+    def slots_used(self) -> int:
+        return self.sched.num_slots - len(self.sched.free_slots)
+
+    def load(self) -> tuple[int, int]:
+        """Lower is less loaded: (requests here beyond free slots, requests running)."""
+        return (len(self.sched.running) + self.sched.num_waiting - self.sched.num_slots, len(self.sched.running))
+
+
+@dataclass
+class RequestPlacement:
+    """Where a request ran and what its handoff cost: the Ray modes' extra per-request metrics."""
+
+    prefill_worker: int | None = None
+    decode_worker: int | None = None
+    kv_handoff_bytes: int = 0
+    kv_handoff_s: float = 0.0
+
+    def as_metrics(self) -> dict[str, Any]:
+        return {"prefill_worker": self.prefill_worker, "decode_worker": self.decode_worker,
+                "kv_handoff_bytes": self.kv_handoff_bytes, "kv_handoff_s": self.kv_handoff_s}
+
+
+@dataclass
+class CellCounts:
+    """Totals since start, for /stats."""
+
+    handoffs: int = 0
+    handoff_bytes: int = 0
+    recomputes: int = 0
+    worker_failures: int = 0
+
+
+class Coordinator:
+    """Owns every request of a cell and decides where it goes and what its stream gets.
+
+    * disaggregated: prompts are chunk-prefilled on prefill workers; when a prompt's last chunk is
+      done, its first token is published and its KV handoff goes to the least loaded decode worker,
+      which imports it into a slot and decodes it with its other slots. Prompts shorter than
+      `local_prefill_max_tokens` are prefilled on the decode worker instead.
+    * colocated: decode workers only, each prefilling and decoding under one decode-first budget.
+
+    A request whose cache is lost (its worker died, its handoff's bytes were lost, it was preempted on
+    a decode worker) is recomputed from prompt + output so far, up to `max_recomputes` losses, then ends
+    with an error on its own stream. Outputs collect per consumer (whoever submitted the request) until
+    `take_outputs`. `wake(worker)` is called whenever a worker gets new work.
+    """
+
+    def __init__(self, config: CellConfig, tokenizer: Any = None, metrics_backend: Any = None,
+                 wake: Callable[[WorkerState], None] = lambda worker: None) -> None:
+        self.config = config
+        self.outputs = OutputProcessor(tokenizer)
+        self.metrics = SchedulerMetrics(config.mode, metrics_backend or RecordingBackend())
+        self.wake = wake
+
+        def pool(kind: str, count: int, slots: int) -> list[WorkerState]:
+            return [WorkerState(kind, i, Scheduler(slots, config.capacity, config.token_budget, config.prefill_chunk,
+                                                   max_preemptions=config.max_preemptions))
+                    for i in range(count)]
+
+        self.decode = pool("decode", config.num_decode_workers, config.decode_slots)
+        self.prefill = [] if config.mode == "colocated" else pool("prefill", config.num_prefill_workers,
+                                                                   config.prefill_slots)
+        self.workers = self.prefill + self.decode
+        self.handoffs: dict[str, KVHandoff] = {}  # handed off, not yet imported: the only refs held
+        self.placements: dict[str, RequestPlacement] = {}
+        self.consumers: dict[str, str] = {}  # req_id -> who receives its outputs
+        self.outbox: dict[str, list[RequestOutput]] = {}  # consumer -> outputs not yet taken
+        self.counts = CellCounts()
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def admit(self, request: Request, consumer: str = "") -> None:
+        """Queue a new request. Raises ValueError (nothing queued) for one that cannot run, and
+        QueueFullError when `max_waiting` requests already wait."""
+        if request.req_id in self.consumers or any(request.req_id in w.sched.requests for w in self.workers):
+            raise ValueError(f"request id {request.req_id!r} is already in use")
+        Scheduler.check_fits(request, self.config.capacity)
+        num_waiting = sum(w.sched.num_waiting for w in self.workers)
+        if self.config.max_waiting is not None and num_waiting >= self.config.max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
+        self.consumers[request.req_id] = consumer
+        self.outputs.add(request)
+        self.placements[request.req_id] = RequestPlacement()
+        self._route(request)
+
+    def abort(self, req_id: str) -> bool:
+        """End a request in any state (waiting, prefilling, handed off, decoding): its slot, prefill
+        row and handoff are freed at once, and its stream gets a final `abort` output."""
+        for worker in self.workers:
+            request = worker.sched.abort(req_id)
+            if request is not None:
+                self.handoffs.pop(req_id, None)
+                self._publish([RequestOutput(req_id, text=self.outputs.close(request), finish_reason="abort",
+                                             metrics=request.metrics())])
+                return True
+        return False
+
+    def abort_consumer(self, consumer: str) -> int:
+        """Abort every request of a consumer that went away; returns how many."""
+        req_ids = [r for r, c in self.consumers.items() if c == consumer]
+        for req_id in req_ids:
+            self.abort(req_id)
+        self.outbox.pop(consumer, None)
+        return len(req_ids)
+
+    def take_outputs(self) -> dict[str, list[RequestOutput]]:
+        """Every output published since the last call, grouped by consumer."""
+        outbox, self.outbox = self.outbox, {}
+        return outbox
+
+    def _route(self, request: Request) -> None:
+        """Queue a request whose cache is empty: on the prefill pool, or on a decode worker when the
+        mode is colocated or the tokens to compute are fewer than local_prefill_max_tokens."""
+        local = not self.prefill or request.num_tokens < self.config.local_prefill_max_tokens
+        pool = self.decode if local else self.prefill
+        worker = self._pick(pool)
+        if worker is None:
+            self._fail(request, f"no live {'decode' if local else 'prefill'} worker")
+            return
+        worker.sched.submit(request)
+        self.wake(worker)
+
+    @staticmethod
+    def _pick(pool: list[WorkerState], exclude: WorkerState | None = None) -> WorkerState | None:
+        """The least loaded worker that is up; else one being restarted (its queue waits); else None."""
+        candidates = [w for w in pool if w.status is WorkerStatus.UP and w is not exclude] or [
+            w for w in pool if w.status is WorkerStatus.RESTARTING and w is not exclude]
+        return min(candidates, key=WorkerState.load) if candidates else None
+
+    def _fail(self, request: Request, message: str) -> None:
+        """End a request that no scheduler holds with an error on its own stream."""
+        self.handoffs.pop(request.req_id, None)
+        request.mark_finished(FinishReason.ERROR, message)
+        self._publish([RequestOutput(request.req_id, text=self.outputs.close(request), finish_reason="error",
+                                     error=message, metrics=request.metrics())])
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            consumer = self.consumers.get(out.req_id)
+            if consumer is None:
+                continue
+            if out.finished:
+                self.metrics.on_finish(out)
+                out.metrics |= self.placements.pop(out.req_id).as_metrics()
+                del self.consumers[out.req_id]
+            self.outbox.setdefault(consumer, []).append(out)
+
+    # ---- stepping ---------------------------------------------------------------------------------
+    def next_step(self, worker: WorkerState) -> tuple[StepPlan, list[KVImport]] | None:
+        """Plan the worker's next step and the handoffs it must import first; None when it has no work.
+        A request preempted on a decode worker in disaggregated mode is recomputed on the prefill pool."""
+        plan = worker.sched.plan()
+        if plan.preempted and worker.kind == "decode" and self.prefill:
+            for req_id in plan.preempted:
+                request = worker.sched.evict(req_id)
+                if request is not None:
+                    self._route(request)
+        if plan.empty:
+            return None
+        imports = [KVImport(c.slot, self.handoffs[c.req_id]) for c in plan.decode if c.req_id in self.handoffs]
+        return plan, imports
+
+    def apply(self, worker: WorkerState, plan: StepPlan, result: StepResult) -> None:
+        """Consume a step's results: lost imports go back to be recomputed, sampled tokens are applied,
+        finished prompts are handed off to a decode worker, and the outputs are published."""
+        sched = worker.sched
+        for req_id in result.failed_imports:  # the handoff's bytes died with their prefill worker
+            self.handoffs.pop(req_id, None)
+            request = sched.evict(req_id)
+            if request is not None:
+                self._recompute(request, "its KV handoff was lost")
+        for req_id, seconds in result.import_s.items():
+            handoff = self.handoffs.pop(req_id, None)  # imported: dropping the ref frees the bytes
+            if handoff is not None:
+                self.metrics.on_handoff(handoff.num_bytes, handoff.export_s + seconds)
+                if req_id in self.placements:
+                    self.placements[req_id].kv_handoff_s = handoff.export_s + seconds
+        finished = sched.update(plan, result.sampled)
+        outputs = self.outputs.apply(sched, result.sampled, finished)
+        self.metrics.on_step(worker.name, worker.kind, worker.slots_used, plan.num_tokens, len(plan.preempted),
+                             result.step_s)
+        for chunk in plan.chunks:  # who computed what, for the request's metrics
+            placement = self.placements.get(chunk.req_id)
+            if placement is not None:
+                setattr(placement, f"{worker.kind}_worker", worker.index)
+        for handoff in result.handoffs:
+            self._hand_off(sched, handoff)
+        self._count_states()
+        self._publish(outputs)
+
+    def _hand_off(self, sched: Scheduler, handoff: KVHandoff) -> None:
+        request = sched.evict(handoff.req_id) if handoff.req_id in sched.requests else None
+        if request is None:
+            return  # finished on its first token, or aborted: the ref is dropped here
+        target = self._pick(self.decode)
+        if target is None:
+            self._fail(request, "no live decode worker")
+            return
+        self.handoffs[request.req_id] = handoff
+        self.counts.handoffs += 1
+        self.counts.handoff_bytes += handoff.num_bytes
+        self.placements[request.req_id].kv_handoff_bytes = handoff.num_bytes
+        target.sched.submit(request)
+        self.wake(target)
+
+    def _count_states(self) -> None:
+        waiting = sum(w.sched.num_waiting for w in self.workers)
+        decoding = sum(1 for w in self.workers for r in w.sched.running if r.is_decoding)
+        self.metrics.on_states(waiting, sum(len(w.sched.running) for w in self.workers) - decoding, decoding)
+
+    def _recompute(self, request: Request, why: str) -> None:
+        request.reset_cache()
+        request.num_recomputes += 1
+        self.counts.recomputes += 1
+        self.metrics.on_recompute()
+        if request.num_recomputes > self.config.max_recomputes:
+            self._fail(request, f"request {request.req_id} lost its cache {request.num_recomputes} times "
+                                f"(last: {why}); giving up")
+            return
+        log.warning("recomputing %s: %s", request.req_id, why)
+        self._route(request)
+
+    # ---- faults -----------------------------------------------------------------------------------
+    def fail_worker_requests(self, worker: WorkerState, message: str) -> None:
+        """End every request of a worker with an error (a bug applying its step: say so on each stream)."""
+        for request in list(worker.sched.running) + list(worker.sched.waiting_requests()):
+            worker.sched.evict(request.req_id)
+            self._fail(request, message)
+
+    def worker_died(self, worker: WorkerState) -> None:
+        """A worker stopped answering: recompute its running requests (on live workers if any, else on
+        it after its restart) and move its waiting ones to live workers of its pool."""
+        self.counts.worker_failures += 1
+        worker.status = WorkerStatus.RESTARTING
+        log.warning("%s failed; moving its requests", worker.name)
+        for request in list(worker.sched.running):
+            worker.sched.evict(request.req_id)
+            self.handoffs.pop(request.req_id, None)  # imported or not, its slot is gone
+            self._recompute(request, f"{worker.name} failed")
+        self._move_waiting(worker)
+
+    def worker_back(self, worker: WorkerState, placement: dict[str, Any]) -> None:
+        worker.status, worker.placement = WorkerStatus.UP, placement
+        log.warning("%s is back", worker.name)
+        self.wake(worker)
+
+    def worker_gone(self, worker: WorkerState) -> None:
+        """Its restarts are spent: what still waits on it moves on, or ends with an error."""
+        log.error("%s is gone; its pool continues without it", worker.name)
+        worker.status = WorkerStatus.GONE
+        self._move_waiting(worker)
+
+    def _move_waiting(self, worker: WorkerState) -> None:
+        """Hand a dead worker's queue to live workers of its pool (a gone worker's to any that remain)."""
+        pool = self.prefill if worker.kind == "prefill" else self.decode
+        gone = worker.status is WorkerStatus.GONE
+        for request in list(worker.sched.waiting_requests()):
+            target = self._pick(pool, exclude=worker)
+            if target is None or not (target.status is WorkerStatus.UP or gone):
+                if gone:
+                    worker.sched.evict(request.req_id)
+                    self._fail(request, f"every {worker.kind} worker is gone")
+                continue  # stays queued here until the restart
+            worker.sched.evict(request.req_id)
+            target.sched.submit(request)
+            self.wake(target)
+
+    # ---- introspection ----------------------------------------------------------------------------
+    def pool_exhausted(self) -> bool:
+        """A pool has no worker left: the cell cannot serve."""
+        return any(pool and all(w.status is WorkerStatus.GONE for w in pool) for pool in (self.prefill, self.decode))
+
+    def stats(self) -> dict[str, Any]:
+        """Slots and queues per worker, live handoffs and counts: what a test or /stats reads."""
+        workers = {w.name: {"alive": w.status is WorkerStatus.UP, "slots_used": w.slots_used,
+                            "running": len(w.sched.running), "waiting": w.sched.num_waiting}
+                   for w in self.workers}
+        counters = vars(self.counts) | {
+            "preemptions": sum(w.sched.num_preemptions for w in self.workers),
+            "recomputed_tokens": sum(w.sched.num_recomputed_tokens for w in self.workers)}
+        return {"workers": workers, "live_handoffs": len(self.handoffs), "streams": len(self.consumers),
+                "counters": counters, "max_waiting": self.config.max_waiting}

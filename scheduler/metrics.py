@@ -1,0 +1,109 @@
+"""The scheduler's Prometheus metrics, defined once and recorded through any metrics backend.
+
+The backend is a module-like object with `Counter`, `Gauge` and `Histogram` classes taking
+`(name, description, [boundaries,] tag_keys)`: `ray.util.metrics` in the Ray actor (served on Ray's
+/metrics with a `ray_` prefix: `ray_pdserve_ttft_seconds`, ...), or `RecordingBackend` here, which keeps
+every value in memory so tests can read what would have been exported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scheduler.outputs import RequestOutput
+
+_LATENCY_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120]
+_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
+_BYTES = [1e4, 1e5, 1e6, 1e7, 1e8, 1e9]
+
+
+class SchedulerMetrics:
+    """Request latencies, queue states, slots, step sizes and durations, handoffs, failures."""
+
+    def __init__(self, mode: str, backend: Any) -> None:
+        self.tags = {"mode": mode}
+        mode_tag, worker_tags = ("mode",), ("mode", "worker")
+        self.ttft = backend.Histogram("pdserve_ttft_seconds", "Time to first token.", _LATENCY_S, mode_tag)
+        self.tpot = backend.Histogram("pdserve_tpot_seconds", "Time per output token after the first.",
+                                      _LATENCY_S, mode_tag)
+        self.e2e = backend.Histogram("pdserve_e2e_seconds", "Request latency, arrival to finish.", _LATENCY_S,
+                                     mode_tag)
+        self.finished = backend.Counter("pdserve_requests_finished_total", "Finished requests by finish reason.",
+                                        ("mode", "reason"))
+        self.requests = backend.Gauge("pdserve_requests", "Requests by state: waiting, prefilling, decoding.",
+                                      ("mode", "state"))
+        self.slots_used = backend.Gauge("pdserve_slots_in_use", "Cache slots (rows) in use per worker.",
+                                        worker_tags)
+        self.step_tokens = backend.Histogram("pdserve_step_tokens", "Tokens computed per step.", _TOKENS,
+                                             worker_tags)
+        self.step_seconds = backend.Histogram("pdserve_step_seconds", "Step duration on the worker.", _LATENCY_S,
+                                              ("mode", "kind"))
+        self.handoff_bytes = backend.Histogram("pdserve_kv_handoff_bytes", "KV bytes per handoff.", _BYTES,
+                                               mode_tag)
+        self.handoff_seconds = backend.Histogram("pdserve_kv_handoff_seconds",
+                                                 "Export plus import time per handoff.", _LATENCY_S, mode_tag)
+        self.preemptions = backend.Counter("pdserve_preemptions_total", "Requests evicted for more urgent ones.",
+                                           mode_tag)
+        self.recomputes = backend.Counter("pdserve_recomputes_total", "Requests recomputed after a lost cache.",
+                                          mode_tag)
+
+    def on_step(self, worker: str, kind: str, slots_used: int, num_tokens: int, num_preempted: int,
+                step_s: float) -> None:
+        tags = self.tags | {"worker": worker}
+        self.step_tokens.observe(num_tokens, tags=tags)
+        self.step_seconds.observe(step_s, tags=self.tags | {"kind": kind})
+        self.slots_used.set(slots_used, tags=tags)
+        if num_preempted:
+            self.preemptions.inc(num_preempted, tags=self.tags)
+
+    def on_states(self, waiting: int, prefilling: int, decoding: int) -> None:
+        for state, value in (("waiting", waiting), ("prefilling", prefilling), ("decoding", decoding)):
+            self.requests.set(value, tags=self.tags | {"state": state})
+
+    def on_handoff(self, num_bytes: int, seconds: float) -> None:
+        self.handoff_bytes.observe(num_bytes, tags=self.tags)
+        self.handoff_seconds.observe(seconds, tags=self.tags)
+
+    def on_recompute(self) -> None:
+        self.recomputes.inc(tags=self.tags)
+
+    def on_finish(self, out: RequestOutput) -> None:
+        assert out.finish_reason is not None
+        self.finished.inc(tags=self.tags | {"reason": out.finish_reason})
+        m = out.metrics
+        if out.finish_reason in ("stop", "length"):
+            self.ttft.observe(m["ttft_s"], tags=self.tags)
+            if m.get("tpot_s"):
+                self.tpot.observe(m["tpot_s"], tags=self.tags)
+            self.e2e.observe(m["e2e_s"], tags=self.tags)
+
+
+class _Recorded:
+    """One metric of the recording backend: every observation, and the last value per tag set."""
+
+    def __init__(self, name: str, description: str, *args: Any) -> None:
+        self.name, self.description = name, description
+        self.observations: list[tuple[float, dict[str, str]]] = []
+        self.values: dict[tuple[tuple[str, str], ...], float] = {}
+
+    def observe(self, value: float, tags: dict[str, str]) -> None:
+        self.observations.append((value, tags))
+
+    def set(self, value: float, tags: dict[str, str]) -> None:
+        self.values[tuple(sorted(tags.items()))] = value
+
+    def inc(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
+        key = tuple(sorted((tags or {}).items()))
+        self.values[key] = self.values.get(key, 0.0) + value
+
+
+class RecordingBackend:
+    """A metrics backend that keeps everything in memory (for tests and the stub-worker benchmark)."""
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, _Recorded] = {}
+
+    def _make(self, name: str, description: str, *args: Any) -> _Recorded:
+        return self.metrics.setdefault(name, _Recorded(name, description, *args))
+
+    Counter = Gauge = Histogram = _make
