@@ -7,7 +7,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from scheduler.coordinator import MODES_ON_RAY, CellConfig
+from scheduler.cell import MODES_ON_RAY, CellConfig
 from workers.catalog import DEFAULT_MODEL, MAX_DEFAULT_CONTEXT
 
 Mode = Literal["local", "colocated", "disaggregated"]

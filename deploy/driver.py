@@ -81,6 +81,7 @@ class InProcessEngine(Engine):
         prof = self.engine.profile
         return {"engine_steps": self.engine.num_steps,
                 "model_fraction": prof["model_s"] / max(prof["step_s"], 1e-9),
+                "outside_forward_fraction": 1 - prof["model_s"] / max(prof["step_s"], 1e-9),
                 "decode_steps": prof["decode_steps"],
                 "decode_step_ms": 1000 * prof["decode_step_s"] / max(prof["decode_steps"], 1),
                 "decode_model_fraction": prof["decode_model_s"] / max(prof["decode_step_s"], 1e-9)}
@@ -92,7 +93,12 @@ class InProcessEngine(Engine):
 class RayEngine(Engine):
     """`colocated` / `disaggregated`: requests stream through a scheduler actor and its workers."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig | None = None, *, handle: Any = None, capacity: int = 0) -> None:
+        """Start the scheduler of `config`, or drive a scheduler actor already started (`handle`, whose
+        slots hold `capacity` tokens; no tokenizer)."""
+        if config is None:
+            self.handle, self.capacity, self.tokenizer, self.eos_token_ids = handle, capacity, None, frozenset()
+            return
         from deploy.ray_engine import start_scheduler
         from workers.loader import load_tokenizer
 
@@ -120,7 +126,8 @@ class RayEngine(Engine):
     def profile(self) -> dict[str, Any]:
         import ray
 
-        return {"timeline": ray.get(self.handle.stats.remote())["timeline"]}
+        timeline = ray.get(self.handle.stats.remote())["timeline"]
+        return {f"{kind}_{key}": value for kind, line in timeline.items() for key, value in line.items()}
 
     def reset_profile(self) -> None:
         import ray

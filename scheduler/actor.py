@@ -22,7 +22,8 @@ import ray
 import ray.util.metrics
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from scheduler.coordinator import CellConfig, Coordinator, WorkerState
+from scheduler.cell import CellConfig, WorkerState
+from scheduler.coordinator import Coordinator
 from scheduler.outputs import RequestOutput
 from scheduler.request import Request
 from scheduler.timeline import StepTimeline

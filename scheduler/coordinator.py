@@ -6,12 +6,11 @@ from its loops and does the remote calls, and tests drive them with hand-built `
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler.cell import CellConfig, CellCounts, RequestPlacement, WorkerState, WorkerStatus
 from scheduler.messages import KVHandoff, KVImport, StepResult
 from scheduler.metrics import RecordingBackend, SchedulerMetrics
 from scheduler.outputs import OutputProcessor, RequestOutput
@@ -20,84 +19,6 @@ from scheduler.policy import QueueFullError, Scheduler
 from scheduler.request import FinishReason, Request
 
 log = logging.getLogger(__name__)
-
-MODES_ON_RAY = ("colocated", "disaggregated")
-
-
-@dataclass(frozen=True)
-class CellConfig:
-    """What one scheduler and its workers are: the pools, their slots, the budget and the limits."""
-
-    mode: str  # colocated: decode workers prefill too; disaggregated: prompts go to prefill workers
-    num_decode_workers: int
-    num_prefill_workers: int  # ignored when colocated
-    decode_slots: int  # requests decoding at once per decode worker
-    prefill_slots: int  # prompts prefilling at once per prefill worker
-    capacity: int  # tokens a slot holds (prompt + output)
-    token_budget: int = 256
-    prefill_chunk: int = 128
-    max_waiting: int | None = None  # past this many waiting requests, new ones are refused
-    max_preemptions: int = 2
-    max_recomputes: int = 3  # cache losses a request survives before it ends with an error
-    local_prefill_max_tokens: int = 0  # shorter prompts are prefilled on the decode worker
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES_ON_RAY:
-            raise ValueError(f"a scheduler cell runs {' or '.join(MODES_ON_RAY)} mode, not {self.mode!r}")
-
-
-class WorkerStatus(enum.Enum):
-    UP = "up"  # answering
-    RESTARTING = "restarting"  # died; Ray is restarting it and its queue waits for it
-    GONE = "gone"  # its restarts are spent: it never comes back
-
-
-@dataclass(eq=False)
-class WorkerState:
-    """One worker as the coordinator sees it: its pool, its slots' policy and whether it answers."""
-
-    kind: str  # "prefill" or "decode"
-    index: int
-    sched: Scheduler
-    status: WorkerStatus = WorkerStatus.UP
-    placement: dict[str, Any] = field(default_factory=dict)  # node, pid, device: what `ready` reported
-
-    @property
-    def name(self) -> str:
-        return f"{self.kind}-{self.index}"
-
-    @property
-    def slots_used(self) -> int:
-        return self.sched.num_slots - len(self.sched.free_slots)
-
-    def load(self) -> tuple[int, int]:
-        """Lower is less loaded: (requests here beyond free slots, requests running)."""
-        return (len(self.sched.running) + self.sched.num_waiting - self.sched.num_slots, len(self.sched.running))
-
-
-@dataclass
-class RequestPlacement:
-    """Where a request ran and what its handoff cost: the Ray modes' extra per-request metrics."""
-
-    prefill_worker: int | None = None
-    decode_worker: int | None = None
-    kv_handoff_bytes: int = 0
-    kv_handoff_s: float = 0.0
-
-    def as_metrics(self) -> dict[str, Any]:
-        return {"prefill_worker": self.prefill_worker, "decode_worker": self.decode_worker,
-                "kv_handoff_bytes": self.kv_handoff_bytes, "kv_handoff_s": self.kv_handoff_s}
-
-
-@dataclass
-class CellCounts:
-    """Totals since start, for /stats."""
-
-    handoffs: int = 0
-    handoff_bytes: int = 0
-    recomputes: int = 0
-    worker_failures: int = 0
-
 
 class Coordinator:
     """Owns every request of a cell and decides where it goes and what its stream gets.

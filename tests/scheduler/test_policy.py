@@ -1,8 +1,5 @@
 """The planner on plain lists: budgets, decode first, oldest first, slots, abort, errors."""
 
-import subprocess
-import sys
-
 import pytest
 
 from scheduler.plan import StepPlan
@@ -137,9 +134,3 @@ def test_full_queue_rejects_at_once():
     with pytest.raises(QueueFullError):
         sched.submit(req("b"))
     assert [r.req_id for r in sched.waiting_requests()] == ["a"]
-
-
-def test_policy_modules_import_neither_torch_nor_ray():
-    code = ("import sys, scheduler, scheduler.policy, scheduler.plan, scheduler.request; "
-            "bad = [m for m in ('torch', 'ray', 'numpy') if m in sys.modules]; print(bad); assert not bad")
-    subprocess.run([sys.executable, "-c", code], check=True)

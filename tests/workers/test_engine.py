@@ -62,12 +62,20 @@ def test_budget_is_never_exceeded_and_decode_comes_first():
     engine = make_engine(num_slots=3, token_budget=10, prefill_chunk=4)
     for request in mixed_requests():
         engine.submit(request)
+    mixed_steps = 0
     while not engine.idle:
         plan = engine.scheduler.plan()
+        decoding = {r.req_id for r in engine.scheduler.running if r.is_decoding}
         assert plan.num_tokens <= 10
         assert all(c.num_tokens <= 4 for c in plan.prefill)
         assert all(c.num_tokens == 1 and c.sample for c in plan.decode)
+        # every decoding request gets its token before any prompt chunk gets budget, and the flat batch
+        # the runner builds puts decode tokens first
+        assert {c.req_id for c in plan.decode} == decoding
+        assert plan.chunks[: len(plan.decode)] == plan.decode and not decoding & {c.req_id for c in plan.prefill}
+        mixed_steps += bool(plan.decode and plan.prefill)
         engine.scheduler.update(plan, engine.runner.execute(plan))
+    assert mixed_steps > 0  # decode and prefill did share steps
 
 
 def test_requests_submitted_while_running_arrive_late_and_finish():

@@ -1,0 +1,267 @@
+"""The scheduler's decisions without Ray or a model: routing, handoffs, loss, death, abort, preemption.
+
+A fake worker answers each plan at once: the token it samples for output index i of a request depends
+only on (request, i), as seeded sampling does, so a recomputed request must continue with exactly the
+tokens it would have had, and every test can check the streams are whole.
+"""
+
+import itertools
+
+import pytest
+
+from scheduler.cell import CellConfig, WorkerStatus
+from scheduler.coordinator import Coordinator
+from scheduler.messages import KVHandoff, StepResult
+from scheduler.metrics import RecordingBackend
+from scheduler.policy import QueueFullError
+from scheduler.request import Request
+
+
+def token(req_id: str, index: int) -> int:
+    return (sum(map(ord, req_id)) * 31 + index * 7) % 97 + 1
+
+
+def expected_tokens(req_id: str, max_tokens: int) -> list[int]:
+    return [token(req_id, i) for i in range(max_tokens)]
+
+
+def req(req_id, prompt_len=6, max_tokens=5, priority=0):
+    return Request(req_id=req_id, prompt_ids=list(range(1, prompt_len + 1)), max_tokens=max_tokens,
+                   priority=priority)
+
+
+def cell(mode="disaggregated", **kw):
+    config = dict(mode=mode, num_decode_workers=1, num_prefill_workers=1, decode_slots=2, prefill_slots=1,
+                  capacity=64, token_budget=8, prefill_chunk=4) | kw
+    return Coordinator(CellConfig(**config), metrics_backend=RecordingBackend())
+
+
+def fake_step(coordinator, worker, plan, imports, lose_imports=()):
+    """What a worker would return: a token per sampling chunk; prefill workers export handoffs."""
+    lost = {i.handoff.req_id for i in imports if i.handoff.req_id in lose_imports}  # dropped from the step
+    sampled = {c.req_id: token(c.req_id, c.output_index) for c in plan.chunks if c.sample and c.req_id not in lost}
+    if worker.kind == "prefill":
+        handoffs = [KVHandoff(c.req_id, object(), c.start_pos + c.num_tokens, 1000, 0.001, worker.index)
+                    for c in plan.chunks if c.sample]
+        return StepResult(sampled=sampled, handoffs=handoffs, step_s=0.01, forward_s=0.009)
+    return StepResult(sampled=sampled, failed_imports=sorted(lost),
+                      import_s={i.handoff.req_id: 0.002 for i in imports if i.handoff.req_id not in lost},
+                      step_s=0.01, forward_s=0.009)
+
+
+class Streams:
+    """What each consumer's streams received, checked to be whole: no token twice, one final output."""
+
+    def __init__(self):
+        self.tokens: dict[str, list[int]] = {}
+        self.finish: dict[str, str] = {}
+        self.errors: dict[str, str | None] = {}
+
+    def take(self, coordinator):
+        for outputs in coordinator.take_outputs().values():
+            for out in outputs:
+                assert out.req_id not in self.finish, f"{out.req_id} got output after it finished"
+                self.tokens.setdefault(out.req_id, []).extend(out.token_ids)
+                if out.finished:
+                    self.finish[out.req_id], self.errors[out.req_id] = out.finish_reason, out.error
+
+
+def step_all(coordinator, streams, steps=200, lose_imports=(), before_step=None):
+    for n in range(steps):
+        if before_step is not None:
+            before_step(n)
+        busy = False
+        for worker in coordinator.workers:
+            if worker.status is not WorkerStatus.UP:
+                continue
+            step = coordinator.next_step(worker)
+            if step is None:
+                continue
+            busy = True
+            plan, imports = step
+            coordinator.apply(worker, plan, fake_step(coordinator, worker, plan, imports, lose_imports))
+            streams.take(coordinator)
+        streams.take(coordinator)
+        if not busy and before_step is None:
+            return n
+    return steps
+
+
+def assert_idle(coordinator):
+    assert not coordinator.handoffs and not coordinator.consumers and not coordinator.placements
+    assert all(w.slots_used == 0 and w.sched.num_waiting == 0 for w in coordinator.workers)
+
+
+def test_disaggregated_requests_are_prefilled_handed_off_and_decoded():
+    coordinator, streams = cell(), Streams()
+    for i in range(4):
+        coordinator.admit(req(f"r{i}", prompt_len=5 + i, max_tokens=6), consumer="c")
+    step_all(coordinator, streams)
+    assert streams.tokens == {f"r{i}": expected_tokens(f"r{i}", 6) for i in range(4)}
+    assert set(streams.finish.values()) == {"length"}
+    assert coordinator.counts.handoffs == 4 and coordinator.counts.handoff_bytes == 4000
+    assert_idle(coordinator)
+    handoffs = coordinator.metrics.handoff_seconds.observations
+    assert len(handoffs) == 4 and all(seconds == pytest.approx(0.003) for seconds, _ in handoffs)
+
+
+def test_final_outputs_carry_where_the_request_ran():
+    coordinator = cell(num_prefill_workers=2, num_decode_workers=2)
+    coordinator.admit(req("a"), consumer="c")
+    coordinator.admit(req("b"), consumer="c")
+    finals = []
+    for _ in range(50):
+        for worker in coordinator.workers:
+            step = coordinator.next_step(worker)
+            if step is not None:
+                coordinator.apply(worker, step[0], fake_step(coordinator, worker, *step))
+        finals += [o for outs in coordinator.take_outputs().values() for o in outs if o.finished]
+    metrics = {o.req_id: o.metrics for o in finals}
+    assert {metrics["a"]["prefill_worker"], metrics["b"]["prefill_worker"]} == {0, 1}  # least loaded
+    assert {metrics["a"]["decode_worker"], metrics["b"]["decode_worker"]} == {0, 1}
+    assert all(m["kv_handoff_bytes"] == 1000 and m["kv_handoff_s"] == pytest.approx(0.003) for m in metrics.values())
+
+
+def test_short_prompts_skip_the_handoff_and_colocated_never_hands_off():
+    coordinator, streams = cell(local_prefill_max_tokens=8), Streams()
+    coordinator.admit(req("short", prompt_len=4), consumer="c")
+    coordinator.admit(req("long", prompt_len=12), consumer="c")
+    assert [r.req_id for r in coordinator.decode[0].sched.waiting_requests()] == ["short"]
+    step_all(coordinator, streams)
+    assert coordinator.counts.handoffs == 1 and streams.tokens["short"] == expected_tokens("short", 5)
+    colocated, streams = cell(mode="colocated", num_decode_workers=2), Streams()
+    for i in range(3):
+        colocated.admit(req(f"r{i}"), consumer="c")
+    step_all(colocated, streams)
+    assert colocated.prefill == [] and colocated.counts.handoffs == 0 and len(streams.finish) == 3
+
+
+def test_outputs_go_to_the_consumer_that_submitted():
+    coordinator = cell()
+    coordinator.admit(req("a"), consumer="ingress-1")
+    coordinator.admit(req("b"), consumer="ingress-2")
+    seen: dict[str, set[str]] = {}
+    for _ in range(60):
+        for worker in coordinator.workers:
+            step = coordinator.next_step(worker)
+            if step is not None:
+                coordinator.apply(worker, step[0], fake_step(coordinator, worker, *step))
+        for consumer, outputs in coordinator.take_outputs().items():
+            seen.setdefault(consumer, set()).update(o.req_id for o in outputs)
+    assert seen == {"ingress-1": {"a"}, "ingress-2": {"b"}}
+
+
+def test_a_lost_handoff_is_prefilled_again_and_continues_exactly():
+    coordinator, streams = cell(), Streams()
+    coordinator.admit(req("a", max_tokens=8), consumer="c")
+    step_all(coordinator, streams, steps=3, lose_imports={"a"})  # prefill, then the import fails
+    assert coordinator.counts.recomputes == 1
+    step_all(coordinator, streams)
+    assert streams.tokens["a"] == expected_tokens("a", 8) and streams.finish["a"] == "length"
+    assert_idle(coordinator)
+
+
+def test_a_request_that_keeps_losing_its_cache_ends_with_an_error_alone():
+    coordinator, streams = cell(max_recomputes=1), Streams()
+    coordinator.admit(req("doomed"), consumer="c")
+    coordinator.admit(req("fine", prompt_len=9), consumer="c")
+    step_all(coordinator, streams, lose_imports={"doomed"})
+    assert streams.finish == {"doomed": "error", "fine": "length"}
+    assert "giving up" in streams.errors["doomed"] and streams.tokens["fine"] == expected_tokens("fine", 5)
+    assert_idle(coordinator)
+
+
+def test_a_dead_decode_worker_loses_no_stream():
+    coordinator, streams = cell(num_decode_workers=2, decode_slots=3), Streams()
+    for i in range(5):
+        coordinator.admit(req(f"r{i}", max_tokens=12), consumer="c")
+    step_all(coordinator, streams, steps=8)
+    victim = max(coordinator.decode, key=lambda w: len(w.sched.running))
+    assert victim.sched.running
+    coordinator.worker_died(victim)
+    assert victim.status is WorkerStatus.RESTARTING and victim.slots_used == 0
+    step_all(coordinator, streams)
+    assert streams.tokens == {f"r{i}": expected_tokens(f"r{i}", 12) for i in range(5)}
+    coordinator.worker_back(victim, {"pid": 1})
+    assert victim.status is WorkerStatus.UP and coordinator.counts.worker_failures == 1
+    assert_idle(coordinator)
+
+
+def test_when_a_whole_pool_is_gone_waiting_requests_end_with_an_error():
+    coordinator, streams = cell(), Streams()
+    prefill = coordinator.prefill[0]
+    coordinator.admit(req("a"), consumer="c")
+    coordinator.worker_died(prefill)
+    coordinator.admit(req("b"), consumer="c")  # queued on the restarting worker
+    assert prefill.sched.num_waiting == 2
+    coordinator.worker_gone(prefill)
+    streams.take(coordinator)
+    assert streams.finish == {"a": "error", "b": "error"} and "gone" in streams.errors["a"]
+    assert coordinator.pool_exhausted()
+    coordinator.admit(req("c"), consumer="c")  # nothing can take it: it ends at once, not hangs
+    streams.take(coordinator)
+    assert streams.finish["c"] == "error"
+
+
+@pytest.mark.parametrize("state", ["waiting", "prefilling", "handed-off", "decoding"])
+def test_abort_in_every_state_frees_everything(state):
+    coordinator, streams = cell(decode_slots=1, prefill_chunk=2, token_budget=2), Streams()
+    coordinator.admit(req("hog", max_tokens=40), consumer="c")  # holds the decode slot once handed off
+    step_all(coordinator, streams, steps=4)
+    coordinator.admit(req("x", prompt_len=6, max_tokens=5), consumer="c")
+    coordinator.admit(req("y", prompt_len=6, max_tokens=5), consumer="c")  # waits behind x for the prefill row
+    reached = {"waiting": lambda: "y" in {r.req_id for r in coordinator.prefill[0].sched.waiting_requests()},
+               "prefilling": lambda: any(r.req_id == "x" for r in coordinator.prefill[0].sched.running),
+               "handed-off": lambda: "x" in coordinator.handoffs,
+               "decoding": lambda: any(r.req_id == "x" for r in coordinator.decode[0].sched.running)}
+    target = "y" if state == "waiting" else "x"
+    if state == "decoding":
+        coordinator.abort("hog")
+    for _ in itertools.count():
+        if reached[state]():
+            break
+        step_all(coordinator, streams, steps=1)
+    assert coordinator.abort(target) and not coordinator.abort(target)
+    streams.take(coordinator)
+    assert streams.finish[target] == "abort" and target not in coordinator.handoffs
+    for other in {"hog", "x", "y"} - {target} - set(streams.finish):
+        coordinator.abort(other)
+    streams.take(coordinator)
+    assert_idle(coordinator)
+
+
+def test_preemption_on_a_decode_worker_recomputes_on_the_prefill_pool():
+    coordinator, streams = cell(decode_slots=1), Streams()
+    normal = req("normal", max_tokens=20, priority=1)
+    coordinator.admit(normal, consumer="c")
+    step_all(coordinator, streams, steps=6)
+    assert coordinator.decode[0].sched.running == [normal]
+    coordinator.admit(req("urgent", max_tokens=4, priority=0), consumer="c")
+    step_all(coordinator, streams)
+    assert streams.tokens == {"normal": expected_tokens("normal", 20), "urgent": expected_tokens("urgent", 4)}
+    assert normal.num_preemptions == 1 and coordinator.counts.handoffs == 3  # normal handed off twice
+    assert_idle(coordinator)
+
+
+def test_admission_errors_leave_nothing_behind():
+    coordinator = cell(max_waiting=1)
+    coordinator.admit(req("a"), consumer="c")
+    with pytest.raises(ValueError, match="already in use"):
+        coordinator.admit(req("a"), consumer="c")
+    with pytest.raises(ValueError, match="context limit of 64"):
+        coordinator.admit(req("big", prompt_len=60, max_tokens=10), consumer="c")
+    with pytest.raises(QueueFullError):
+        coordinator.admit(req("b"), consumer="c")
+    assert set(coordinator.consumers) == {"a"}
+
+
+def test_a_consumer_that_went_away_has_its_requests_aborted():
+    coordinator, streams = cell(), Streams()
+    coordinator.admit(req("a", max_tokens=30), consumer="gone")
+    coordinator.admit(req("b", max_tokens=30), consumer="gone")
+    coordinator.admit(req("c", max_tokens=3), consumer="alive")
+    step_all(coordinator, streams, steps=5)
+    assert coordinator.abort_consumer("gone") == 2
+    step_all(coordinator, streams)
+    assert streams.finish["c"] == "length" and "gone" not in coordinator.take_outputs()
+    assert_idle(coordinator)
