@@ -48,6 +48,7 @@ class SchedulerActor:
         self.mail: dict[str, asyncio.Event] = {}
         self.last_poll_s: dict[str, float] = {}
         self.timeline = StepTimeline()
+        self.last_result_s: dict[str, float] = {}  # per worker: when its last step's result arrived
         self.tasks: list[asyncio.Task[None]] = []
 
     # ---- lifecycle --------------------------------------------------------------------------------
@@ -123,33 +124,53 @@ class SchedulerActor:
         self.wakeups[worker.name].set()
 
     async def _loop(self, worker: WorkerState) -> None:
+        """Keep one step in flight ahead: step N+1 is planned and sent before step N's results are
+        applied, so planning, applying and publishing overlap the worker's forward. The policy plans
+        N+1 as if N's tokens were known (the worker feeds them in), never past max_tokens, and drops
+        what N+1 samples for a request that stopped in N."""
         handle, wakeup = self.handles[worker.name], self.wakeups[worker.name]
+        in_flight: tuple[Any, ...] | None = None  # (plan, result ref, planning seconds, send time)
         while True:
             t0 = time.perf_counter()
             step = self.coordinator.next_step(worker)
-            if step is None:
+            sent = None
+            if step is not None:
+                plan, imports = step
+                t1 = time.perf_counter()
+                sent = (plan, handle.step.remote(plan, imports), t1 - t0, t1)
+            elif in_flight is None:
                 self._deliver()  # a preempted request's reroute may have failed it
                 wakeup.clear()
                 await wakeup.wait()
                 continue
-            plan, imports = step
-            t1 = time.perf_counter()
-            try:
-                result = await handle.step.remote(plan, imports)
-            except _WORKER_ERRORS as e:
-                await self._recover(worker, e)
-                continue
-            t2 = time.perf_counter()
-            try:
-                self.coordinator.apply(worker, plan, result)
-            except Exception as e:  # a bug: say so loudly, end this worker's requests, keep the loop alive
-                log.exception("applying a step of %s failed", worker.name)
-                self.coordinator.fail_worker_requests(worker, f"internal error on {worker.name}: "
-                                                              f"{type(e).__name__}: {e}")
-            t3 = time.perf_counter()
-            self._deliver()
-            self.timeline.record(worker.kind, plan=t1 - t0, round_trip=t2 - t1, worker_step=result.step_s,
-                                 forward=result.forward_s, apply=t3 - t2, publish=time.perf_counter() - t3)
+            if in_flight is not None:
+                if not await self._finish_step(worker, *in_flight):
+                    if sent is not None:  # the worker died: the step sent after it is lost too
+                        await asyncio.gather(sent[1], return_exceptions=True)
+                    sent = None
+            in_flight = sent
+
+    async def _finish_step(self, worker: WorkerState, plan: Any, ref: Any, plan_s: float, sent_s: float) -> bool:
+        """Wait for a step's result and apply it; False if the worker died (then it has been recovered)."""
+        try:
+            result = await ref
+        except _WORKER_ERRORS as e:
+            await self._recover(worker, e)
+            return False
+        t2 = time.perf_counter()
+        try:
+            self.coordinator.apply(worker, plan, result)
+        except Exception as e:  # a bug: say so loudly, end this worker's requests, keep the loop alive
+            log.exception("applying a step of %s failed", worker.name)
+            self.coordinator.fail_worker_requests(worker, f"internal error on {worker.name}: {type(e).__name__}: {e}")
+        t3 = time.perf_counter()
+        self._deliver()
+        period = t2 - max(sent_s, self.last_result_s.get(worker.name, 0.0))
+        self.last_result_s[worker.name] = t2
+        self.timeline.record(worker.kind, period=period, plan=plan_s, round_trip=t2 - sent_s,
+                             worker_step=result.step_s, forward=result.forward_s, apply=t3 - t2,
+                             publish=time.perf_counter() - t3)
+        return True
 
     async def _recover(self, worker: WorkerState, error: Exception) -> None:
         """A worker died: the coordinator moves its requests; wait for Ray to restart it. Once its

@@ -44,7 +44,7 @@ class Coordinator:
 
         def pool(kind: str, count: int, slots: int) -> list[WorkerState]:
             return [WorkerState(kind, i, Scheduler(slots, config.capacity, config.token_budget, config.prefill_chunk,
-                                                   max_preemptions=config.max_preemptions))
+                                                   max_preemptions=config.max_preemptions, decodes=kind == "decode"))
                     for i in range(count)]
 
         self.decode = pool("decode", config.num_decode_workers, config.decode_slots)

@@ -6,9 +6,19 @@ import bisect
 import itertools
 import time
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from scheduler.plan import Chunk, StepPlan
 from scheduler.request import FinishReason, Request, RequestStatus
+
+
+class WaitingEntry(NamedTuple):
+    """A queued request and the key it is admitted by: most urgent priority, then oldest, then first in."""
+
+    priority: int
+    arrival_s: float
+    order: int
+    request: Request
 
 
 class Scheduler:
@@ -29,6 +39,7 @@ class Scheduler:
         prefill_chunk: int = 128,
         max_waiting: int | None = None,
         max_preemptions: int = 2,
+        decodes: bool = True,
     ) -> None:
         limits = {"num_slots": num_slots, "capacity": capacity, "token_budget": token_budget,
                   "prefill_chunk": prefill_chunk}
@@ -40,14 +51,15 @@ class Scheduler:
         if max_preemptions < 0:
             raise ValueError(f"max_preemptions must be >= 0, got {max_preemptions}")
         self.max_preemptions = max_preemptions
+        self.decodes = decodes  # False on a prefill worker: a prompt that sampled its first token leaves
         self.num_preemptions = 0  # evictions so far
         self.num_recomputed_tokens = 0  # cached tokens those evictions threw away
         self.num_slots, self.capacity = num_slots, capacity
         self.token_budget, self.prefill_chunk = token_budget, prefill_chunk
         self.max_waiting = max_waiting
         self.free_slots: list[int] = list(range(num_slots))
-        self.waiting: list[tuple[int, float, int, Request]] = []  # sorted: priority, arrival, submit order
-        self.running: list[Request] = []  # in admission order
+        self.waiting: list[WaitingEntry] = []  # sorted by admission key
+        self.running: list[Request] = []  # most urgent, then oldest (re-sorted by every plan)
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self._order = itertools.count()
 
@@ -78,8 +90,8 @@ class Scheduler:
         self._enqueue(request)
 
     def _enqueue(self, request: Request) -> None:
-        entry = (request.priority, request.arrival_s, next(self._order), request)
-        bisect.insort(self.waiting, entry, key=lambda e: e[:3])
+        entry = WaitingEntry(request.priority, request.arrival_s, next(self._order), request)
+        bisect.insort(self.waiting, entry, key=lambda e: (e.priority, e.arrival_s, e.order))
 
     # ---- planning ---------------------------------------------------------------------------------
     def plan(self) -> StepPlan:
@@ -88,12 +100,12 @@ class Scheduler:
         preempted: list[str] = []
         while self.waiting:
             if not self.free_slots:
-                victim = self._victim(self.waiting[0][3])
+                victim = self._victim(self.waiting[0].request)
                 if victim is None:
                     break
                 self._preempt(victim)
                 preempted.append(victim.req_id)
-            request = self.waiting.pop(0)[3]
+            request = self.waiting.pop(0).request
             if request.scheduled_s is None:
                 request.scheduled_s = time.perf_counter()
             request.slot = self.free_slots.pop(0)
@@ -104,17 +116,25 @@ class Scheduler:
         budget = self.token_budget
         decode: list[Chunk] = []
         for request in self.running:
-            if budget and request.is_decoding:
+            if budget and self.decodes and request.is_decoding \
+                    and request.num_outputs_planned < request.max_tokens:
                 decode.append(self._chunk(request, 1))
                 budget -= 1
         prefill: list[Chunk] = []
         for request in self.running:
             if not budget:
                 break
-            if not request.is_decoding and request.num_uncomputed > 0:
+            # a prefill worker computes whatever is uncomputed (a recompute's last known token too), but
+            # never a token still being sampled: that request leaves with its handoff
+            waits = request.is_decoding if self.decodes else request.num_pending > 0
+            if not waits and request.num_uncomputed > 0:
                 length = min(request.num_uncomputed, self.prefill_chunk, budget)
                 prefill.append(self._chunk(request, length))
                 budget -= length
+        for chunk in decode + prefill:  # planned is as good as computed: the next plan may follow at once
+            request = self.requests[chunk.req_id]
+            request.num_computed += chunk.num_tokens
+            request.num_pending += chunk.sample
         return StepPlan(decode=decode, prefill=prefill, preempted=preempted)
 
     def _victim(self, candidate: Request) -> Request | None:
@@ -125,7 +145,7 @@ class Scheduler:
                      if r.priority > candidate.priority and r.num_preemptions < self.max_preemptions]
         if not evictable:
             return None
-        return max(evictable, key=lambda r: (r.priority, r.max_tokens - len(r.output_ids) + r.num_uncomputed))
+        return max(evictable, key=lambda r: (r.priority, r.max_tokens - r.num_outputs_planned + r.num_uncomputed))
 
     def _preempt(self, request: Request) -> None:
         """Free its slot now; it waits again and, readmitted, recomputes prompt + output so far."""
@@ -145,8 +165,8 @@ class Scheduler:
             slot=request.slot,
             token_ids=request.token_ids(start, start + length),
             start_pos=start,
-            sample=start + length == request.num_tokens,
-            output_index=len(request.output_ids),
+            sample=start + length == request.num_tokens + request.num_pending,
+            output_index=request.num_outputs_planned,
             sampling=request.sampling,
         )
 
@@ -155,7 +175,8 @@ class Scheduler:
         """Record a planned step's results; return the requests that finished in it.
 
         `sampled` maps req_id to the token sampled for each chunk with `sample=True`. Chunks of requests
-        that finished meanwhile (aborted while the step ran) are ignored.
+        that left meanwhile (finished, aborted or evicted while the step ran) are ignored; so is the token
+        a later step in flight samples for a request that finished in this one.
         """
         finished: list[Request] = []
         now = time.perf_counter()
@@ -163,12 +184,14 @@ class Scheduler:
             request = self.requests.get(chunk.req_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
-            if chunk.start_pos != request.num_computed:
-                raise RuntimeError(f"{chunk.req_id}: chunk at {chunk.start_pos}, cache at {request.num_computed}")
-            request.num_computed += chunk.num_tokens
+            if chunk.start_pos + chunk.num_tokens > request.num_computed or \
+                    chunk.output_index != len(request.output_ids) and chunk.sample:
+                raise RuntimeError(f"{chunk.req_id}: a result for positions {chunk.start_pos}+{chunk.num_tokens}, "
+                                   f"output {chunk.output_index}, that was never planned")
             if not chunk.sample:
                 continue
             token = sampled[chunk.req_id]
+            request.num_pending -= 1
             request.output_ids.append(token)
             request.token_times_s.append(now)
             if request.first_token_s is None:
@@ -199,7 +222,7 @@ class Scheduler:
         if request is None:
             return None
         if request.status is RequestStatus.WAITING:
-            self.waiting = [e for e in self.waiting if e[3] is not request]
+            self.waiting = [e for e in self.waiting if e.request is not request]
         else:
             self._release_slot(request)
         request.slot, request.status = None, RequestStatus.WAITING
@@ -225,7 +248,7 @@ class Scheduler:
         return len(self.waiting)
 
     def waiting_requests(self) -> Iterable[Request]:
-        return (e[3] for e in self.waiting)
+        return (e.request for e in self.waiting)
 
     def stats(self) -> dict[str, int]:
         return {

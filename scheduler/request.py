@@ -6,6 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+PENDING = -1  # a token id that is not known yet: sampled by the step in flight, fed in by its worker
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, no slot yet
@@ -71,7 +73,8 @@ class Request:
 
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0
+    num_computed: int = 0  # tokens in its cache row, counting those of a step still in flight
+    num_pending: int = 0  # tokens sampled by a step in flight: planned for, not yet known
     slot: int | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -93,10 +96,20 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt and output tokens known so far."""
         return len(self.prompt_ids) + len(self.output_ids)
 
+    @property
+    def num_outputs_planned(self) -> int:
+        """Output tokens known or being sampled: what max_tokens and seeds count against."""
+        return len(self.output_ids) + self.num_pending
+
     def token_ids(self, start: int, stop: int) -> list[int]:
-        """Tokens start..stop-1 of prompt + output, without building the joined list."""
+        """Tokens start..stop-1 of prompt + output, without building the joined list; a token still being
+        sampled by a step in flight reads as PENDING (the worker that samples it feeds it in)."""
+        known = self.num_tokens
+        if stop > known:
+            return self.token_ids(start, known) + [PENDING] * (stop - max(start, known))
         num_prompt = len(self.prompt_ids)
         if stop <= num_prompt:
             return self.prompt_ids[start:stop]
@@ -106,12 +119,12 @@ class Request:
 
     @property
     def num_uncomputed(self) -> int:
-        return self.num_tokens - self.num_computed
+        return self.num_tokens + self.num_pending - self.num_computed
 
     @property
     def is_decoding(self) -> bool:
-        """Only the last sampled token is missing from the cache."""
-        return bool(self.output_ids) and self.num_uncomputed == 1
+        """Only the last sampled (or being sampled) token is missing from the cache."""
+        return self.num_outputs_planned > 0 and self.num_uncomputed == 1
 
     @property
     def finished(self) -> bool:
@@ -119,13 +132,14 @@ class Request:
 
     def mark_finished(self, reason: FinishReason, error: str | None = None) -> None:
         self.status, self.finish_reason, self.error = RequestStatus.FINISHED, reason, error
+        self.num_pending = 0  # whatever a step in flight samples for it is dropped
         self.slot = None
         self.finish_s = time.perf_counter()
 
     def reset_cache(self) -> None:
         """Its cache is gone (evicted, or lost with a worker): recompute prompt + output so far, then
         continue where it stopped. The one recompute path for preemption and faults."""
-        self.num_computed, self.slot, self.status = 0, None, RequestStatus.WAITING
+        self.num_computed, self.num_pending, self.slot, self.status = 0, 0, None, RequestStatus.WAITING
 
     def metrics(self) -> dict[str, float]:
         """Latencies in seconds: TTFT, TPOT (after the first token), end to end, and the phases

@@ -6,16 +6,18 @@ import statistics
 from collections import deque
 from typing import Any
 
-PHASES = ("plan", "round_trip", "worker_step", "forward", "apply", "publish")
+PHASES = ("period", "plan", "round_trip", "worker_step", "forward", "apply", "publish")
 
 
 class StepTimeline:
     """The last `window` steps of each worker kind, phase by phase, in seconds.
 
-    `round_trip` is from sending the step to having its result (it contains `worker_step`, which
-    contains `forward`); a whole step, as the scheduler loop sees it, is plan + round_trip + apply +
-    publish. `summary()` gives per kind the median of each phase and the share of step time spent
-    outside the model's forward.
+    `period` is what a step costs the worker's loop: from the previous step's result (or from sending,
+    if the worker was idle) to this one's. `round_trip` is from sending the step to having its result;
+    with one step in flight ahead it includes waiting behind the previous one. It contains `worker_step`
+    (the step on the worker), which contains `forward` (the model). `plan`, `apply` and `publish` run
+    in the scheduler while the next step is in flight. `summary()` gives per kind the median of each
+    phase and the share of the period spent outside the model's forward.
     """
 
     def __init__(self, window: int = 20_000) -> None:
@@ -34,7 +36,7 @@ class StepTimeline:
             columns = dict(zip(PHASES, zip(*steps, strict=True), strict=True))
             line: dict[str, Any] = {"steps": len(steps)}
             line |= {f"{phase}_ms_p50": 1000 * statistics.median(values) for phase, values in columns.items()}
-            total = sum(sum(columns[p]) for p in ("plan", "round_trip", "apply", "publish"))
+            total = sum(columns["period"])
             line["outside_forward_fraction"] = 1 - sum(columns["forward"]) / total if total else 0.0
             out[kind] = line
         return out

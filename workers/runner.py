@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
 import torch
 
-from scheduler.plan import StepPlan
+from scheduler.plan import Chunk, StepPlan
+from scheduler.request import PENDING
 from workers.kv_cache import SlotKVCache
 from workers.model import BatchLayout, DecoderLM
 from workers.sampling import sample
@@ -27,13 +29,21 @@ class ModelRunner:
                                  dtype=self.dtype, device=self.device)
         per_token = SlotKVCache.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype)
         self.last_forward_s = 0.0  # seconds inside the model in the last execute(), for profiling
+        self.last_sampled: dict[str, int] = {}  # what the last execute() sampled: fed in for PENDING tokens
         log.info("KV cache: %d slots x %d tokens, %d bytes per token, %.1f MiB in all",
                  num_slots, capacity, per_token, self.cache.total_bytes / 2**20)
 
     def execute(self, plan: StepPlan) -> dict[str, int]:
-        """Run every chunk of the plan in one forward; return the sampled token of each sampling chunk."""
-        chunks = plan.chunks
+        """Run every chunk of the plan in one forward; return the sampled token of each sampling chunk.
+
+        A PENDING token is the one this runner sampled for that request in its previous execute() (the
+        scheduler planned this step before it knew it). A chunk whose PENDING token this runner never
+        sampled (its request's cache was lost here) is dropped: no result comes back for it.
+        """
+        decode = [c for c in map(self._feed, plan.decode) if c is not None]
+        chunks = decode + [c for c in map(self._feed, plan.prefill) if c is not None]
         if not chunks:
+            self.last_sampled = {}
             return {}
         input_ids: list[int] = []
         positions: list[int] = []
@@ -45,11 +55,11 @@ class ModelRunner:
             input_ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start_pos, chunk.start_pos + chunk.num_tokens))
             slots.extend([chunk.slot] * chunk.num_tokens)
-            if i >= len(plan.decode):
+            if i >= len(decode):
                 prefill.append((chunk.slot, first, chunk.num_tokens, chunk.start_pos))
             if chunk.sample:
                 logits_indices.append(len(input_ids) - 1)
-        num_decode = len(plan.decode)
+        num_decode = len(decode)
         layout = BatchLayout.build(positions, slots, num_decode, prefill, self.device)
         forward_start = time.perf_counter()
         logits = self.model(torch.tensor(input_ids, device=self.device), layout, self.cache,
@@ -57,4 +67,13 @@ class ModelRunner:
         self.last_forward_s = time.perf_counter() - forward_start
         sampling_chunks = [c for c in chunks if c.sample]
         tokens = sample(logits, [c.sampling for c in sampling_chunks], [c.output_index for c in sampling_chunks])
-        return {c.req_id: t for c, t in zip(sampling_chunks, tokens, strict=True)}
+        self.last_sampled = {c.req_id: t for c, t in zip(sampling_chunks, tokens, strict=True)}
+        return self.last_sampled
+
+    def _feed(self, chunk: Chunk) -> Chunk | None:
+        if PENDING not in chunk.token_ids:
+            return chunk
+        if chunk.req_id not in self.last_sampled:
+            return None
+        token = self.last_sampled[chunk.req_id]
+        return dataclasses.replace(chunk, token_ids=[token if t == PENDING else t for t in chunk.token_ids])

@@ -265,3 +265,40 @@ def test_a_consumer_that_went_away_has_its_requests_aborted():
     step_all(coordinator, streams)
     assert streams.finish["c"] == "length" and "gone" not in coordinator.take_outputs()
     assert_idle(coordinator)
+
+
+def run_overlapped(coordinator, streams, steps=400):
+    """Each worker keeps one step in flight: step N+1 is planned before step N's results are applied."""
+    in_flight = {}
+    for _ in range(steps):
+        for worker in coordinator.workers:
+            step = coordinator.next_step(worker)
+            sent = (step[0], fake_step(coordinator, worker, *step)) if step is not None else None
+            if worker.name in in_flight:
+                coordinator.apply(worker, *in_flight.pop(worker.name))
+                streams.take(coordinator)
+            if sent is not None:
+                in_flight[worker.name] = sent
+        if not in_flight and all(w.sched.idle for w in coordinator.workers):
+            return
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_one_step_in_flight_changes_no_output(mode):
+    """Planning ahead never samples past max_tokens, and a token sampled for a request that already
+    stopped (on a stop id, decided only when the step before is applied) never reaches its stream."""
+    stop_at = {"s0": 2, "s1": 5}  # these requests sample their stop token at this output index
+    coordinator, streams = cell(mode=mode, decode_slots=4, token_budget=16), Streams()
+    requests = [req(f"r{i}", prompt_len=3 + 5 * i, max_tokens=1 + 3 * i) for i in range(4)]
+    for name, index in stop_at.items():
+        stop = frozenset({token(name, index)})
+        requests.append(Request(req_id=name, prompt_ids=[1, 2, 3], max_tokens=20, stop_token_ids=stop))
+    for request in requests:
+        coordinator.admit(request, consumer="c")
+    run_overlapped(coordinator, streams)
+    for request in requests:
+        length = stop_at[request.req_id] + 1 if request.req_id in stop_at else request.max_tokens
+        assert streams.tokens[request.req_id] == expected_tokens(request.req_id, length), request.req_id
+        assert streams.finish[request.req_id] == ("stop" if request.req_id in stop_at else "length")
+        assert request.num_pending == 0
+    assert_idle(coordinator)

@@ -64,8 +64,8 @@ def test_budget_is_never_exceeded_and_decode_comes_first():
         engine.submit(request)
     mixed_steps = 0
     while not engine.idle:
+        decoding = {r.req_id for r in engine.scheduler.running if r.is_decoding}  # (admission adds none)
         plan = engine.scheduler.plan()
-        decoding = {r.req_id for r in engine.scheduler.running if r.is_decoding}
         assert plan.num_tokens <= 10
         assert all(c.num_tokens <= 4 for c in plan.prefill)
         assert all(c.num_tokens == 1 and c.sample for c in plan.decode)
@@ -127,3 +127,31 @@ def test_preempted_requests_produce_their_solo_outputs(sampling):
     alone_normal, alone_urgent = priority_requests(sampling)
     for request in alone_normal + alone_urgent:
         assert finished[request.req_id].output_ids == solo("llama", request).output_ids, request.req_id
+
+
+@pytest.mark.parametrize("sampling", [None, SamplingParams(temperature=0.8, top_k=30, seed=5)],
+                         ids=["greedy", "seeded"])
+def test_planning_one_step_ahead_changes_no_output(sampling):
+    """What the Ray loop does: step N+1 is planned and run before step N's tokens are applied; the runner
+    feeds in the tokens it sampled (PENDING in the plan). Outputs equal the solo runs, stop ids included."""
+    stop = frozenset({solo("llama", mixed_requests(sampling=sampling)[2]).output_ids[4]})  # r2 stops early
+    requests = mixed_requests(sampling=sampling, stop_token_ids=stop)
+    engine = make_engine(num_slots=3, token_budget=10, prefill_chunk=4)
+    sched, runner = engine.scheduler, engine.runner
+    for request in requests:
+        sched.submit(request)
+    in_flight = None
+    saw_pending = False
+    while in_flight is not None or not sched.idle:
+        plan = sched.plan()
+        saw_pending |= any(-1 in c.token_ids for c in plan.chunks)
+        sent = (plan, runner.execute(plan)) if not plan.empty else None
+        if in_flight is not None:
+            sched.update(*in_flight)
+        in_flight = sent
+    assert saw_pending
+    for request in mixed_requests(sampling=sampling, stop_token_ids=stop):
+        got = next(r for r in requests if r.req_id == request.req_id)
+        expected = solo("llama", request)
+        assert got.output_ids == expected.output_ids and got.finish_reason == expected.finish_reason, request.req_id
+    assert any(r.finish_reason is FinishReason.STOP for r in requests)
