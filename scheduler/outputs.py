@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.detokenizer import IncrementalDetokenizer
-from scheduler.policy import Scheduler
+from scheduler.policy import Scheduler, StepUpdate
 from scheduler.request import OPENAI_FINISH_REASON, FinishReason, Request
 
 
@@ -41,13 +41,12 @@ class OutputProcessor:
             self.detokenizers[request.req_id] = IncrementalDetokenizer(
                 self.tokenizer, request.prompt_ids, request.stop_strings)
 
-    def apply(self, scheduler: Scheduler, sampled: dict[str, int], finished: list[Request]) -> list[RequestOutput]:
-        """After `scheduler.update`: push each sampled token, apply stop strings, close finished requests."""
+    def apply(self, scheduler: Scheduler, update: StepUpdate) -> list[RequestOutput]:
+        """After `scheduler.update`: push each token it took, apply stop strings, close finished requests."""
         outputs: dict[str, RequestOutput] = {}
-        for req_id, token in sampled.items():
+        finished = list(update.finished)
+        for req_id, token in update.accepted.items():
             detok = self.detokenizers.get(req_id)
-            if req_id not in scheduler.requests and not any(r.req_id == req_id for r in finished):
-                continue  # aborted while its step ran
             out = outputs.setdefault(req_id, RequestOutput(req_id))
             out.token_ids.append(token)
             if detok is None:

@@ -12,6 +12,14 @@ from scheduler.plan import Chunk, StepPlan
 from scheduler.request import FinishReason, Request, RequestStatus
 
 
+class StepUpdate(NamedTuple):
+    """What a step's results did: the tokens taken (a request that left while the step ran takes none)
+    and the requests that finished."""
+
+    accepted: dict[str, int]
+    finished: list[Request]
+
+
 class WaitingEntry(NamedTuple):
     """A queued request and the key it is admitted by: most urgent priority, then oldest, then first in."""
 
@@ -171,14 +179,15 @@ class Scheduler:
         )
 
     # ---- results ----------------------------------------------------------------------------------
-    def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
-        """Record a planned step's results; return the requests that finished in it.
+    def update(self, plan: StepPlan, sampled: dict[str, int]) -> StepUpdate:
+        """Record a planned step's results: the tokens taken and the requests that finished in it.
 
         `sampled` maps req_id to the token sampled for each chunk with `sample=True`. Chunks of requests
         that left meanwhile (finished, aborted or evicted while the step ran) are ignored; so is the token
         a later step in flight samples for a request that finished in this one.
         """
         finished: list[Request] = []
+        accepted: dict[str, int] = {}
         now = time.perf_counter()
         for chunk in plan.chunks:
             request = self.requests.get(chunk.req_id)
@@ -190,7 +199,7 @@ class Scheduler:
                                    f"output {chunk.output_index}, that was never planned")
             if not chunk.sample:
                 continue
-            token = sampled[chunk.req_id]
+            token = accepted[chunk.req_id] = sampled[chunk.req_id]
             request.num_pending -= 1
             request.output_ids.append(token)
             request.token_times_s.append(now)
@@ -202,7 +211,7 @@ class Scheduler:
                 self.finish(request.req_id, FinishReason.LENGTH)
             if request.finished:
                 finished.append(request)
-        return finished
+        return StepUpdate(accepted, finished)
 
     def finish(self, req_id: str, reason: FinishReason, error: str | None = None) -> Request | None:
         """End a request in any state and return its slot; None if it is unknown or already ended."""

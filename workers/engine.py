@@ -57,8 +57,7 @@ class LocalEngine:
             plan = self.scheduler.plan()
         sampled = self.runner.execute(plan)
         with self._lock:
-            finished = self.scheduler.update(plan, sampled)
-            outputs = self.outputs.apply(self.scheduler, sampled, finished)
+            outputs = self.outputs.apply(self.scheduler, self.scheduler.update(plan, sampled))
         self.num_steps += 1
         elapsed, profile = time.perf_counter() - start, self.profile
         profile["step_s"] += elapsed

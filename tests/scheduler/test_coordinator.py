@@ -56,6 +56,7 @@ class Streams:
         self.tokens: dict[str, list[int]] = {}
         self.finish: dict[str, str] = {}
         self.errors: dict[str, str | None] = {}
+        self.in_flight: dict = {}  # worker name -> (plan, result) sent and not yet applied (run_overlapped)
 
     def take(self, coordinator):
         for outputs in coordinator.take_outputs().values():
@@ -268,8 +269,9 @@ def test_a_consumer_that_went_away_has_its_requests_aborted():
 
 
 def run_overlapped(coordinator, streams, steps=400):
-    """Each worker keeps one step in flight: step N+1 is planned before step N's results are applied."""
-    in_flight = {}
+    """Each worker keeps one step in flight: step N+1 is planned before step N's results are applied.
+    What is still in flight when `steps` run out stays in flight for the next call."""
+    in_flight = streams.in_flight
     for _ in range(steps):
         for worker in coordinator.workers:
             step = coordinator.next_step(worker)
@@ -301,4 +303,17 @@ def test_one_step_in_flight_changes_no_output(mode):
         assert streams.tokens[request.req_id] == expected_tokens(request.req_id, length), request.req_id
         assert streams.finish[request.req_id] == ("stop" if request.req_id in stop_at else "length")
         assert request.num_pending == 0
+    assert_idle(coordinator)
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_preemption_with_a_step_in_flight_loses_and_repeats_no_token(mode):
+    coordinator, streams = cell(mode=mode, decode_slots=1), Streams()
+    normal = req("normal", max_tokens=20, priority=1)
+    coordinator.admit(normal, consumer="c")
+    run_overlapped(coordinator, streams, steps=6)
+    coordinator.admit(req("urgent", max_tokens=4, priority=0), consumer="c")
+    run_overlapped(coordinator, streams)
+    assert streams.tokens == {"normal": expected_tokens("normal", 20), "urgent": expected_tokens("urgent", 4)}
+    assert normal.num_preemptions == 1
     assert_idle(coordinator)

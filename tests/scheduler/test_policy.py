@@ -16,7 +16,7 @@ def fake_step(sched: Scheduler, token: int = 7) -> tuple[StepPlan, list[Request]
     """Plan and pretend a worker sampled `token` for every sampling chunk."""
     plan = sched.plan()
     check_invariants(sched, plan)
-    return plan, sched.update(plan, {c.req_id: token for c in plan.chunks if c.sample})
+    return plan, sched.update(plan, {c.req_id: token for c in plan.chunks if c.sample}).finished
 
 
 def check_invariants(sched: Scheduler, plan: StepPlan) -> None:
@@ -90,7 +90,7 @@ def test_results_of_an_aborted_request_are_ignored():
     sched.submit(req("a"))
     plan = sched.plan()
     sched.abort("a")
-    assert sched.update(plan, {"a": 3}) == [] and sched.free_slots == [0]
+    assert sched.update(plan, {"a": 3}) == ({}, []) and sched.free_slots == [0]
 
 
 def test_priority_then_arrival_order_admission():
@@ -134,3 +134,18 @@ def test_full_queue_rejects_at_once():
     with pytest.raises(QueueFullError):
         sched.submit(req("b"))
     assert [r.req_id for r in sched.waiting_requests()] == ["a"]
+
+
+def test_a_token_sampled_for_a_request_evicted_meanwhile_is_not_taken():
+    """With a step in flight, the next plan may evict a request that step samples for: its token is
+    dropped (it will be sampled again, with the same seed, when the request is recomputed)."""
+    sched = Scheduler(num_slots=1, capacity=64, token_budget=64, prefill_chunk=64)
+    low = req("low", prompt_len=4, max_tokens=10, priority=1)
+    sched.submit(low)
+    sched.update(sched.plan(), {"low": 5})
+    in_flight = sched.plan()  # decodes output 1 of "low"
+    assert [(c.req_id, c.output_index) for c in in_flight.decode] == [("low", 1)]
+    sched.submit(req("urgent", priority=0))
+    assert sched.plan().preempted == ["low"]
+    assert sched.update(in_flight, {"low": 9}) == ({}, [])
+    assert low.output_ids == [5] and low.num_computed == 0 and low.num_pending == 0
