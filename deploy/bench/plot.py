@@ -54,7 +54,8 @@ def _ttft_with(ax: Any, series: dict[str, list[dict[str, Any]]], x: str, other: 
     right.set_ylabel(other_label)
 
 
-def plot_bench(summaries: list[dict[str, Any]], path: str) -> None:
+def plot_bench(summaries: list[dict[str, Any]], path: str) -> dict[str, dict[str, list[float]]]:
+    """Draw the figure to `path`; return what each panel plots: title -> line label -> its y values."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -117,4 +118,9 @@ def plot_bench(summaries: list[dict[str, Any]], path: str) -> None:
     model = summaries[0].get("served_model") or summaries[0].get("model") if summaries else ""
     fig.suptitle(f"pdserve bench: {model}", fontsize=10)
     fig.savefig(path, dpi=110)
+    drawn = {panel.get_title(): {line.get_label(): [float(y) for y in line.get_ydata()]
+                                 for twin in fig.axes if twin.bbox.bounds == panel.bbox.bounds
+                                 for line in twin.get_lines()}
+             for panel in axes}
     plt.close(fig)
+    return drawn

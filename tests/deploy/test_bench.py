@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from deploy.bench.plot import plot_bench
 from deploy.bench.workload import load_workload, make_workload, poisson_arrivals
 from deploy.cli import main
 from scheduler.outputs import Completion
@@ -38,6 +39,18 @@ def test_bench_sweeps_write_json_and_png(tiny_checkpoint, tmp_path, capsys):
         assert [r["tokens"] for r in sorted(mine, key=lambda r: int(r["rid"]))] == asked
     png = out.with_suffix(".png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+    # the figure plots these runs' own figures: tok/s per slots series, the static baseline, three panels
+    drawn = plot_bench(summaries, str(tmp_path / "check.png"))
+    slots_panel, budget_panel, rate_panel = drawn.values()
+    tok_s = {label: ys for label, ys in slots_panel.items() if label.startswith("tok/s")}
+    assert all(len(ys) == 2 for ys in tok_s.values())  # slots 1 and 4 in each series
+    assert sorted(y for ys in tok_s.values() for y in ys) == sorted(s["output_tok_s"] for s in summaries
+                                                                      if s["rate"] == 0)
+    static = next(ys for label, ys in slots_panel.items() if label.startswith("static generate"))
+    assert static[0] == summaries[0]["static_tok_s"]
+    ttft = sorted(y for label, ys in budget_panel.items() if "p99" in label and "TTFT" in label for y in ys)
+    assert ttft == sorted(s["ttft_ms_p99"] for s in summaries if s["rate"] > 0)
+    assert rate_panel  # several rates ran
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [p["slots"] for p in printed] == [s["slots"] for s in summaries]
     # the figure again from the file, and a clear error for a file with no summaries
