@@ -20,7 +20,14 @@ from deploy.config import MODES_ON_RAY, EngineConfig, format_validation_errors
 from deploy.engine_client import EngineClient
 from deploy.ray_engine import scheduler_args
 from deploy.serving.openai_api import OpenAIServer, ServedModel, error_response
-from deploy.serving.schemas import APIError, ChatBody, CompletionBody
+from deploy.serving.schemas import (
+    APIError,
+    ChatBody,
+    CompletionBody,
+    DetokenizeBody,
+    TokenizeBody,
+    UnsupportedParameter,
+)
 from scheduler.actor import SchedulerActor
 
 log = logging.getLogger(__name__)
@@ -83,6 +90,9 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
 
 
 def _from_validation(errors: Any) -> APIError:
+    cause = (errors[0].get("ctx") or {}).get("error") if errors else None
+    if isinstance(cause, UnsupportedParameter):
+        return APIError(400, str(cause), param=cause.param, code="unsupported_parameter")
     where = ".".join(str(p) for p in (errors[0].get("loc", ()) if errors else ()) if p != "body")
     return APIError(400, f"Invalid request: {format_validation_errors(errors, skip=('body',))}",
                     param=where or None)
@@ -146,6 +156,15 @@ class OpenAIIngress:
     @ingress_app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         return await self.server.chat(await self._body(request, ChatBody))
+
+    @ingress_app.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's shape: the prompt's token ids, their count and the context length."""
+        return JSONResponse(self.server.tokenize(await self._body(request, TokenizeBody)))
+
+    @ingress_app.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        return JSONResponse(self.server.detokenize(await self._body(request, DetokenizeBody)))
 
     @ingress_app.get("/v1/models")
     async def models(self, request: Request) -> Response:

@@ -16,7 +16,15 @@ from typing import Any, Protocol
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from deploy.prompts import build_request, encode_prompt
-from deploy.serving.schemas import APIError, ChatBody, CompletionBody, _SamplingBody
+from deploy.serving.schemas import (
+    APIError,
+    ChatBody,
+    ChatMessage,
+    CompletionBody,
+    DetokenizeBody,
+    TokenizeBody,
+    _SamplingBody,
+)
 from scheduler.outputs import RequestOutput
 from scheduler.policy import QueueFullError
 from scheduler.request import Request
@@ -58,11 +66,7 @@ class OpenAIServer:
 
     # ---- request building -------------------------------------------------------------------------
     def _check_common(self, body: _SamplingBody) -> None:
-        if body.model != self.model.name:
-            raise APIError(404, f"The model `{body.model}` does not exist; this server serves "
-                           f"`{self.model.name}`.", "invalid_request_error", "model", "model_not_found")
-        if body.n != 1:
-            raise APIError(400, "Only n=1 is supported.", param="n")
+        self._check_model(body.model)
 
     def _build(self, body: _SamplingBody, prompt_ids: list[int], max_tokens: int | None, prefix: str) -> Request:
         num_prompt = len(prompt_ids)
@@ -85,8 +89,6 @@ class OpenAIServer:
 
     def completion_request(self, body: CompletionBody) -> Request:
         self._check_common(body)
-        if body.echo or body.logprobs:
-            raise APIError(400, "echo and logprobs are not supported.", param="echo" if body.echo else "logprobs")
         prompt: Any = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
@@ -103,10 +105,12 @@ class OpenAIServer:
 
     def chat_request(self, body: ChatBody) -> Request:
         self._check_common(body)
-        if body.logprobs:
-            raise APIError(400, "logprobs is not supported.", param="logprobs")
+        ids = self._chat_ids(body.messages)
+        return self._build(body, ids, body.max_completion_tokens or body.max_tokens, "chatcmpl")
+
+    def _chat_ids(self, chat: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
         messages = []
-        for m in body.messages:
+        for m in chat:
             content = m.content
             if isinstance(content, list):  # content parts: only text is understood here
                 if any(part.get("type") != "text" for part in content):
@@ -114,10 +118,36 @@ class OpenAIServer:
                 content = "".join(str(part.get("text", "")) for part in content)
             messages.append({"role": m.role, "content": content or ""})
         try:
-            ids = encode_prompt(self.model.tokenizer, messages=messages)
+            if not add_generation_prompt:
+                text = self.model.tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+                return self.model.tokenizer(text, add_special_tokens=False).input_ids
+            return encode_prompt(self.model.tokenizer, messages=messages)
         except Exception as e:  # a chat template can raise anything on odd input
             raise APIError(400, f"The messages do not fit the model's chat template: {e}", param="messages") from None
-        return self._build(body, ids, body.max_completion_tokens or body.max_tokens, "chatcmpl")
+
+    # ---- tokenizer endpoints ----------------------------------------------------------------------
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model.name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model.name}`.",
+                           "invalid_request_error", "model", "model_not_found")
+
+    def tokenize(self, body: TokenizeBody) -> dict[str, Any]:
+        """The ids a completion (`prompt`) or a chat request (`messages`) would be given."""
+        self._check_model(body.model)
+        if body.messages is not None:
+            ids = self._chat_ids(body.messages, body.add_generation_prompt)
+        else:
+            assert body.prompt is not None
+            ids = self.model.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+        return {"count": len(ids), "max_model_len": self.model.capacity, "tokens": ids}
+
+    def detokenize(self, body: DetokenizeBody) -> dict[str, Any]:
+        self._check_model(body.model)
+        vocab = len(self.model.tokenizer)
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"tokens has ids outside the vocabulary [0, {vocab}): {bad[:5]}", param="tokens")
+        return {"prompt": self.model.tokenizer.decode(body.tokens)}
 
     # ---- running ----------------------------------------------------------------------------------
     async def _start(self, request: Request) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:

@@ -102,7 +102,10 @@ def assert_error(response, status, param=None, contains=""):
     ('{"model": "tiny", "prompt": "hi", "temperature": -1}', 400, "temperature", ""),
     ('{"model": "nope", "prompt": "hi"}', 404, "model", "nope"),
     ('{"model": "tiny", "prompt": "hi", "max_tokens": 300}', 400, "max_tokens", "maximum context length is 256"),
-    ('{"model": "tiny", "prompt": "hi", "n": 2}', 400, "n", ""),
+    ('{"model": "tiny", "prompt": "hi", "n": 2}', 400, "n", "not supported"),
+    ('{"model": "tiny", "prompt": "hi", "echo": true, "logprobs": 1}', 400, "echo", "not supported"),
+    ('{"model": "tiny", "prompt": "hi", "frobnicate": 1}', 400, "frobnicate", "Unrecognized"),
+    ('{"model": "tiny", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}', 400, "stop", "at most 4"),
     ('{"model": "tiny", "prompt": [1, 99999]}', 400, "prompt", "vocabulary"),
     ('{"model": "tiny", "prompt": ""}', 400, "prompt", "empty"),
 ])
@@ -111,6 +114,38 @@ def test_bad_requests_get_openai_errors(server, body, status, param, contains):
     assert_error(r, status, param, contains)
     if "300" in body:  # both numbers: the request's and the limit
         assert "300 for the completion" in r.json()["error"]["message"]
+
+
+def test_parameters_that_change_the_output_are_never_silently_ignored(client, tiny_checkpoint):
+    messages = [{"role": "user", "content": "paris is in"}]
+    refused = {"response_format": {"type": "json_object"}, "logprobs": True, "n": 2, "logit_bias": {"5": 10},
+               "presence_penalty": 0.5, "tools": [{"type": "function", "function": {"name": "f"}}]}
+    for name, value in refused.items():
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, **{name: value})
+        assert err.value.body["param"] == name and "not supported" in err.value.body["message"], name
+    # no-op values and fields that only describe the request are served, with the same text
+    text, *_ = local_text(tiny_checkpoint, messages=messages, max_tokens=6)
+    got = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0, n=1,
+                                         presence_penalty=0, logprobs=False, user="u-1", metadata={"k": "v"},
+                                         store=False, response_format={"type": "text"})
+    assert got.choices[0].message.content == text
+
+
+def test_tokenize_and_detokenize_as_vllm_shapes_them(server, tiny_checkpoint):
+    messages = [{"role": "user", "content": "paris is in"}]
+    with open_engine(EngineConfig(model=tiny_checkpoint, max_model_len=256)) as engine:
+        chat_ids = encode_prompt(engine.tokenizer, messages=messages)
+        text_ids = encode_prompt(engine.tokenizer, prompt="hello world")
+    r = httpx.post(f"{server}/tokenize", json={"model": "tiny", "prompt": "hello world"})
+    assert r.json() == {"count": len(text_ids), "max_model_len": 256, "tokens": text_ids}
+    r = httpx.post(f"{server}/tokenize", json={"model": "tiny", "messages": messages})
+    assert r.json()["tokens"] == chat_ids
+    r = httpx.post(f"{server}/detokenize", json={"model": "tiny", "tokens": text_ids})
+    assert r.status_code == 200 and r.json() == {"prompt": "hello world"}
+    assert_error(httpx.post(f"{server}/detokenize", json={"model": "tiny", "tokens": [10**6]}), 400, "tokens")
+    assert_error(httpx.post(f"{server}/tokenize", json={"model": "tiny"}), 400)
+    assert_error(httpx.post(f"{server}/tokenize", json={"model": "nope", "prompt": "x"}), 404, "model")
 
 
 def test_chat_errors(server):
