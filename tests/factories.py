@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import socket
-
-import torch
+import time
+from typing import Any
 
 from scheduler.request import Request, SamplingParams
 
@@ -35,6 +36,7 @@ def tiny_hf_config(kind: str = "llama"):  # type: ignore[no-untyped-def]
 
 @functools.cache
 def tiny_hf_model(kind: str = "llama"):  # type: ignore[no-untyped-def]
+    import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(1234)
@@ -48,8 +50,33 @@ def tiny_model(kind: str = "llama"):  # type: ignore[no-untyped-def]
 
 
 def prompt_ids(length: int, seed: int) -> list[int]:
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     return torch.randint(2, VOCAB - 1, (length,), generator=g).tolist()
+
+
+def make_request(req_id: str, prompt_len: int = 10, max_tokens: int = 4, priority: int = 0,
+                 stop_token_ids: frozenset[int] = frozenset(), seed: int | None = None,
+                 arrival_s: float | None = None) -> Request:
+    """One greedy request; its prompt is 1..prompt_len, or random ids drawn from `seed`."""
+    prompt = list(range(1, prompt_len + 1)) if seed is None else prompt_ids(prompt_len, seed)
+    request = Request(req_id=req_id, prompt_ids=prompt, max_tokens=max_tokens, priority=priority,
+                      stop_token_ids=stop_token_ids)
+    if arrival_s is not None:
+        request.arrival_s = arrival_s
+    return request
+
+
+async def wait_for_stats(handle: Any, condition: Any, timeout: float = 60.0) -> dict[str, Any]:
+    """Poll a scheduler's stats until `condition(stats)` holds; return them (AssertionError on timeout)."""
+    deadline, stats = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        stats = await handle.stats.remote()
+        if condition(stats):
+            return stats
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"timed out; last stats {stats}")
 
 
 def make_requests(

@@ -1,7 +1,6 @@
 """The OpenAI layer against the real scheduler actor (no Serve): a full queue answers 429 at once."""
 
 import asyncio
-import time
 
 import pytest
 import ray
@@ -11,6 +10,7 @@ from deploy.engine_client import EngineClient
 from deploy.ray_engine import start_scheduler
 from deploy.serving.openai_api import OpenAIServer, ServedModel
 from deploy.serving.schemas import APIError, CompletionBody
+from tests.factories import wait_for_stats
 from workers.loader import load_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -23,22 +23,13 @@ def test_full_queue_gets_429_with_retry_after(ray_session, tiny_checkpoint):
     info = load_tokenizer(tiny_checkpoint)
     server = OpenAIServer(EngineClient(handle), ServedModel("tiny", info.tokenizer, info.eos_token_ids, 1024))
 
-    async def wait_for(condition):
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            stats = (await handle.stats.remote())["workers"]["prefill-0"]
-            if condition(stats):
-                return
-            await asyncio.sleep(0.005)
-        raise AssertionError(f"timed out: {stats}")
-
     async def scenario():
         long = CompletionBody(model="tiny", prompt=[5 + i % 300 for i in range(1000)], max_tokens=4)
         short = CompletionBody(model="tiny", prompt=[5, 6, 7], max_tokens=4)
         first = asyncio.create_task(server.completions(long))  # holds the one prefill row for 125 steps
-        await wait_for(lambda s: s["running"] == 1)
+        await wait_for_stats(handle, lambda s: s["workers"]["prefill-0"]["running"] == 1)
         second = asyncio.create_task(server.completions(short))  # waits for the row
-        await wait_for(lambda s: s["waiting"] == 1)
+        await wait_for_stats(handle, lambda s: s["workers"]["prefill-0"]["waiting"] == 1)
         with pytest.raises(APIError) as info:
             await server.completions(short)
         return info.value, await first, await second

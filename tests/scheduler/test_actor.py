@@ -14,8 +14,7 @@ from deploy.driver import RayEngine, open_engine
 from deploy.engine_client import EngineClient, complete
 from deploy.ray_engine import start_scheduler
 from scheduler.policy import QueueFullError
-from scheduler.request import Request
-from tests.factories import make_requests, prompt_ids
+from tests.factories import make_request, make_requests, wait_for_stats
 
 pytestmark = pytest.mark.slow
 
@@ -37,17 +36,7 @@ def local_outputs(config, requests):
 
 
 def req(req_id, prompt_len, max_tokens, seed=0):
-    return Request(req_id=req_id, prompt_ids=prompt_ids(prompt_len, seed), max_tokens=max_tokens)
-
-
-async def wait_for(handle, condition, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = await handle.stats.remote()
-        if condition(stats):
-            return stats
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"timed out; last stats {stats}")
+    return make_request(req_id, prompt_len, max_tokens, seed=seed)
 
 
 def crowded_config(checkpoint, **kw):
@@ -64,13 +53,13 @@ def test_abort_in_every_state_frees_slots_and_handoff_objects(ray_session, tiny_
     async def scenario():
         tasks = {r.req_id: asyncio.create_task(stream(r))
                  for r in (req("A", 4, 600, 1), req("B", 4, 600, 2))}
-        await wait_for(handle, lambda s: s["workers"][decode]["running"] == 2)
+        await wait_for_stats(handle, lambda s: s["workers"][decode]["running"] == 2)
         tasks["C"] = asyncio.create_task(stream(req("C", 6, 10, 3)))  # prefilled, then waits
-        await wait_for(handle, lambda s: s["live_handoffs"] == 1)
+        await wait_for_stats(handle, lambda s: s["live_handoffs"] == 1)
         assert plasma_objects() >= 1
         tasks["D"] = asyncio.create_task(stream(req("D", 500, 5, 4)))  # 125 four-token chunks
         tasks["E"] = asyncio.create_task(stream(req("E", 10, 5, 5)))  # waits for the prefill row
-        stats = await wait_for(handle, lambda s: s["workers"][prefill]["running"] == 1
+        stats = await wait_for_stats(handle, lambda s: s["workers"][prefill]["running"] == 1
                                and s["workers"][prefill]["waiting"] == 1)
         assert stats["workers"][decode] == {"alive": True, "slots_used": 2, "running": 2, "waiting": 1}
         for req_id in ("E", "D", "C", "A"):  # waiting, prefilling, in handoff, decoding
@@ -105,7 +94,7 @@ def test_a_closed_stream_aborts_its_request(ray_session, tiny_checkpoint):
         outputs = client.generate(req("X", 4, 600))
         await outputs.__anext__()  # first output arrived: it is decoding
         await outputs.aclose()  # what the ingress does when an HTTP client disconnects
-        return await wait_for(handle, lambda s: s["workers"]["decode-0"]["slots_used"] == 0, timeout=20)
+        return await wait_for_stats(handle, lambda s: s["workers"]["decode-0"]["slots_used"] == 0, timeout=20)
 
     try:
         stats = asyncio.run(scenario())
@@ -139,9 +128,9 @@ def test_full_queue_and_oversized_requests_are_rejected_at_once(ray_session, tin
 
     async def scenario():
         running = [asyncio.create_task(stream(req("long", 600, 5)))]  # holds the prefill row
-        await wait_for(handle, lambda s: s["workers"]["prefill-0"]["running"] == 1)
+        await wait_for_stats(handle, lambda s: s["workers"]["prefill-0"]["running"] == 1)
         running.append(asyncio.create_task(stream(req("next", 4, 5))))
-        await wait_for(handle, lambda s: s["workers"]["prefill-0"]["waiting"] == 1)
+        await wait_for_stats(handle, lambda s: s["workers"]["prefill-0"]["waiting"] == 1)
         with pytest.raises(QueueFullError, match="full"):
             await stream(req("late", 4, 5))
         with pytest.raises(ValueError, match="over the context limit of 640"):
@@ -166,9 +155,9 @@ def test_lost_handoff_is_prefilled_again(ray_session, tiny_checkpoint):
 
     async def scenario():
         hogs = [asyncio.create_task(stream(req(n, 4, 600, i))) for i, n in enumerate("AB")]
-        await wait_for(handle, lambda s: s["workers"]["decode-0"]["running"] == 2)
+        await wait_for_stats(handle, lambda s: s["workers"]["decode-0"]["running"] == 2)
         task = asyncio.create_task(stream(waiting))
-        await wait_for(handle, lambda s: s["live_handoffs"] == 1)
+        await wait_for_stats(handle, lambda s: s["live_handoffs"] == 1)
         ray.kill((await handle.worker_handles.remote())["prefill-0"], no_restart=False)
         await asyncio.sleep(1.0)  # let Ray tell the decode worker the owner died, then free a slot
         await handle.abort.remote("A")

@@ -5,6 +5,7 @@ only on (request, i), as seeded sampling does, so a recomputed request must cont
 tokens it would have had, and every test can check the streams are whole.
 """
 
+import functools
 import itertools
 
 import pytest
@@ -15,6 +16,7 @@ from scheduler.messages import KVHandoff, StepResult
 from scheduler.metrics import RecordingBackend
 from scheduler.policy import QueueFullError
 from scheduler.request import Request
+from tests.factories import make_request
 
 
 def token(req_id: str, index: int) -> int:
@@ -25,9 +27,7 @@ def expected_tokens(req_id: str, max_tokens: int) -> list[int]:
     return [token(req_id, i) for i in range(max_tokens)]
 
 
-def req(req_id, prompt_len=6, max_tokens=5, priority=0):
-    return Request(req_id=req_id, prompt_ids=list(range(1, prompt_len + 1)), max_tokens=max_tokens,
-                   priority=priority)
+req = functools.partial(make_request, prompt_len=6, max_tokens=5)
 
 
 def cell(mode="disaggregated", **kw):

@@ -1,15 +1,15 @@
 """The planner on plain lists: budgets, decode first, oldest first, slots, abort, errors."""
 
+import functools
+
 import pytest
 
 from scheduler.plan import StepPlan
 from scheduler.policy import QueueFullError, Scheduler
 from scheduler.request import FinishReason, Request, RequestStatus, SamplingParams
+from tests.factories import make_request
 
-
-def req(req_id, prompt_len=10, max_tokens=4, priority=0, stop=frozenset()):
-    return Request(req_id=req_id, prompt_ids=list(range(1, prompt_len + 1)), max_tokens=max_tokens,
-                   priority=priority, stop_token_ids=stop)
+req = functools.partial(make_request, prompt_len=10, max_tokens=4)
 
 
 def fake_step(sched: Scheduler, token: int = 7) -> tuple[StepPlan, list[Request]]:
@@ -61,7 +61,7 @@ def test_requests_wait_for_slots_and_finish_by_length_returning_them():
 
 def test_stop_token_finishes_with_stop():
     sched = Scheduler(num_slots=1, capacity=64)
-    sched.submit(req("a", stop=frozenset({7})))
+    sched.submit(req("a", stop_token_ids=frozenset({7})))
     _, finished = fake_step(sched, token=7)
     assert finished[0].finish_reason is FinishReason.STOP and finished[0].output_ids == [7]
 

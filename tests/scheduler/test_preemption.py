@@ -1,14 +1,12 @@
 """Preemption in the policy: who is evicted, the starvation guard, and consistent slots after each step."""
 
+import functools
+
 from scheduler.policy import Scheduler
-from scheduler.request import Request
+from tests.factories import make_request
 from tests.scheduler.test_policy import check_invariants
 
-
-def req(req_id, prompt_len=4, max_tokens=10, priority=0, arrival=0.0):
-    r = Request(req_id=req_id, prompt_ids=list(range(1, prompt_len + 1)), max_tokens=max_tokens, priority=priority)
-    r.arrival_s = arrival
-    return r
+req = functools.partial(make_request, prompt_len=4, max_tokens=10, arrival_s=0.0)
 
 
 def step(sched):
@@ -20,12 +18,12 @@ def step(sched):
 
 def test_urgent_request_evicts_the_least_urgent_with_most_work_left():
     sched = Scheduler(num_slots=3, capacity=64, token_budget=64, prefill_chunk=64)
-    sched.submit(req("a", max_tokens=30, priority=1, arrival=1))
-    sched.submit(req("b", max_tokens=10, priority=1, arrival=2))
-    sched.submit(req("c", max_tokens=50, priority=0, arrival=3))  # most work, but more urgent
+    sched.submit(req("a", max_tokens=30, priority=1, arrival_s=1))
+    sched.submit(req("b", max_tokens=10, priority=1, arrival_s=2))
+    sched.submit(req("c", max_tokens=50, priority=0, arrival_s=3))  # most work, but more urgent
     step(sched)
     step(sched)
-    sched.submit(req("urgent", priority=-1, arrival=4))
+    sched.submit(req("urgent", priority=-1, arrival_s=4))
     plan = step(sched)
     assert plan.preempted == ["a"]  # priority 1 beats 0; of those, a has more left than b
     assert {c.req_id for c in plan.chunks} == {"b", "c", "urgent"}
@@ -50,7 +48,7 @@ def test_starvation_guard_stops_evicting_after_max_preemptions():
     step(sched)
     evictions = []
     for i in range(3):  # a stream of urgent requests, each arriving once slow is running again
-        sched.submit(req(f"u{i}", max_tokens=2, priority=0, arrival=1 + i))
+        sched.submit(req(f"u{i}", max_tokens=2, priority=0, arrival_s=1 + i))
         plan = step(sched)
         evictions.append(plan.preempted)
         for _ in range(4):
@@ -66,7 +64,7 @@ def test_preempted_request_recomputes_prompt_and_output_then_continues():
     sched.submit(req("a", prompt_len=6, max_tokens=5, priority=1))
     step(sched)
     step(sched)  # a has outputs [7, 7], 7 tokens computed
-    sched.submit(req("u", prompt_len=3, max_tokens=1, priority=0, arrival=1))
+    sched.submit(req("u", prompt_len=3, max_tokens=1, priority=0, arrival_s=1))
     step(sched)  # u runs to completion in a's slot
     plan = step(sched)  # a is back: recomputes prompt + both outputs, sampling its third token
     chunk = plan.chunks[0]
