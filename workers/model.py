@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.kernels import decode_attention
 from workers.kv_cache import SlotKVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -36,17 +37,15 @@ class BatchLayout:
     """Where each token of a flat batch belongs: decode tokens first, then prompt chunks.
 
     Tensors live on the model's device and are built once per step, so the 30-odd layers only index
-    them. Decode tokens attend in one batched call over their slot span `lo..hi-1`, a view of the cache
-    (gathering the rows would copy every key): the call reads each row up to the longest decode context,
-    but one call per layer costs far less than one per row on CPU too (measured: 64 rows of contexts
-    16-380, one call 2.7 ms against 3.5 ms for 64 calls when the machine is quiet, and 3-5x less when
-    the two cores are shared, because every call is a thread-pool fork and join).
+    them. Decode tokens attend in one call per layer: the ragged kernel of `workers.kernels` on CPU, or
+    one SDPA call over their slot span (`decode_span`, `decode_rows`, `decode_mask`) elsewhere.
     """
 
     positions: torch.Tensor  # [num_tokens] position of each token in its sequence
     slots: torch.Tensor  # [num_tokens] cache row of each token
     num_decode: int  # the first num_decode tokens are single decode tokens
     decode_context: int  # max(position) + 1 over decode tokens: keys to read for them
+    decode_lengths: torch.Tensor  # [num_decode] keys each decode token reads: its position + 1
     decode_span: tuple[int, int]  # (min slot, max slot + 1) over decode tokens
     decode_rows: torch.Tensor | None  # [num_decode] each decode token's row in the span; None: row i is token i
     decode_mask: torch.Tensor | None  # [span, 1, 1, decode_context] keys each span row sees; rows not
@@ -75,7 +74,9 @@ class BatchLayout:
             key_pos = torch.arange(start + length, device=device)  # [ctx]
             masks.append(key_pos[None, :] <= query_pos[:, None] if start else None)  # [T, ctx]
         return cls(positions=torch.tensor(positions, device=device), slots=torch.tensor(slots, device=device),
-                   num_decode=num_decode, decode_context=context, decode_span=(lo, hi), decode_rows=rows,
+                   num_decode=num_decode, decode_context=context,
+                   decode_lengths=torch.tensor([p + 1 for p in decode_pos], dtype=torch.long, device=device),
+                   decode_span=(lo, hi), decode_rows=rows,
                    decode_mask=mask, prefill=prefill, prefill_masks=masks)
 
 
@@ -117,6 +118,24 @@ def fuse_linears(linears: list[nn.Linear], name: str) -> torch.Tensor | None:
     return fused
 
 
+def _span_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           layout: BatchLayout) -> torch.Tensor:
+    """Decode attention as one SDPA call over the slot span lo..hi-1, a view of the cache (gathering the
+    rows would copy every key): the call reads each row up to the longest decode context, but one call
+    per layer costs far less than one per row (on CPU every call is a thread-pool fork and join).
+    `query [B, KVH, G, D]` -> `[B, KVH, G, D]`."""
+    lo, hi = layout.decode_span
+    ctx = layout.decode_context
+    if layout.decode_rows is not None:
+        span_query = query.new_zeros(hi - lo, *query.shape[1:])  # [span, KVH, G, D]
+        span_query[layout.decode_rows] = query
+        query = span_query
+    attn = F.scaled_dot_product_attention(
+        query, k_cache[lo:hi, :, :ctx], v_cache[lo:hi, :, :ctx], attn_mask=layout.decode_mask
+    )  # [span, KVH, G, D]
+    return attn if layout.decode_rows is None else attn[layout.decode_rows]  # [B, KVH, G, D]
+
+
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
         super().__init__()
@@ -154,20 +173,13 @@ class Attention(nn.Module):
         out = torch.empty(n, heads, dim, dtype=q.dtype, device=q.device)  # [N, H, D]
         if layout.num_decode:
             # A decode row's query heads that share a KV head go in as that head's query rows (all at the
-            # same position, so one mask row serves them): no KV head is repeated for GQA.
-            b, ctx = layout.num_decode, layout.decode_context
-            lo, hi = layout.decode_span
+            # same position): no KV head is repeated for GQA.
+            b = layout.num_decode
             grouped = q[:b].reshape(b, kv_heads, heads // kv_heads, dim)  # [B, KVH, G, D]
-            if layout.decode_rows is not None:
-                query = grouped.new_zeros(hi - lo, *grouped.shape[1:])  # [span, KVH, G, D]
-                query[layout.decode_rows] = grouped
-                grouped = query
-            attn = F.scaled_dot_product_attention(
-                grouped, k_cache[lo:hi, :, :ctx], v_cache[lo:hi, :, :ctx], attn_mask=layout.decode_mask
-            )  # [span, KVH, G, D]
-            if layout.decode_rows is not None:
-                attn = attn[layout.decode_rows]  # [B, KVH, G, D]
-            out[:b] = attn.reshape(b, heads, dim)
+            attn = decode_attention(grouped, k_cache, v_cache, layout.slots[:b], layout.decode_lengths)
+            if attn is None:
+                attn = _span_decode_attention(grouped, k_cache, v_cache, layout)  # [B, KVH, G, D]
+            out[:b] = attn.view(b, heads, dim)
         for (slot, first, length, start), mask in zip(layout.prefill, layout.prefill_masks, strict=True):
             keys = k_cache[slot, :, : start + length][None]  # [1, KVH, ctx, D]
             values = v_cache[slot, :, : start + length][None]  # [1, KVH, ctx, D]
