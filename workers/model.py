@@ -244,8 +244,12 @@ class DecoderLM(nn.Module):
         self.rope_scale = rope_scale
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        """`.to()` and friends give each parameter its own storage: fuse the projections again."""
+        """`.to()` and friends give each parameter its own storage: fuse the projections again. The
+        rotary frequencies stay fp32 in a bf16 model, as in `transformers`: rounded to bf16, the angle
+        of position 1,000 would be off by radians."""
+        inv_freq = self.inv_freq  # [D/2] fp32
         super()._apply(fn, recurse)
+        self.inv_freq = inv_freq.to(self.inv_freq.device)  # [D/2] fp32, on the new device
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()

@@ -8,6 +8,7 @@ import time
 import torch
 
 from scheduler.plan import StepPlan
+from workers.kernels import load_kernels
 from workers.kv_cache import SlotKVCache
 from workers.model import BatchLayout, DecoderLM
 from workers.sampling import sample
@@ -26,6 +27,8 @@ class ModelRunner:
         self.cache = SlotKVCache(spec.num_layers, num_slots, spec.num_kv_heads, capacity, spec.head_dim,
                                  dtype=self.dtype, device=self.device)
         per_token = SlotKVCache.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype)
+        if self.device.type == "cpu":
+            load_kernels()  # build the decode-attention kernel (once per machine) now, not inside a step
         self.last_forward_s = 0.0  # seconds inside the model in the last execute(), for profiling
         log.info("KV cache: %d slots x %d tokens, %d bytes per token, %.1f MiB in all",
                  num_slots, capacity, per_token, self.cache.total_bytes / 2**20)

@@ -84,3 +84,9 @@ def test_fused_projections_follow_loading_and_dtype_changes():
     assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.qkv_weight.untyped_storage().data_ptr()
     mlp = model.model.layers[1].mlp
     assert mlp.up_proj.weight.untyped_storage().data_ptr() == mlp.gate_up_weight.untyped_storage().data_ptr()
+
+
+def test_bf16_model_keeps_fp32_rotary_frequencies():
+    model = tiny_model("llama").to(torch.bfloat16)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(model.inv_freq, tiny_hf_model("llama").model.rotary_emb.inv_freq, atol=0, rtol=0)
