@@ -15,6 +15,15 @@ os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def decode_kernel():
+    """Build the CPU decode-attention kernel once, up front (about 30 s on a fresh machine), instead of
+    inside whichever test, worker actor or Serve replica first needs it."""
+    from workers.kernels import load_kernels
+
+    return load_kernels()
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     return str(save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama")))

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.kernels import decode_attention
 from workers.kv_cache import SlotKVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -35,32 +36,48 @@ class ModelSpec:
 class BatchLayout:
     """Where each token of a flat batch belongs: decode tokens first, then prompt chunks.
 
-    Tensors live on the model's device; the Python ints describe the prompt chunks, one attention
-    call each. Decode tokens attend one call per row on CPU (each reads only its own keys) or in one
-    batched call over their slot span on an accelerator (`batched_decode`), where launches cost more
-    than reading padded keys.
+    Tensors live on the model's device and are built once per step, so the 30-odd layers only index
+    them. Decode tokens attend in one call per layer: the ragged kernel of `workers.kernels` on CPU, or
+    one SDPA call over their slot span (`decode_span`, `decode_rows`, `decode_mask`) elsewhere.
     """
 
     positions: torch.Tensor  # [num_tokens] position of each token in its sequence
     slots: torch.Tensor  # [num_tokens] cache row of each token
     num_decode: int  # the first num_decode tokens are single decode tokens
-    decode_rows: list[tuple[int, int]]  # (slot, position) of each decode token
     decode_context: int  # max(position) + 1 over decode tokens: keys to read for them
+    decode_lengths: torch.Tensor  # [num_decode] keys each decode token reads: its position + 1
     decode_span: tuple[int, int]  # (min slot, max slot + 1) over decode tokens
+    decode_rows: torch.Tensor | None  # [num_decode] each decode token's row in the span; None: row i is token i
+    decode_mask: torch.Tensor | None  # [span, 1, 1, decode_context] keys each span row sees; rows not
+    # decoding see key 0 only (a dummy query whose output is dropped)
     prefill: list[tuple[int, int, int, int]]  # (slot, first flat index, num_tokens, start_pos)
-    batched_decode: bool
+    prefill_masks: list[torch.Tensor | None]  # per chunk: [T, start + T] visible keys, None when start is 0
 
     @classmethod
     def build(cls, positions: list[int], slots: list[int], num_decode: int,
-              prefill: list[tuple[int, int, int, int]], device: torch.device | str,
-              batched_decode: bool | None = None) -> BatchLayout:
-        decode_slots = slots[:num_decode]
-        return cls(
-            positions=torch.tensor(positions, device=device), slots=torch.tensor(slots, device=device),
-            num_decode=num_decode, decode_rows=list(zip(decode_slots, positions[:num_decode], strict=True)),
-            decode_context=max(positions[:num_decode], default=-1) + 1,
-            decode_span=(min(decode_slots, default=0), max(decode_slots, default=-1) + 1), prefill=prefill,
-            batched_decode=torch.device(device).type != "cpu" if batched_decode is None else batched_decode)
+              prefill: list[tuple[int, int, int, int]], device: torch.device | str) -> BatchLayout:
+        decode_slots, decode_pos = slots[:num_decode], positions[:num_decode]
+        lo, hi = min(decode_slots, default=0), max(decode_slots, default=-1) + 1
+        context = max(decode_pos, default=-1) + 1
+        rows, mask = None, None
+        if num_decode:
+            last = [0] * (hi - lo)  # [span] last visible position of each span row
+            for slot, pos in zip(decode_slots, decode_pos, strict=True):
+                last[slot - lo] = pos
+            key_pos = torch.arange(context, device=device)  # [ctx]
+            mask = (key_pos <= torch.tensor(last, device=device)[:, None])[:, None, None, :]  # [span, 1, 1, ctx]
+            if decode_slots != list(range(lo, hi)):
+                rows = torch.tensor([s - lo for s in decode_slots], device=device)  # [B]
+        masks = []
+        for _, _, length, start in prefill:
+            query_pos = torch.arange(start, start + length, device=device)  # [T]
+            key_pos = torch.arange(start + length, device=device)  # [ctx]
+            masks.append(key_pos[None, :] <= query_pos[:, None] if start else None)  # [T, ctx]
+        return cls(positions=torch.tensor(positions, device=device), slots=torch.tensor(slots, device=device),
+                   num_decode=num_decode, decode_context=context,
+                   decode_lengths=torch.tensor([p + 1 for p in decode_pos], dtype=torch.long, device=device),
+                   decode_span=(lo, hi), decode_rows=rows,
+                   decode_mask=mask, prefill=prefill, prefill_masks=masks)
 
 
 class RMSNorm(nn.Module):
@@ -81,6 +98,44 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def fuse_linears(linears: list[nn.Linear], name: str) -> torch.Tensor | None:
+    """Concatenate the linears' `name` tensors (weight or bias) along the output dim, then make each
+    parameter a view of its rows in the result.
+
+    One matmul over the concatenation replaces several smaller ones (fewer calls, a better-shaped
+    GEMM), while the parameters keep Hugging Face's names: loading a state dict copies into the views,
+    which writes the fused tensor too, and nothing is stored twice. `DecoderLM._apply` fuses again
+    after `.to()`, which gives every parameter storage of its own.
+    """
+    params = [getattr(linear, name) for linear in linears]
+    if params[0] is None:
+        return None
+    fused = torch.cat([p.detach() for p in params])  # [sum of out, in] or [sum of out]
+    offset = 0
+    for p in params:
+        p.data = fused[offset : offset + p.shape[0]]
+        offset += p.shape[0]
+    return fused
+
+
+def _span_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           layout: BatchLayout) -> torch.Tensor:
+    """Decode attention as one SDPA call over the slot span lo..hi-1, a view of the cache (gathering the
+    rows would copy every key): the call reads each row up to the longest decode context, but one call
+    per layer costs far less than one per row (on CPU every call is a thread-pool fork and join).
+    `query [B, KVH, G, D]` -> `[B, KVH, G, D]`."""
+    lo, hi = layout.decode_span
+    ctx = layout.decode_context
+    if layout.decode_rows is not None:
+        span_query = query.new_zeros(hi - lo, *query.shape[1:])  # [span, KVH, G, D]
+        span_query[layout.decode_rows] = query
+        query = span_query
+    attn = F.scaled_dot_product_attention(
+        query, k_cache[lo:hi, :, :ctx], v_cache[lo:hi, :, :ctx], attn_mask=layout.decode_mask
+    )  # [span, KVH, G, D]
+    return attn if layout.decode_rows is None else attn[layout.decode_rows]  # [B, KVH, G, D]
+
+
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
         super().__init__()
@@ -93,65 +148,46 @@ class Attention(nn.Module):
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+        self.fuse()
+
+    def fuse(self) -> None:
+        projections = [self.q_proj, self.k_proj, self.v_proj]
+        self.qkv_weight = fuse_linears(projections, "weight")  # [(H + 2 KVH) D, hidden]
+        self.qkv_bias = fuse_linears(projections, "bias")  # [(H + 2 KVH) D] or None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: BatchLayout, cache: SlotKVCache
     ) -> torch.Tensor:
-        n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)  # [N, H, D]
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [N, KVH, D]
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [N, KVH, D]
+        n, heads, kv_heads, dim = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(n, heads + 2 * kv_heads, dim)  # [N, H+2KVH, D]
+        qk, v = qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :]  # [N, H+KVH, D], [N, KVH, D]
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin  # [N, H, D]
-        k = k * cos + rotate_half(k) * sin  # [N, KVH, D]
+            qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)  # [N, H+KVH, D]
+        qk = qk * cos + rotate_half(qk) * sin  # [N, H+KVH, D]: q and k rotate in one pass
+        q, k = qk[:, :heads], qk[:, heads:]  # [N, H, D], [N, KVH, D]
 
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]  # [S, KVH, C, D]
         k_cache[layout.slots, :, layout.positions] = k.to(k_cache.dtype)
         v_cache[layout.slots, :, layout.positions] = v.to(v_cache.dtype)
 
-        out = torch.empty_like(q)  # [N, H, D]
-        if layout.num_decode and not layout.batched_decode:
-            # On CPU each decode row attends over its own keys, as views of its cache row: no copy, and
-            # no reading past its length (a batched call reads every row up to the longest one).
-            # A decode row's query heads that share a KV head go in as that head's query rows (all at
-            # the same position, so no mask): no KV head is repeated for GQA.
-            group = self.num_heads // self.num_kv_heads
-            grouped = q[: layout.num_decode].view(-1, self.num_kv_heads, group, self.head_dim)  # [B, KVH, G, D]
-            grouped_out = out[: layout.num_decode].view(-1, self.num_kv_heads, group, self.head_dim)
-            for i, (slot, pos) in enumerate(layout.decode_rows):
-                grouped_out[i] = F.scaled_dot_product_attention(
-                    grouped[i][None], k_cache[slot, :, : pos + 1][None], v_cache[slot, :, : pos + 1][None])[0]
-        elif layout.num_decode:
-            # On an accelerator, one batched call over the cache rows lo..hi-1 as a view (gathering the
-            # decode rows would copy every key and value). Rows in the span that are not decoding get a
-            # dummy query that sees key 0 only; their outputs are dropped.
-            b, ctx = layout.num_decode, layout.decode_context
-            lo, hi = layout.decode_span
-            rows = layout.slots[:b] - lo  # [B]
-            query = q.new_zeros(hi - lo, self.num_heads, 1, self.head_dim)  # [span, H, 1, D]
-            query[rows] = q[:b, :, None, :]
-            last = torch.zeros(hi - lo, dtype=torch.long, device=x.device)  # [span]
-            last[rows] = layout.positions[:b]
-            visible = torch.arange(ctx, device=x.device) <= last[:, None]  # [span, ctx]
-            attn = F.scaled_dot_product_attention(
-                query, k_cache[lo:hi, :, :ctx], v_cache[lo:hi, :, :ctx],
-                attn_mask=visible[:, None, None, :], enable_gqa=True,
-            )  # [span, H, 1, D]
-            out[:b] = attn[rows, :, 0, :]
-        for slot, first, length, start in layout.prefill:
-            ctx = start + length
-            keys = k_cache[slot, :, :ctx][None]  # [1, KVH, ctx, D]
-            values = v_cache[slot, :, :ctx][None]  # [1, KVH, ctx, D]
+        out = torch.empty(n, heads, dim, dtype=q.dtype, device=q.device)  # [N, H, D]
+        if layout.num_decode:
+            # A decode row's query heads that share a KV head go in as that head's query rows (all at the
+            # same position): no KV head is repeated for GQA.
+            b = layout.num_decode
+            grouped = q[:b].reshape(b, kv_heads, heads // kv_heads, dim)  # [B, KVH, G, D]
+            attn = decode_attention(grouped, k_cache, v_cache, layout.slots[:b], layout.decode_lengths)
+            if attn is None:
+                attn = _span_decode_attention(grouped, k_cache, v_cache, layout)  # [B, KVH, G, D]
+            out[:b] = attn.view(b, heads, dim)
+        for (slot, first, length, start), mask in zip(layout.prefill, layout.prefill_masks, strict=True):
+            keys = k_cache[slot, :, : start + length][None]  # [1, KVH, ctx, D]
+            values = v_cache[slot, :, : start + length][None]  # [1, KVH, ctx, D]
             query = q[first : first + length].transpose(0, 1)[None]  # [1, H, T, D]
-            if start == 0:
-                attn = F.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True)
-            else:
-                pos = torch.arange(start, ctx, device=x.device)
-                visible = torch.arange(ctx, device=x.device)[None, :] <= pos[:, None]  # [T, ctx]
-                attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=visible, enable_gqa=True)
+            attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=mask is None,
+                                                  enable_gqa=True)  # [1, H, T, D]
             out[first : first + length] = attn[0].transpose(0, 1)  # [T, H, D]
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))  # [N, hidden]
+        return self.o_proj(out.view(n, heads * dim))  # [N, hidden]
 
 
 class MLP(nn.Module):
@@ -160,9 +196,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.fuse()
+
+    def fuse(self) -> None:
+        self.gate_up_weight = fuse_linears([self.gate_proj, self.up_proj], "weight")  # [2 I, hidden]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [N, hidden]
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)  # [N, I] each
+        return self.down_proj(F.silu(gate) * up)  # [N, hidden]
 
 
 class DecoderLayer(nn.Module):
@@ -201,6 +242,18 @@ class DecoderLM(nn.Module):
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.register_buffer("inv_freq", inv_freq.float().clone(), persistent=False)  # [D/2]
         self.rope_scale = rope_scale
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        """`.to()` and friends give each parameter its own storage: fuse the projections again. The
+        rotary frequencies stay fp32 in a bf16 model, as in `transformers`: rounded to bf16, the angle
+        of position 1,000 would be off by radians."""
+        inv_freq = self.inv_freq  # [D/2] fp32
+        super()._apply(fn, recurse)
+        self.inv_freq = inv_freq.to(self.inv_freq.device)  # [D/2] fp32, on the new device
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
 
     def output_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight

@@ -10,6 +10,7 @@ import torch
 
 from scheduler.plan import Chunk, StepPlan
 from scheduler.request import PENDING
+from workers.kernels import load_kernels
 from workers.kv_cache import SlotKVCache
 from workers.model import BatchLayout, DecoderLM
 from workers.sampling import sample
@@ -28,6 +29,8 @@ class ModelRunner:
         self.cache = SlotKVCache(spec.num_layers, num_slots, spec.num_kv_heads, capacity, spec.head_dim,
                                  dtype=self.dtype, device=self.device)
         per_token = SlotKVCache.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype)
+        if self.device.type == "cpu":
+            load_kernels()  # build the decode-attention kernel (once per machine) now, not inside a step
         self.last_forward_s = 0.0  # seconds inside the model in the last execute(), for profiling
         self.last_sampled: dict[str, int] = {}  # what the last execute() sampled: fed in for PENDING tokens
         log.info("KV cache: %d slots x %d tokens, %d bytes per token, %.1f MiB in all",

@@ -4,11 +4,13 @@ import pytest
 import torch
 
 from tests.factories import VOCAB, prompt_ids, tiny_hf_model, tiny_model
+from workers import kernels
+from workers import model as model_module
 from workers.kv_cache import SlotKVCache
 from workers.model import BatchLayout
 
 
-def _run(model, cache, chunks, decode_first: int, batched_decode: bool = False):
+def _run(model, cache, chunks, decode_first: int):
     """chunks: (slot, token_ids, start_pos); the first `decode_first` are single decode tokens."""
     ids, positions, slots, prefill = [], [], [], []
     for i, (slot, tokens, start) in enumerate(chunks):
@@ -17,13 +19,19 @@ def _run(model, cache, chunks, decode_first: int, batched_decode: bool = False):
         ids += tokens
         positions += range(start, start + len(tokens))
         slots += [slot] * len(tokens)
-    layout = BatchLayout.build(positions, slots, decode_first, prefill, "cpu", batched_decode)
+    layout = BatchLayout.build(positions, slots, decode_first, prefill, "cpu")
     return model(torch.tensor(ids), layout, cache, torch.arange(len(ids)))
 
 
-@pytest.mark.parametrize("batched_decode", [False, True], ids=["per-row-decode", "batched-decode"])
+# (2, 0): decode rows out of slot order with an idle row in their span; (0, 1): rows are the span
+@pytest.mark.parametrize(("slot_a", "slot_b"), [(2, 0), (0, 1)], ids=["scattered-slots", "span-slots"])
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "sdpa"])
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "llama3-scaled"])
-def test_logits_match_transformers_for_chunks_and_batched_decode(kind, batched_decode):
+def test_logits_match_transformers_for_chunks_and_batched_decode(kind, slot_a, slot_b, kernel, monkeypatch):
+    if not kernel:  # the SDPA path, as where the kernel cannot be built
+        monkeypatch.setattr(model_module, "decode_attention", lambda *args: None)
+    elif kernels.load_kernels() is None:
+        pytest.skip("no C++ compiler here: the kernel cannot be built")
     hf, model = tiny_hf_model(kind), tiny_model(kind)
     spec = model.spec
     cache = SlotKVCache(spec.num_layers, 4, spec.num_kv_heads, 128, spec.head_dim)
@@ -31,16 +39,16 @@ def test_logits_match_transformers_for_chunks_and_batched_decode(kind, batched_d
     with torch.no_grad():
         ref_a, ref_b = hf(torch.tensor([seq_a])).logits[0], hf(torch.tensor([seq_b])).logits[0]
 
-    # prompt of A in two chunks (slot 2) sharing a forward with B's whole prompt minus one (slot 0)
-    out = _run(model, cache, [(2, seq_a[:16], 0), (0, seq_b[:20], 0)], 0)
+    # prompt of A in two chunks sharing a forward with B's whole prompt minus one
+    out = _run(model, cache, [(slot_a, seq_a[:16], 0), (slot_b, seq_b[:20], 0)], 0)
     torch.testing.assert_close(out[:16], ref_a[:16], atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(out[16:], ref_b[:20], atol=2e-5, rtol=1e-4)
-    out = _run(model, cache, [(2, seq_a[16:36], 16)], 0)
+    out = _run(model, cache, [(slot_a, seq_a[16:36], 16)], 0)
     torch.testing.assert_close(out, ref_a[16:36], atol=2e-5, rtol=1e-4)
-    # decode steps of both at different positions in one batched call, then a mixed step
+    # decode steps of both at different positions in one batched call
     for step in range(3):
-        out = _run(model, cache, [(2, [seq_a[36 + step]], 36 + step), (0, [seq_b[20 + step]], 20 + step)], 2,
-                   batched_decode)
+        out = _run(model, cache, [(slot_a, [seq_a[36 + step]], 36 + step), (slot_b, [seq_b[20 + step]], 20 + step)],
+                   2)
         torch.testing.assert_close(out[0], ref_a[36 + step], atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(out[1], ref_b[20 + step], atol=2e-5, rtol=1e-4)
     assert out.shape == (2, VOCAB)
@@ -59,3 +67,26 @@ def test_cache_rows_round_trip_through_export_and_import():
     a = _run(model, src, [(1, [seq[29]], 29)], 1)
     b = _run(model, dst, [(2, [seq[29]], 29)], 1)
     torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_fused_projections_follow_loading_and_dtype_changes():
+    model = tiny_model("qwen2")  # q/k/v biases are fused too
+    state = {name: t.clone() for name, t in model.state_dict().items()}
+    assert "model.layers.0.self_attn.q_proj.weight" in state and "model.layers.0.mlp.up_proj.weight" in state
+    attn = model.model.layers[0].self_attn
+    state["model.layers.0.self_attn.v_proj.bias"] += 1.0
+    model.load_state_dict(state)  # copies into the parameters, which are views of the fused tensors
+    v_bias = state["model.layers.0.self_attn.v_proj.bias"]
+    torch.testing.assert_close(attn.qkv_bias[-v_bias.shape[0]:], v_bias)
+    model = model.to(torch.float64)  # new storage for every parameter: fused again, still shared
+    attn = model.model.layers[0].self_attn
+    assert attn.qkv_weight.dtype == torch.float64
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.qkv_weight.untyped_storage().data_ptr()
+    mlp = model.model.layers[1].mlp
+    assert mlp.up_proj.weight.untyped_storage().data_ptr() == mlp.gate_up_weight.untyped_storage().data_ptr()
+
+
+def test_bf16_model_keeps_fp32_rotary_frequencies():
+    model = tiny_model("llama").to(torch.bfloat16)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(model.inv_freq, tiny_hf_model("llama").model.rotary_emb.inv_freq, atol=0, rtol=0)
