@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,15 @@ class ModelSpec:
     tie_word_embeddings: bool
 
 
+class PrefillSpan(NamedTuple):
+    """Where one prompt chunk sits in a flat batch and in its cache row."""
+
+    slot: int  # its cache row
+    first: int  # flat index of its first token
+    num_tokens: int
+    start_pos: int  # position of its first token in the request's sequence
+
+
 @dataclass
 class BatchLayout:
     """Where each token of a flat batch belongs: decode tokens first, then prompt chunks.
@@ -50,12 +60,12 @@ class BatchLayout:
     decode_rows: torch.Tensor | None  # [num_decode] each decode token's row in the span; None: row i is token i
     decode_mask: torch.Tensor | None  # [span, 1, 1, decode_context] keys each span row sees; rows not
     # decoding see key 0 only (a dummy query whose output is dropped)
-    prefill: list[tuple[int, int, int, int]]  # (slot, first flat index, num_tokens, start_pos)
+    prefill: list[PrefillSpan]  # one per prompt chunk
     prefill_masks: list[torch.Tensor | None]  # per chunk: [T, start + T] visible keys, None when start is 0
 
     @classmethod
     def build(cls, positions: list[int], slots: list[int], num_decode: int,
-              prefill: list[tuple[int, int, int, int]], device: torch.device | str) -> BatchLayout:
+              prefill: list[PrefillSpan], device: torch.device | str) -> BatchLayout:
         decode_slots, decode_pos = slots[:num_decode], positions[:num_decode]
         lo, hi = min(decode_slots, default=0), max(decode_slots, default=-1) + 1
         context = max(decode_pos, default=-1) + 1

@@ -12,7 +12,7 @@ from scheduler.plan import Chunk, StepPlan
 from scheduler.request import PENDING
 from workers.kernels import load_kernels
 from workers.kv_cache import SlotKVCache
-from workers.model import BatchLayout, DecoderLM
+from workers.model import BatchLayout, DecoderLM, PrefillSpan
 from workers.sampling import sample
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        prefill: list[tuple[int, int, int, int]] = []
+        prefill: list[PrefillSpan] = []
         logits_indices: list[int] = []
         for i, chunk in enumerate(chunks):
             first = len(input_ids)
@@ -59,7 +59,7 @@ class ModelRunner:
             positions.extend(range(chunk.start_pos, chunk.start_pos + chunk.num_tokens))
             slots.extend([chunk.slot] * chunk.num_tokens)
             if i >= len(decode):
-                prefill.append((chunk.slot, first, chunk.num_tokens, chunk.start_pos))
+                prefill.append(PrefillSpan(chunk.slot, first, chunk.num_tokens, chunk.start_pos))
             if chunk.sample:
                 logits_indices.append(len(input_ids) - 1)
         num_decode = len(decode)

@@ -92,13 +92,15 @@ def bench_engine(loaded: Any, config: EngineConfig, prompts: list[list[int]], ou
                  device: str) -> dict[str, Any]:
     """Warm up, then run the workload through a local engine; return throughput and decode-step numbers."""
     from deploy.driver import InProcessEngine
+    from workers.kernels import load_kernels
     from workers.kv_cache import SlotKVCache
 
     engine = InProcessEngine(config, loaded).engine
     spec = loaded.model.spec
     tally = DecodeTally(SlotKVCache.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
                                                     engine.runner.dtype),
-                        batched=engine.runner.device.type != "cpu")  # as BatchLayout.build decides
+                        # each row up to its own length only with the CPU kernel; else the padded slot span
+                        batched=engine.runner.device.type != "cpu" or load_kernels() is None)
     execute = engine.runner.execute
 
     def counted_execute(plan: StepPlan) -> dict[str, int]:
