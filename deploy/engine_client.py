@@ -25,13 +25,16 @@ class EngineClient:
     `generate(request)` yields the request's outputs as they come. One background task polls the
     scheduler for every output of this client's requests at once (one message per step, not one per
     token); it runs while any stream is open. Closing a stream before its last output (a client that
-    disconnected) aborts the request.
+    disconnected) aborts the request. If the scheduler that took a request is gone (its actor or Serve
+    replica restarted: polls answer from another instance), the request's stream ends with an error
+    instead of waiting forever.
     """
 
     def __init__(self, handle: Any, poll_timeout_s: float = 1.0) -> None:
         self.handle, self.poll_timeout_s = handle, poll_timeout_s
         self.consumer = f"consumer-{uuid.uuid4().hex[:12]}"
         self.streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self.instances: dict[str, str] = {}  # req_id -> the scheduler instance that took it
         self._poller: asyncio.Task[None] | None = None
         self.num_polls = 0  # messages received from the scheduler
 
@@ -43,7 +46,7 @@ class EngineClient:
         self.streams[request.req_id] = queue
         finished = False
         try:
-            await self.handle.submit.remote(request, self.consumer)
+            self.instances[request.req_id] = await self.handle.submit.remote(request, self.consumer)
             self._ensure_polling()
             while True:
                 out = await queue.get()
@@ -53,6 +56,7 @@ class EngineClient:
                     return
         finally:
             self.streams.pop(request.req_id, None)
+            self.instances.pop(request.req_id, None)
             if not finished:  # the caller went away (or submit failed): free its slot and KV now
                 self.handle.abort.remote(request.req_id)
 
@@ -67,18 +71,25 @@ class EngineClient:
     async def _poll(self) -> None:
         while self.streams:
             try:
-                outputs = await self.handle.poll.remote(self.consumer, self.poll_timeout_s)
+                instance, outputs = await self.handle.poll.remote(self.consumer, self.poll_timeout_s)
                 self.num_polls += 1
             except Exception as e:  # the scheduler is gone: end every open stream with the error
                 log.error("polling the scheduler failed: %s", e)
-                for req_id, queue in list(self.streams.items()):
-                    queue.put_nowait(RequestOutput(req_id, finish_reason="error",
-                                                   error=f"the scheduler failed: {type(e).__name__}: {e}"))
+                self._end_streams(list(self.streams), f"the scheduler failed: {type(e).__name__}: {e}")
                 return
+            lost = [r for r in self.streams if self.instances.get(r, instance) != instance]
+            self._end_streams(lost, "the scheduler restarted and lost this request")
             for out in outputs:
                 queue = self.streams.get(out.req_id)
                 if queue is not None:
                     queue.put_nowait(out)
+
+
+    def _end_streams(self, req_ids: list[str], error: str) -> None:
+        """End these streams with an error output (their requests are gone with their scheduler)."""
+        for req_id in req_ids:
+            self.instances.pop(req_id, None)
+            self.streams[req_id].put_nowait(RequestOutput(req_id, finish_reason="error", error=error))
 
 
 async def complete(client: EngineClient, request: Request) -> Completion:

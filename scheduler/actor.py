@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +42,7 @@ class SchedulerActor:
     def __init__(self, config: CellConfig, spawn_worker: Callable[[str, int, int], Any], tokenizer: Any = None,
                  metrics_backend: Any = None, consumer_timeout_s: float = 30.0) -> None:
         self.coordinator = Coordinator(config, tokenizer, metrics_backend or ray.util.metrics, wake=self._wake)
+        self.instance = uuid.uuid4().hex  # a restarted scheduler has a new one: it knows no earlier request
         self.config, self.consumer_timeout_s = config, consumer_timeout_s
         self.handles = {w.name: spawn_worker(w.kind, w.index, w.sched.num_slots) for w in self.coordinator.workers}
         self.wakeups = {w.name: asyncio.Event() for w in self.coordinator.workers}
@@ -73,17 +75,18 @@ class SchedulerActor:
             raise RuntimeError("a worker pool has no worker left")
 
     # ---- consumers --------------------------------------------------------------------------------
-    async def submit(self, request: Request, consumer: str) -> None:
-        """Queue a request whose outputs go to `consumer`'s polls. Raises ValueError (nothing queued)
-        for a request that cannot run, QueueFullError when too many wait."""
+    async def submit(self, request: Request, consumer: str) -> str:
+        """Queue a request whose outputs go to `consumer`'s polls; returns this scheduler's instance id.
+        Raises ValueError (nothing queued) for a request that cannot run, QueueFullError when too many wait."""
         request.arrival_s = time.perf_counter()
         self.last_poll_s.setdefault(consumer, time.monotonic())
         self.coordinator.admit(request, consumer)
         self._deliver()
+        return self.instance
 
-    async def poll(self, consumer: str, timeout_s: float = 1.0) -> list[RequestOutput]:
-        """Every output for the consumer's requests since its last poll; waits up to `timeout_s` for
-        one (an empty list means none came)."""
+    async def poll(self, consumer: str, timeout_s: float = 1.0) -> tuple[str, list[RequestOutput]]:
+        """This scheduler's instance id and every output for the consumer's requests since its last poll;
+        waits up to `timeout_s` for one (an empty list means none came)."""
         self.last_poll_s[consumer] = time.monotonic()
         event = self.mail.setdefault(consumer, asyncio.Event())
         if not self.mailboxes.get(consumer):
@@ -93,7 +96,7 @@ class SchedulerActor:
             except TimeoutError:
                 pass
         self.last_poll_s[consumer] = time.monotonic()
-        return self.mailboxes.pop(consumer, [])
+        return self.instance, self.mailboxes.pop(consumer, [])
 
     async def abort(self, req_id: str) -> bool:
         aborted = self.coordinator.abort(req_id)

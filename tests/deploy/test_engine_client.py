@@ -1,0 +1,87 @@
+"""The consumer side without Ray: outputs fan out to their streams; a lost scheduler ends streams with an error."""
+
+import asyncio
+
+from deploy.engine_client import EngineClient, complete
+from scheduler.outputs import RequestOutput
+from tests.factories import make_request
+
+
+class Call:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):  # like a Ray call: sent at once, awaited or not
+        return asyncio.ensure_future(self.fn(*args))
+
+
+class FakeScheduler:
+    """Answers like the scheduler actor: each submitted request gets its tokens, then finishes. After
+    `restart()` it is another instance that knows no earlier request."""
+
+    def __init__(self, tokens_per_request=3):
+        self.instance, self.pending, self.aborted = "A", [], []
+        self.tokens = tokens_per_request
+        self.submit = Call(self._submit)
+        self.poll = Call(self._poll)
+        self.abort = Call(self._abort)
+
+    async def _submit(self, request, consumer):
+        self.pending += [RequestOutput(request.req_id, token_ids=[i]) for i in range(self.tokens)]
+        self.pending.append(RequestOutput(request.req_id, finish_reason="length"))
+        return self.instance
+
+    async def _poll(self, consumer, timeout_s):
+        await asyncio.sleep(0.001)
+        batch, self.pending = self.pending, []
+        return self.instance, batch
+
+    async def _abort(self, req_id):
+        self.aborted.append(req_id)
+        return True
+
+    def restart(self):
+        self.instance, self.pending = "B", []
+
+
+def test_outputs_of_many_requests_reach_their_own_streams():
+    client = EngineClient(FakeScheduler())
+
+    async def scenario():
+        return await asyncio.gather(*(complete(client, make_request(f"r{i}")) for i in range(5)))
+
+    done = asyncio.run(scenario())
+    assert [c.token_ids for c in done] == [[0, 1, 2]] * 5 and {c.finish_reason for c in done} == {"length"}
+
+
+def test_a_restarted_scheduler_ends_the_streams_it_lost_with_an_error():
+    scheduler = FakeScheduler()
+    client = EngineClient(scheduler)
+
+    async def scenario():
+        original = scheduler._submit
+
+        async def submit_then_restart(request, consumer):
+            instance = await original(request, consumer)
+            scheduler.restart()  # the replica dies before any output reached the client
+            return instance
+
+        scheduler.submit = Call(submit_then_restart)
+        return await asyncio.wait_for(complete(client, make_request("lost")), timeout=5)
+
+    done = asyncio.run(scenario())
+    assert done.finish_reason == "error" and "restarted" in done.error and done.token_ids == []
+
+
+def test_closing_a_stream_early_aborts_its_request():
+    scheduler = FakeScheduler(tokens_per_request=50)
+    client = EngineClient(scheduler)
+
+    async def scenario():
+        stream = client.generate(make_request("x"))
+        await stream.__anext__()
+        await stream.aclose()
+        await asyncio.sleep(0.01)  # the abort was sent, not awaited
+
+    asyncio.run(scenario())
+    assert scheduler.aborted == ["x"]
