@@ -24,7 +24,9 @@ class EngineClient:
 
     `generate(request)` yields the request's outputs as they come. One background task polls the
     scheduler for every output of this client's requests at once (one message per step, not one per
-    token); it runs while any stream is open. Closing a stream before its last output (a client that
+    token); it runs while any stream is open. A stream read more slowly than steps come gets the outputs
+    that waited for it merged into one (fewer, larger SSE events when the HTTP edge is the bottleneck).
+    Closing a stream before its last output (a client that
     disconnected) aborts the request. If the scheduler that took a request is gone (its actor or Serve
     replica restarted: polls answer from another instance), the request's stream ends with an error
     instead of waiting forever.
@@ -50,6 +52,8 @@ class EngineClient:
             self._ensure_polling()
             while True:
                 out = await queue.get()
+                while not out.finished and not queue.empty():  # a slow reader gets what waits as one output
+                    out = _merge(out, queue.get_nowait())
                 finished = out.finished
                 yield out
                 if finished:
@@ -90,6 +94,12 @@ class EngineClient:
         for req_id in req_ids:
             self.instances.pop(req_id, None)
             self.streams[req_id].put_nowait(RequestOutput(req_id, finish_reason="error", error=error))
+
+
+def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two successive outputs of one request as one: tokens and text joined, the later one's ending."""
+    return RequestOutput(first.req_id, first.token_ids + then.token_ids, first.text + then.text,
+                         then.finish_reason, then.error, then.metrics or first.metrics)
 
 
 async def complete(client: EngineClient, request: Request) -> Completion:

@@ -32,8 +32,13 @@ class FakeScheduler:
         return self.instance
 
     async def _poll(self, consumer, timeout_s):
-        await asyncio.sleep(0.001)
-        batch, self.pending = self.pending, []
+        await asyncio.sleep(0.001)  # one step: one output per request
+        batch, seen = [], set()
+        for out in self.pending:
+            if out.req_id not in seen:
+                seen.add(out.req_id)
+                batch.append(out)
+        self.pending = [out for out in self.pending if not any(out is b for b in batch)]
         return self.instance, batch
 
     async def _abort(self, req_id):
@@ -85,3 +90,18 @@ def test_closing_a_stream_early_aborts_its_request():
 
     asyncio.run(scenario())
     assert scheduler.aborted == ["x"]
+
+
+def test_a_slow_reader_gets_waiting_outputs_merged_with_nothing_lost():
+    client = EngineClient(FakeScheduler(tokens_per_request=20))
+
+    async def scenario():
+        chunks = []
+        async for out in client.generate(make_request("slow")):
+            chunks.append(out)
+            await asyncio.sleep(0.01)  # slower than the scheduler answers
+        return chunks
+
+    chunks = asyncio.run(scenario())
+    assert [t for c in chunks for t in c.token_ids] == list(range(20)) and chunks[-1].finish_reason == "length"
+    assert len(chunks) < 21 and [c.finished for c in chunks].count(True) == 1
