@@ -172,7 +172,7 @@ class SchedulerActor:
         self.last_result_s[worker.name] = t2
         self.timeline.record(worker.kind, period=period, plan=plan_s, round_trip=t2 - sent_s,
                              worker_step=result.step_s, forward=result.forward_s, apply=t3 - t2,
-                             publish=time.perf_counter() - t3)
+                             publish=time.perf_counter() - t3, tokens=plan.num_tokens)
         return True
 
     async def _recover(self, worker: WorkerState, error: Exception) -> None:

@@ -6,7 +6,7 @@ import statistics
 from collections import deque
 from typing import Any
 
-PHASES = ("period", "plan", "round_trip", "worker_step", "forward", "apply", "publish")
+PHASES = ("period", "plan", "round_trip", "worker_step", "forward", "apply", "publish", "tokens")
 
 
 class StepTimeline:
@@ -17,7 +17,9 @@ class StepTimeline:
     with one step in flight ahead it includes waiting behind the previous one. It contains `worker_step`
     (the step on the worker), which contains `forward` (the model). `plan`, `apply` and `publish` run
     in the scheduler while the next step is in flight. `summary()` gives per kind the median of each
-    phase and the share of the period spent outside the model's forward.
+    phase, the share of the period spent outside the model's forward, and `tok_s_busy`: tokens the
+    steps computed per second of their periods, the rate one worker of the kind sustains while busy
+    (prefill and decode rates side by side give the ratio of prefill to decode workers a workload needs).
     """
 
     def __init__(self, window: int = 20_000) -> None:
@@ -35,8 +37,10 @@ class StepTimeline:
         for kind, steps in self.steps.items():
             columns = dict(zip(PHASES, zip(*steps, strict=True), strict=True))
             line: dict[str, Any] = {"steps": len(steps)}
-            line |= {f"{phase}_ms_p50": 1000 * statistics.median(values) for phase, values in columns.items()}
+            line |= {f"{phase}_ms_p50": 1000 * statistics.median(values) for phase, values in columns.items()
+                     if phase != "tokens"}
             total = sum(columns["period"])
             line["outside_forward_fraction"] = 1 - sum(columns["forward"]) / total if total else 0.0
+            line["tok_s_busy"] = sum(columns["tokens"]) / total if total else 0.0
             out[kind] = line
         return out

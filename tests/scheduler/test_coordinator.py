@@ -317,3 +317,16 @@ def test_preemption_with_a_step_in_flight_loses_and_repeats_no_token(mode):
     assert streams.tokens == {"normal": expected_tokens("normal", 20), "urgent": expected_tokens("urgent", 4)}
     assert normal.num_preemptions == 1
     assert_idle(coordinator)
+
+
+def test_the_timeline_summarizes_phases_and_busy_rate():
+    from scheduler.timeline import StepTimeline
+
+    timeline = StepTimeline()
+    for period, forward, tokens in ((0.010, 0.008, 64), (0.020, 0.015, 64), (0.030, 0.027, 128)):
+        timeline.record("decode", period=period, plan=0.001, round_trip=period, worker_step=forward,
+                        forward=forward, apply=0.002, publish=0.0, tokens=tokens)
+    line = timeline.summary()["decode"]
+    assert line["steps"] == 3 and line["period_ms_p50"] == pytest.approx(20.0)
+    assert line["outside_forward_fraction"] == pytest.approx(1 - 0.050 / 0.060)
+    assert line["tok_s_busy"] == pytest.approx(256 / 0.060)
