@@ -7,6 +7,7 @@ The batch job, the benchmark and the tests all go through here.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 from collections.abc import Callable
@@ -21,28 +22,29 @@ from scheduler.request import Request
 log = logging.getLogger(__name__)
 
 
-class Engine:
+class Engine(abc.ABC):
     """A started engine of any mode. `capacity` is the tokens a slot holds; `close()` stops it."""
 
     capacity: int
     tokenizer: Any
     eos_token_ids: frozenset[int]
 
+    @abc.abstractmethod
     def run(self, requests: list[Request], arrival_s: dict[str, float] | None = None,
             on_finish: Callable[[Completion], None] | None = None) -> dict[str, Completion]:
         """Submit each request at its arrival offset (seconds from now; 0 if not given) and return every
         completion by id. A request that cannot run raises ValueError before anything is submitted."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def profile(self) -> dict[str, Any]:
         """Where the time went since the last `reset_profile` (mode-specific figures)."""
-        return {}
 
-    def reset_profile(self) -> None:
-        pass
+    @abc.abstractmethod
+    def reset_profile(self) -> None: ...
 
+    @abc.abstractmethod
     def close(self) -> None:
-        pass
+        """Stop what the engine started."""
 
     def __enter__(self) -> Engine:
         return self
@@ -89,6 +91,9 @@ class InProcessEngine(Engine):
     def reset_profile(self) -> None:
         self.engine.reset_profile()
 
+    def close(self) -> None:
+        pass  # nothing runs outside this process: the model and cache go with the engine
+
 
 class RayEngine(Engine):
     """`colocated` / `disaggregated`: requests stream through a scheduler actor and its workers."""
@@ -105,13 +110,13 @@ class RayEngine(Engine):
         info = load_tokenizer(config.model)
         self.capacity = config.context_len(info.max_context)
         self.tokenizer, self.eos_token_ids = info.tokenizer, info.eos_token_ids
-        self.handle = start_scheduler(config)
+        self.handle = start_scheduler(config, info=info)
 
     def run(self, requests: list[Request], arrival_s: dict[str, float] | None = None,
             on_finish: Callable[[Completion], None] | None = None) -> dict[str, Completion]:
         from deploy.engine_client import EngineClient, complete
 
-        check_requests(requests, self.capacity)
+        Scheduler.check_batch(requests, self.capacity)
         client = EngineClient(self.handle)
 
         async def one(request: Request) -> Completion:
@@ -124,9 +129,7 @@ class RayEngine(Engine):
         return {c.req_id: c for c in asyncio.run(run_at_arrivals(schedule, one))}
 
     def profile(self) -> dict[str, Any]:
-        import ray
-
-        timeline = ray.get(self.handle.stats.remote())["timeline"]
+        timeline = self.stats()["timeline"]
         return {f"{kind}_{key}": value for kind, line in timeline.items() for key, value in line.items()}
 
     def reset_profile(self) -> None:
@@ -146,16 +149,6 @@ class RayEngine(Engine):
             ray.get(self.handle.shutdown.remote())
         finally:
             ray.kill(self.handle)
-
-
-def check_requests(requests: list[Request], capacity: int) -> None:
-    """Raise ValueError for the first request that can never run; nothing has been submitted."""
-    seen: set[str] = set()
-    for request in requests:
-        if request.req_id in seen:
-            raise ValueError(f"request id {request.req_id!r} is already in use")
-        seen.add(request.req_id)
-        Scheduler.check_fits(request, capacity)
 
 
 def open_engine(config: EngineConfig, loaded: Any = None) -> Engine:

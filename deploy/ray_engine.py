@@ -12,7 +12,7 @@ import ray
 from deploy.config import EngineConfig
 from scheduler.actor import SchedulerActor
 from workers.actors import spawn_worker
-from workers.loader import load_tokenizer
+from workers.loader import TokenizerInfo, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -31,22 +31,22 @@ def init_ray(config: EngineConfig) -> None:
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
 
 
-def scheduler_args(config: EngineConfig) -> tuple[Any, ...]:
+def scheduler_args(config: EngineConfig, info: TokenizerInfo | None = None) -> tuple[Any, ...]:
     """The scheduler actor's constructor arguments for a config: its cell, how to spawn its workers and
-    the tokenizer its outputs are detokenized with. Loading the tokenizer converts a GGUF once, before
-    the workers look for the converted checkpoint."""
-    info = load_tokenizer(config.model)
+    the tokenizer its outputs are detokenized with (`info`, or loaded here). Loading the tokenizer
+    converts a GGUF once, before the workers look for the converted checkpoint."""
+    info = info or load_tokenizer(config.model)
     capacity = config.context_len(info.max_context)
     return config.cell_config(capacity), functools.partial(spawn_worker, config, capacity), info.tokenizer
 
 
-def start_scheduler(config: EngineConfig, name: str | None = None) -> Any:
+def start_scheduler(config: EngineConfig, name: str | None = None, info: TokenizerInfo | None = None) -> Any:
     """Create the scheduler actor (which creates the workers) and wait until every worker is ready."""
     init_ray(config)
     options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 100_000}
     if name:
         options |= {"name": name, "get_if_exists": True}
-    handle = ray.remote(SchedulerActor).options(**options).remote(*scheduler_args(config))
+    handle = ray.remote(SchedulerActor).options(**options).remote(*scheduler_args(config, info))
     placement = ray.get(handle.ready.remote())
     log.info("scheduler ready: %s", placement)
     return handle

@@ -61,7 +61,7 @@ class Coordinator:
     def admit(self, request: Request, consumer: str = "") -> None:
         """Queue a new request. Raises ValueError (nothing queued) for one that cannot run, and
         QueueFullError when `max_waiting` requests already wait."""
-        if request.req_id in self.consumers or any(request.req_id in w.sched.requests for w in self.workers):
+        if request.req_id in self.consumers:  # every unfinished request has its consumer here
             raise ValueError(f"request id {request.req_id!r} is already in use")
         Scheduler.check_fits(request, self.config.capacity)
         num_waiting = sum(w.sched.num_waiting for w in self.workers)

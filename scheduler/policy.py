@@ -79,6 +79,17 @@ class Scheduler:
         self.check_fits(request, self.capacity)
 
     @staticmethod
+    def check_batch(requests: list[Request], capacity: int) -> None:
+        """Raise ValueError for the first request of a batch that can never run (an id used twice in it,
+        or too long for a slot), before any of them is submitted."""
+        seen: set[str] = set()
+        for request in requests:
+            if request.req_id in seen:
+                raise ValueError(f"request id {request.req_id!r} is already in use")
+            seen.add(request.req_id)
+            Scheduler.check_fits(request, capacity)
+
+    @staticmethod
     def check_fits(request: Request, capacity: int) -> None:
         """Raise ValueError, with both numbers, if prompt + max_tokens exceed a slot's capacity."""
         needed = len(request.prompt_ids) + request.max_tokens

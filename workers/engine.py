@@ -83,9 +83,11 @@ class LocalEngine:
 
         Returns every request by id. A request that cannot run raises before anything is submitted.
         """
+        requests = list(requests)
+        Scheduler.check_batch(requests, self.scheduler.capacity)
+        for request in requests:
+            self.scheduler.check(request)  # and not in use here already
         by_id = {request.req_id: request for request in requests}
-        for request in by_id.values():
-            self.scheduler.check(request)
         schedule = ArrivalSchedule(by_id.values(), lambda r: (arrival_s or {}).get(r.req_id, 0.0))
         results: dict[str, Request] = {}
         while schedule or not self.idle:

@@ -64,6 +64,23 @@ class BatchLayout:
     prefill_masks: list[torch.Tensor | None]  # per chunk: [T, start + T] visible keys, None when start is 0
 
     @classmethod
+    def pack(cls, rows: list[tuple[int, list[int], int]], num_decode: int,
+             device: torch.device | str) -> tuple[torch.Tensor, BatchLayout]:
+        """Flatten `rows` of (slot, token_ids, start_pos), the first `num_decode` single decode tokens,
+        into one batch: its input ids `[N]` and its layout."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        prefill: list[PrefillSpan] = []
+        for i, (slot, tokens, start) in enumerate(rows):
+            if i >= num_decode:
+                prefill.append(PrefillSpan(slot, len(ids), len(tokens), start))
+            ids += tokens
+            positions += range(start, start + len(tokens))
+            slots += [slot] * len(tokens)
+        return torch.tensor(ids, device=device), cls.build(positions, slots, num_decode, prefill, device)
+
+    @classmethod
     def build(cls, positions: list[int], slots: list[int], num_decode: int,
               prefill: list[PrefillSpan], device: torch.device | str) -> BatchLayout:
         decode_slots, decode_pos = slots[:num_decode], positions[:num_decode]

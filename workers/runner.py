@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 
@@ -12,7 +13,7 @@ from scheduler.plan import Chunk, StepPlan
 from scheduler.request import PENDING
 from workers.kernels import load_kernels
 from workers.kv_cache import SlotKVCache
-from workers.model import BatchLayout, DecoderLM, PrefillSpan
+from workers.model import BatchLayout, DecoderLM
 from workers.sampling import sample
 
 log = logging.getLogger(__name__)
@@ -48,24 +49,12 @@ class ModelRunner:
         if not chunks:
             self.last_sampled = {}
             return {}
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        prefill: list[PrefillSpan] = []
-        logits_indices: list[int] = []
-        for i, chunk in enumerate(chunks):
-            first = len(input_ids)
-            input_ids.extend(chunk.token_ids)
-            positions.extend(range(chunk.start_pos, chunk.start_pos + chunk.num_tokens))
-            slots.extend([chunk.slot] * chunk.num_tokens)
-            if i >= len(decode):
-                prefill.append(PrefillSpan(chunk.slot, first, chunk.num_tokens, chunk.start_pos))
-            if chunk.sample:
-                logits_indices.append(len(input_ids) - 1)
-        num_decode = len(decode)
-        layout = BatchLayout.build(positions, slots, num_decode, prefill, self.device)
+        input_ids, layout = BatchLayout.pack([(c.slot, c.token_ids, c.start_pos) for c in chunks], len(decode),
+                                             self.device)
+        ends = list(itertools.accumulate(c.num_tokens for c in chunks))  # flat index after each chunk
+        logits_indices = [end - 1 for c, end in zip(chunks, ends, strict=True) if c.sample]
         forward_start = time.perf_counter()
-        logits = self.model(torch.tensor(input_ids, device=self.device), layout, self.cache,
+        logits = self.model(input_ids, layout, self.cache,
                             torch.tensor(logits_indices, dtype=torch.long, device=self.device))  # [M, vocab]
         self.last_forward_s = time.perf_counter() - forward_start
         sampling_chunks = [c for c in chunks if c.sample]

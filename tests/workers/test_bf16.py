@@ -38,15 +38,8 @@ def _ids(tokenizer, question: str) -> list[int]:
 
 def _step(model, cache, rows: list[tuple[int, list[int], int]], num_decode: int) -> torch.Tensor:
     """rows: (slot, token_ids, start); the first num_decode are decode tokens. Logits of every token."""
-    ids, positions, slots, prefill = [], [], [], []
-    for i, (slot, tokens, start) in enumerate(rows):
-        if i >= num_decode:
-            prefill.append((slot, len(ids), len(tokens), start))
-        ids += tokens
-        positions += range(start, start + len(tokens))
-        slots += [slot] * len(tokens)
-    layout = BatchLayout.build(positions, slots, num_decode, prefill, "cpu")
-    return model(torch.tensor(ids), layout, cache, torch.arange(len(ids)))  # [N, vocab]
+    input_ids, layout = BatchLayout.pack(rows, num_decode, "cpu")
+    return model(input_ids, layout, cache, torch.arange(len(input_ids)))  # [N, vocab]
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "sdpa"])

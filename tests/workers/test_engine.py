@@ -155,3 +155,12 @@ def test_planning_one_step_ahead_changes_no_output(sampling):
         expected = solo("llama", request)
         assert got.output_ids == expected.output_ids and got.finish_reason == expected.finish_reason, request.req_id
     assert any(r.finish_reason is FinishReason.STOP for r in requests)
+
+
+def test_a_batch_with_an_id_twice_is_refused_before_anything_runs():
+    engine = make_engine()
+    first, second = mixed_requests()[:2]
+    second.req_id = first.req_id
+    with pytest.raises(ValueError, match="already in use"):
+        engine.run([first, second])
+    assert engine.scheduler.idle and engine.num_steps == 0

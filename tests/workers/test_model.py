@@ -10,17 +10,10 @@ from workers.kv_cache import SlotKVCache
 from workers.model import BatchLayout
 
 
-def _run(model, cache, chunks, decode_first: int):
-    """chunks: (slot, token_ids, start_pos); the first `decode_first` are single decode tokens."""
-    ids, positions, slots, prefill = [], [], [], []
-    for i, (slot, tokens, start) in enumerate(chunks):
-        if i >= decode_first:
-            prefill.append((slot, len(ids), len(tokens), start))
-        ids += tokens
-        positions += range(start, start + len(tokens))
-        slots += [slot] * len(tokens)
-    layout = BatchLayout.build(positions, slots, decode_first, prefill, "cpu")
-    return model(torch.tensor(ids), layout, cache, torch.arange(len(ids)))
+def _run(model, cache, rows, decode_first: int):
+    """rows: (slot, token_ids, start_pos); the first `decode_first` are single decode tokens."""
+    input_ids, layout = BatchLayout.pack(rows, decode_first, "cpu")
+    return model(input_ids, layout, cache, torch.arange(len(input_ids)))  # [N, vocab]
 
 
 # (2, 0): decode rows out of slot order with an idle row in their span; (0, 1): rows are the span
