@@ -45,11 +45,28 @@ def build_request(
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
     priority: int = 0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
+    min_tokens: int = 0,
+    logit_bias: dict[int, float] | None = None,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+    structured: str | None = None,
+    fork_of: str | None = None,
 ) -> Request:
-    """A Request with the model's EOS as a stop token unless ignore_eos; a random seed if none is given."""
+    """A Request with the model's EOS as a stop token unless ignore_eos; a random seed if none is given.
+    Raises ValueError naming the parameter for a value out of range."""
     stop_strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
     stops = frozenset(stop_token_ids) | (frozenset() if ignore_eos else eos_token_ids)
-    sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
-                              seed=random.getrandbits(62) if seed is None else seed)
+    if min_tokens > max_tokens:
+        raise ValueError(f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})")
+    sampling = SamplingParams(
+        temperature=temperature, top_p=top_p, top_k=top_k, seed=random.getrandbits(62) if seed is None else seed,
+        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty, min_tokens=min_tokens,
+        suppress_ids=stops if min_tokens else frozenset(),
+        logit_bias=tuple(sorted((int(t), float(b)) for t, b in (logit_bias or {}).items())),
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured)
     return Request(req_id=req_id, prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling,
-                   stop_token_ids=stops, stop_strings=stop_strings, priority=priority)
+                   stop_token_ids=stops, stop_strings=stop_strings, priority=priority, fork_of=fork_of)

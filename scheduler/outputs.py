@@ -7,7 +7,7 @@ from typing import Any
 
 from scheduler.detokenizer import IncrementalDetokenizer
 from scheduler.policy import Scheduler, StepUpdate
-from scheduler.request import OPENAI_FINISH_REASON, FinishReason, Request
+from scheduler.request import OPENAI_FINISH_REASON, FinishReason, Request, TokenLogprob
 
 
 @dataclass
@@ -20,6 +20,9 @@ class RequestOutput:
     finish_reason: str | None = None  # OpenAI's name; None while the request runs
     error: str | None = None
     metrics: dict[str, Any] = field(default_factory=dict)  # on the last output only
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token of token_ids, when asked for
+    # prompt tokens 1.. (the first has none), on the request's first output, when asked for (echo)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:
@@ -87,13 +90,16 @@ class Completion:
     metrics: dict[str, Any] = field(default_factory=dict)
     # when the consumer got each token (perf_counter): inter-token latency as a client sees it
     token_times_s: list[float] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @classmethod
     def from_request(cls, request: Request) -> Completion:
         assert request.finish_reason is not None
+        prompt_logprobs = list(request.prompt_logprobs) if request.sampling.prompt_logprobs is not None else None
         return cls(request.req_id, len(request.prompt_ids), list(request.output_ids), request.text,
                    OPENAI_FINISH_REASON[request.finish_reason], request.error, request.metrics(),
-                   list(request.token_times_s))
+                   list(request.token_times_s), list(request.logprobs), prompt_logprobs)
 
     def inter_token_s(self) -> list[float]:
         """Gaps between successive tokens' arrivals (tokens that arrive together count as 0)."""

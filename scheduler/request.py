@@ -31,14 +31,31 @@ OPENAI_FINISH_REASON: dict[FinishReason, str] = {
 }
 
 
+MAX_LOGPROBS = 20  # most alternatives a token's log-probs can list (OpenAI's top_logprobs limit)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each token. temperature 0 means greedy; top_k 0 and top_p 1 disable those filters."""
+    """How to pick each token. temperature 0 means greedy; top_k 0 and top_p 1 disable those filters.
+
+    Logit processing runs in this order on each row: logit_bias, min_tokens (stop ids masked), the
+    penalties, the structured-output mask; then temperature, top-k, top-p and the draw. Log-probs are the
+    model's own (before any of that), as vLLM and OpenAI report them.
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0  # with the token's index, seeds that token's draw: samples never depend on the batch
+    presence_penalty: float = 0.0  # subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt+output tokens
+    min_tokens: int = 0  # `suppress_ids` cannot be sampled (and stop strings do not match) before this many
+    suppress_ids: frozenset[int] = frozenset()  # the request's stop ids, masked while under min_tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    logprobs: int | None = None  # None: no log-probs; k: the sampled token's and the k most likely
+    prompt_logprobs: int | None = None  # likewise for every prompt token after the first (echo)
+    structured: str | None = None  # JSON of an OpenAI response_format (json_object / json_schema)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -47,10 +64,47 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {token}: {bias}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def needs_history(self) -> bool:
+        """The worker must know the tokens so far (penalties count them; a grammar follows them)."""
+        return self.penalized or self.structured is not None
+
+    @property
+    def processes_logits(self) -> bool:
+        """Anything to do to a row's logits before temperature and the draw."""
+        return self.needs_history or bool(self.logit_bias) or (self.min_tokens > 0 and bool(self.suppress_ids))
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability under the model, and the most likely tokens at its position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log-prob), most likely first
 
 
 @dataclass(eq=False)
@@ -70,6 +124,7 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()  # EOS unless ignore_eos, plus the caller's
     stop_strings: tuple[str, ...] = ()  # matched on the detokenized text by the engine, not here
     priority: int = 0  # lower is more urgent
+    fork_of: str | None = None  # n > 1: a sibling with the same prompt whose prompt KV this one may copy
 
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
@@ -87,6 +142,8 @@ class Request:
     first_token_s: float | None = None
     finish_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)  # when each output token was sampled
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, if sampling.logprobs is set
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. (echo), as computed
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
