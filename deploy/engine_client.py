@@ -99,7 +99,8 @@ class EngineClient:
 def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
     """Two successive outputs of one request as one: tokens and text joined, the later one's ending."""
     return RequestOutput(first.req_id, first.token_ids + then.token_ids, first.text + then.text,
-                         then.finish_reason, then.error, then.metrics or first.metrics)
+                         then.finish_reason, then.error, then.metrics or first.metrics, first.logprobs + then.logprobs,
+                         first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs)
 
 
 async def complete(client: EngineClient, request: Request) -> Completion:
@@ -108,7 +109,10 @@ async def complete(client: EngineClient, request: Request) -> Completion:
     async for out in client.generate(request):
         done.token_times_s += [time.perf_counter()] * len(out.token_ids)
         done.token_ids += out.token_ids
+        done.logprobs += out.logprobs
         done.text += out.text
+        if out.prompt_logprobs is not None:
+            done.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             done.finish_reason, done.error, done.metrics = out.finish_reason, out.error, out.metrics
     return done

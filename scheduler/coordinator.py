@@ -164,7 +164,7 @@ class Coordinator:
                 self.metrics.on_handoff(handoff.num_bytes, handoff.export_s + seconds)
                 if req_id in self.placements:
                     self.placements[req_id].kv_handoff_s = handoff.export_s + seconds
-        outputs = self.outputs.apply(sched, sched.update(plan, result.sampled))
+        outputs = self.outputs.apply(sched, sched.update(plan, result.sampled, result.logprobs, result.prompt_logprobs))
         self.metrics.on_step(worker.name, worker.kind, worker.slots_used, plan.num_tokens, len(plan.preempted),
                              result.step_s)
         for chunk in plan.chunks:  # who computed what, for the request's metrics

@@ -12,11 +12,13 @@ class IncrementalDetokenizer:
 
     `push(token)` returns the text that became final: a token that ends inside a multi-byte character
     yields nothing until the character completes, and text that could be the start of a stop string
-    is held back until it cannot. On a stop string the text is cut before it and `stopped` is set.
+    is held back until it cannot. On a stop string the text is cut before it and `stopped` is set; stop
+    strings match only once `min_tokens` tokens have been pushed.
     Output that ends inside a character (bytes of a character never completed) gives no text for it.
     """
 
-    def __init__(self, tokenizer: Any, prompt_ids: list[int], stop_strings: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], stop_strings: tuple[str, ...] = (),
+                 min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.ids = list(prompt_ids[-_PROMPT_CONTEXT:])
         self.prefix_offset, self.read_offset = 0, len(self.ids)
@@ -25,6 +27,7 @@ class IncrementalDetokenizer:
         self.text = ""  # all final text so far
         self.num_emitted = 0  # characters of `text` already returned by push/flush
         self.stopped = False
+        self.num_pushed, self.min_tokens = 0, min_tokens
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
@@ -32,6 +35,7 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         if self.stopped:
             return ""
+        self.num_pushed += 1
         self.ids.append(token_id)
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
@@ -45,6 +49,8 @@ class IncrementalDetokenizer:
         return self._emit(limit)
 
     def _match_stop(self, old_len: int) -> None:
+        if self.num_pushed < self.min_tokens:
+            return
         window = max(0, old_len - self.holdback)
         hits = [i for i in (self.text.find(s, window) for s in self.stop_strings) if i >= 0]
         if hits:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler.request import TokenLogprob
+
 
 @dataclass(frozen=True)
 class KVHandoff:
@@ -35,10 +37,21 @@ class KVImport:
 
 
 @dataclass
+class Samples:
+    """What one forward produced: a token per sampling chunk, and the log-probs the chunks asked for."""
+
+    tokens: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # of the sampled token
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # of a chunk's prompt_targets
+
+
+@dataclass
 class StepResult:
     """What a worker returns for one step."""
 
     sampled: dict[str, int]  # req_id -> token, for every sampling chunk that ran
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # see Samples
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     handoffs: list[KVHandoff] = field(default_factory=list)  # prefill workers: prompts finished this step
     failed_imports: list[str] = field(default_factory=list)  # decode workers: handoffs whose bytes were lost
     import_s: dict[str, float] = field(default_factory=dict)  # decode workers: seconds to fetch and copy in

@@ -38,11 +38,13 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any = None) -> None:
         self.tokenizer = tokenizer
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.requests: dict[str, Request] = {}  # unfinished requests: their log-probs are read from them
 
     def add(self, request: Request) -> None:
+        self.requests[request.req_id] = request
         if self.tokenizer is not None:
             self.detokenizers[request.req_id] = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_ids, request.stop_strings)
+                self.tokenizer, request.prompt_ids, request.stop_strings, request.sampling.min_tokens)
 
     def apply(self, scheduler: Scheduler, update: StepUpdate) -> list[RequestOutput]:
         """After `scheduler.update`: push each token it took, apply stop strings, close finished requests."""
@@ -52,6 +54,12 @@ class OutputProcessor:
             detok = self.detokenizers.get(req_id)
             out = outputs.setdefault(req_id, RequestOutput(req_id))
             out.token_ids.append(token)
+            request = self.requests.get(req_id)
+            if request is not None:
+                if request.sampling.logprobs is not None and len(request.logprobs) == len(request.output_ids):
+                    out.logprobs.append(request.logprobs[-1])
+                if request.sampling.prompt_logprobs is not None and len(request.output_ids) == 1:
+                    out.prompt_logprobs = list(request.prompt_logprobs)
             if detok is None:
                 continue
             out.text += detok.push(token)
@@ -69,6 +77,7 @@ class OutputProcessor:
 
     def close(self, request: Request) -> str:
         """Forget a finished request; set its full text and return the text not yet emitted."""
+        self.requests.pop(request.req_id, None)
         detok = self.detokenizers.pop(request.req_id, None)
         if detok is None:
             return ""

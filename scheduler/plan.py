@@ -18,6 +18,13 @@ class Chunk:
     sample: bool  # the last token's logits choose the request's next output token
     output_index: int  # index that next token will have in the output; seeds its draw
     sampling: SamplingParams
+    # (prompt, output so far): the worker (re)builds the request's sampling state from it. Sent with a
+    # request's first sampling chunk on a worker, and again after its cache was lost, when its sampling
+    # needs history (penalties, a grammar); None otherwise.
+    history: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    # echo: prompt tokens start_pos+1.. whose log-probs this chunk returns; target i is predicted by
+    # position start_pos + i
+    prompt_targets: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -31,6 +38,7 @@ class StepPlan:
     decode: list[Chunk]  # one token per decoding request, all sampled
     prefill: list[Chunk]  # prompt (or recompute) chunks, most urgent then oldest request first
     preempted: list[str] = field(default_factory=list)  # evicted while planning; they wait to recompute
+    released: list[str] = field(default_factory=list)  # left this worker since its last plan: drop their state
 
     @property
     def chunks(self) -> list[Chunk]:

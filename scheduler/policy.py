@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from scheduler.plan import Chunk, StepPlan
-from scheduler.request import FinishReason, Request, RequestStatus
+from scheduler.request import FinishReason, Request, RequestStatus, TokenLogprob
 
 
 class StepUpdate(NamedTuple):
@@ -69,6 +69,8 @@ class Scheduler:
         self.waiting: list[WaitingEntry] = []  # sorted by admission key
         self.running: list[Request] = []  # most urgent, then oldest (re-sorted by every plan)
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        self.synced: set[str] = set()  # requests whose sampling state the worker holds (history sent)
+        self.released: list[str] = []  # left since the last plan: the worker may drop what it keeps for them
         self._order = itertools.count()
 
     # ---- admission -------------------------------------------------------------------------------
@@ -154,7 +156,10 @@ class Scheduler:
             request = self.requests[chunk.req_id]
             request.num_computed += chunk.num_tokens
             request.num_pending += chunk.sample
-        return StepPlan(decode=decode, prefill=prefill, preempted=preempted)
+        released: list[str] = []
+        if decode or prefill:  # an empty plan is not sent: keep them for the next one
+            released, self.released = self.released, []
+        return StepPlan(decode=decode, prefill=prefill, preempted=preempted, released=released)
 
     def _victim(self, candidate: Request) -> Request | None:
         """The running request to evict for `candidate`: strictly less urgent, evicted fewer than
@@ -173,29 +178,42 @@ class Scheduler:
         self.num_recomputed_tokens += request.num_computed
         request.reset_cache()
         request.num_preemptions += 1
+        self.synced.discard(request.req_id)  # what the worker sampled for it in flight is void: resend
         self._enqueue(request)
 
-    @staticmethod
-    def _chunk(request: Request, length: int) -> Chunk:
+    def _chunk(self, request: Request, length: int) -> Chunk:
         assert request.slot is not None, f"{request.req_id} is running without a slot"
-        start = request.num_computed
+        start, params = request.num_computed, request.sampling
+        sample = start + length == request.num_tokens + request.num_pending
+        history = None
+        if sample and params.needs_history and request.req_id not in self.synced:
+            history = (tuple(request.prompt_ids), tuple(request.output_ids))
+            self.synced.add(request.req_id)
+        num_prompt = len(request.prompt_ids)
+        targets: tuple[int, ...] = ()
+        if params.prompt_logprobs is not None and len(request.prompt_logprobs) < num_prompt - 1:
+            targets = tuple(request.prompt_ids[start + 1 : min(start + length + 1, num_prompt)])
         return Chunk(
             req_id=request.req_id,
             slot=request.slot,
             token_ids=request.token_ids(start, start + length),
             start_pos=start,
-            sample=start + length == request.num_tokens + request.num_pending,
+            sample=sample,
             output_index=request.num_outputs_planned,
-            sampling=request.sampling,
+            sampling=params,
+            history=history,
+            prompt_targets=targets,
         )
 
     # ---- results ----------------------------------------------------------------------------------
-    def update(self, plan: StepPlan, sampled: dict[str, int]) -> StepUpdate:
+    def update(self, plan: StepPlan, sampled: dict[str, int], logprobs: dict[str, TokenLogprob] | None = None,
+               prompt_logprobs: dict[str, list[TokenLogprob]] | None = None) -> StepUpdate:
         """Record a planned step's results: the tokens taken and the requests that finished in it.
 
-        `sampled` maps req_id to the token sampled for each chunk with `sample=True`. Chunks of requests
-        that left meanwhile (finished, aborted or evicted while the step ran) are ignored; so is the token
-        a later step in flight samples for a request that finished in this one.
+        `sampled` maps req_id to the token sampled for each chunk with `sample=True`; `logprobs` to its
+        log-probs, for requests that asked; `prompt_logprobs` to those of the chunk's `prompt_targets`.
+        Chunks of requests that left meanwhile (finished, aborted or evicted while the step ran) are
+        ignored; so is the token a later step in flight samples for a request that finished in this one.
         """
         finished: list[Request] = []
         accepted: dict[str, int] = {}
@@ -208,9 +226,15 @@ class Scheduler:
                     chunk.output_index != len(request.output_ids) and chunk.sample:
                 raise RuntimeError(f"{chunk.req_id}: a result for positions {chunk.start_pos}+{chunk.num_tokens}, "
                                    f"output {chunk.output_index}, that was never planned")
+            if chunk.prompt_targets and prompt_logprobs and chunk.req_id in prompt_logprobs \
+                    and len(request.prompt_logprobs) >= chunk.start_pos:
+                known = request.prompt_logprobs  # index i: prompt token i + 1; a recompute's repeats are dropped
+                known += prompt_logprobs[chunk.req_id][len(known) - chunk.start_pos:]
             if not chunk.sample:
                 continue
             token = accepted[chunk.req_id] = sampled[chunk.req_id]
+            if logprobs and chunk.req_id in logprobs:
+                request.logprobs.append(logprobs[chunk.req_id])
             request.num_pending -= 1
             request.output_ids.append(token)
             request.token_times_s.append(now)
@@ -241,6 +265,9 @@ class Scheduler:
         request = self.requests.pop(req_id, None)
         if request is None:
             return None
+        if req_id in self.synced:
+            self.synced.discard(req_id)
+            self.released.append(req_id)
         if request.status is RequestStatus.WAITING:
             self.waiting = [e for e in self.waiting if e.request is not request]
         else:

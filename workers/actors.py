@@ -25,7 +25,7 @@ class _ModelWorker:
         torch.set_num_threads(max(1, num_threads))
         self.index = index
         loaded = load_model(model, dtype, resolve_device(device))
-        self.runner = ModelRunner(loaded.model, num_slots=num_slots, capacity=capacity)
+        self.runner = ModelRunner(loaded.model, num_slots=num_slots, capacity=capacity, tokenizer=loaded.tokenizer)
 
     def ready(self) -> dict[str, Any]:
         """Where this worker runs: answered once the model is loaded."""
@@ -38,7 +38,7 @@ class PrefillWorker(_ModelWorker):
 
     def step(self, plan: StepPlan, imports: list[KVImport]) -> StepResult:
         start = time.perf_counter()
-        sampled = self.runner.execute(plan)
+        samples = self.runner.execute(plan)
         handoffs = []
         for chunk in plan.chunks:
             if not chunk.sample:
@@ -49,8 +49,8 @@ class PrefillWorker(_ModelWorker):
             ref = ray.put(rows)
             handoffs.append(KVHandoff(chunk.req_id, ref, length, rows.nbytes, time.perf_counter() - export_start,
                                       self.index))
-        return StepResult(sampled=sampled, handoffs=handoffs, step_s=time.perf_counter() - start,
-                          forward_s=self.runner.last_forward_s)
+        return StepResult(sampled=samples.tokens, logprobs=samples.logprobs, prompt_logprobs=samples.prompt_logprobs,
+                          handoffs=handoffs, step_s=time.perf_counter() - start, forward_s=self.runner.last_forward_s)
 
 
 class DecodeWorker(_ModelWorker):
@@ -76,8 +76,9 @@ class DecodeWorker(_ModelWorker):
             lost = set(failed)
             plan = dataclasses.replace(plan, decode=[c for c in plan.decode if c.req_id not in lost],
                                        prefill=[c for c in plan.prefill if c.req_id not in lost])
-        sampled = self.runner.execute(plan)
-        return StepResult(sampled=sampled, failed_imports=failed, import_s=import_s,
+        samples = self.runner.execute(plan)
+        return StepResult(sampled=samples.tokens, logprobs=samples.logprobs, prompt_logprobs=samples.prompt_logprobs,
+                          failed_imports=failed, import_s=import_s,
                           step_s=time.perf_counter() - start, forward_s=self.runner.last_forward_s)
 
 

@@ -55,9 +55,10 @@ class LocalEngine:
         start = time.perf_counter()
         with self._lock:
             plan = self.scheduler.plan()
-        sampled = self.runner.execute(plan)
+        samples = self.runner.execute(plan)
         with self._lock:
-            outputs = self.outputs.apply(self.scheduler, self.scheduler.update(plan, sampled))
+            update = self.scheduler.update(plan, samples.tokens, samples.logprobs, samples.prompt_logprobs)
+            outputs = self.outputs.apply(self.scheduler, update)
         self.num_steps += 1
         elapsed, profile = time.perf_counter() - start, self.profile
         profile["step_s"] += elapsed

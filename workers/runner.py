@@ -6,15 +6,18 @@ import dataclasses
 import itertools
 import logging
 import time
+from typing import Any
 
 import torch
 
+from scheduler.messages import Samples
 from scheduler.plan import Chunk, StepPlan
 from scheduler.request import PENDING
 from workers.kernels import load_kernels
 from workers.kv_cache import SlotKVCache
 from workers.model import BatchLayout, DecoderLM
-from workers.sampling import sample
+from workers.request_state import RequestStates
+from workers.sampling import sample, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +25,7 @@ log = logging.getLogger(__name__)
 class ModelRunner:
     """Owns a model and a slot KV cache sized `num_slots × capacity`, and runs plans on them."""
 
-    def __init__(self, model: DecoderLM, num_slots: int, capacity: int) -> None:
+    def __init__(self, model: DecoderLM, num_slots: int, capacity: int, tokenizer: Any = None) -> None:
         self.model = model.eval()
         weight = model.model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
@@ -34,33 +37,68 @@ class ModelRunner:
             load_kernels()  # build the decode-attention kernel (once per machine) now, not inside a step
         self.last_forward_s = 0.0  # seconds inside the model in the last execute(), for profiling
         self.last_sampled: dict[str, int] = {}  # what the last execute() sampled: fed in for PENDING tokens
+        grammars = None if tokenizer is None else lambda: _grammar_compiler(tokenizer, spec.vocab_size)
+        self.states = RequestStates(grammars)  # per request: what penalties count, its grammar
         log.info("KV cache: %d slots x %d tokens, %d bytes per token, %.1f MiB in all",
                  num_slots, capacity, per_token, self.cache.total_bytes / 2**20)
 
-    def execute(self, plan: StepPlan) -> dict[str, int]:
-        """Run every chunk of the plan in one forward; return the sampled token of each sampling chunk.
+    def execute(self, plan: StepPlan) -> Samples:
+        """Run every chunk of the plan in one forward; return the sampled token of each sampling chunk and
+        the log-probs chunks asked for.
 
         A PENDING token is the one this runner sampled for that request in its previous execute() (the
         scheduler planned this step before it knew it). A chunk whose PENDING token this runner never
         sampled (its request's cache was lost here) is dropped: no result comes back for it.
         """
+        self.states.drop(plan.released)
         decode = [c for c in map(self._feed, plan.decode) if c is not None]
         chunks = decode + [c for c in map(self._feed, plan.prefill) if c is not None]
         if not chunks:
             self.last_sampled = {}
-            return {}
+            return Samples()
         input_ids, layout = BatchLayout.pack([(c.slot, c.token_ids, c.start_pos) for c in chunks], len(decode),
                                              self.device)
-        ends = list(itertools.accumulate(c.num_tokens for c in chunks))  # flat index after each chunk
-        logits_indices = [end - 1 for c, end in zip(chunks, ends, strict=True) if c.sample]
+        starts = list(itertools.accumulate((c.num_tokens for c in chunks), initial=0))  # flat index of each chunk
+        sampling = [c for c in chunks if c.sample]
+        echo = [(c, start) for c, start in zip(chunks, starts, strict=False) if c.prompt_targets]
+        logits_indices = [start + c.num_tokens - 1 for c, start in zip(chunks, starts, strict=False) if c.sample]
+        for c, start in echo:  # target i is predicted by the chunk's token i
+            logits_indices += range(start, start + len(c.prompt_targets))
         forward_start = time.perf_counter()
         logits = self.model(input_ids, layout, self.cache,
                             torch.tensor(logits_indices, dtype=torch.long, device=self.device))  # [M, vocab]
         self.last_forward_s = time.perf_counter() - forward_start
-        sampling_chunks = [c for c in chunks if c.sample]
-        tokens = sample(logits, [c.sampling for c in sampling_chunks], [c.output_index for c in sampling_chunks])
-        self.last_sampled = {c.req_id: t for c, t in zip(sampling_chunks, tokens, strict=True)}
-        return self.last_sampled
+        samples = Samples()
+        if sampling:
+            samples.tokens = self._sample(logits[: len(sampling)], sampling, samples)
+        row = len(sampling)
+        for c, _ in echo:
+            rows = logits[row : row + len(c.prompt_targets)]
+            row += len(c.prompt_targets)
+            num_top = c.sampling.prompt_logprobs or 0
+            samples.prompt_logprobs[c.req_id] = token_logprobs(rows, list(c.prompt_targets), [num_top] * len(rows))
+        self.last_sampled = samples.tokens
+        return samples
+
+    def _sample(self, logits: torch.Tensor, chunks: list[Chunk], samples: Samples) -> dict[str, int]:
+        states = []
+        for c in chunks:
+            if c.history is not None:
+                self.states.rebuild(c.req_id, c.sampling, c.history)
+            state = self.states.get(c.req_id) if c.sampling.needs_history else None
+            if c.sampling.needs_history and (state is None or state.num_outputs != c.output_index):
+                raise RuntimeError(f"{c.req_id}: no sampling state for output {c.output_index} on this worker")
+            states.append(state)
+        tokens = sample(logits, [c.sampling for c in chunks], [c.output_index for c in chunks], states)
+        for state, token in zip(states, tokens, strict=True):
+            if state is not None:
+                state.consume(token)
+        asked = [i for i, c in enumerate(chunks) if c.sampling.logprobs is not None]
+        if asked:
+            lps = token_logprobs(logits[asked], [tokens[i] for i in asked],
+                                 [chunks[i].sampling.logprobs or 0 for i in asked])
+            samples.logprobs = {chunks[i].req_id: lp for i, lp in zip(asked, lps, strict=True)}
+        return {c.req_id: t for c, t in zip(chunks, tokens, strict=True)}
 
     def _feed(self, chunk: Chunk) -> Chunk | None:
         if PENDING not in chunk.token_ids:
@@ -69,3 +107,9 @@ class ModelRunner:
             return None
         token = self.last_sampled[chunk.req_id]
         return dataclasses.replace(chunk, token_ids=[token if t == PENDING else t for t in chunk.token_ids])
+
+
+def _grammar_compiler(tokenizer: Any, vocab_size: int) -> Any:
+    from workers.grammar import GrammarCompiler  # its library loads only when a request needs a grammar
+
+    return GrammarCompiler(tokenizer, vocab_size)

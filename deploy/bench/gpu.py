@@ -33,6 +33,7 @@ from deploy.bench.baselines import bench_static, copy_bandwidth, synchronize
 from deploy.bench.gpu_model import build_checkpoint
 from deploy.bench.workload import make_workload
 from deploy.config import EngineConfig
+from scheduler.messages import Samples
 from scheduler.plan import StepPlan
 from scheduler.request import Request
 
@@ -103,7 +104,7 @@ def bench_engine(loaded: Any, config: EngineConfig, prompts: list[list[int]], ou
                         batched=engine.runner.device.type != "cpu" or load_kernels() is None)
     execute = engine.runner.execute
 
-    def counted_execute(plan: StepPlan) -> dict[str, int]:
+    def counted_execute(plan: StepPlan) -> Samples:
         tally.record(plan)
         return execute(plan)
 

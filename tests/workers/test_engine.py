@@ -74,7 +74,7 @@ def test_budget_is_never_exceeded_and_decode_comes_first():
         assert {c.req_id for c in plan.decode} == decoding
         assert plan.chunks[: len(plan.decode)] == plan.decode and not decoding & {c.req_id for c in plan.prefill}
         mixed_steps += bool(plan.decode and plan.prefill)
-        engine.scheduler.update(plan, engine.runner.execute(plan))
+        engine.scheduler.update(plan, engine.runner.execute(plan).tokens)
     assert mixed_steps > 0  # decode and prefill did share steps
 
 
@@ -145,7 +145,7 @@ def test_planning_one_step_ahead_changes_no_output(sampling):
     while in_flight is not None or not sched.idle:
         plan = sched.plan()
         saw_pending |= any(-1 in c.token_ids for c in plan.chunks)
-        sent = (plan, runner.execute(plan)) if not plan.empty else None
+        sent = (plan, runner.execute(plan).tokens) if not plan.empty else None
         if in_flight is not None:
             sched.update(*in_flight)
         in_flight = sent

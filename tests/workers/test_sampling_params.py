@@ -1,0 +1,137 @@
+"""Log-probs, echo log-probs, penalties, logit_bias and min_tokens against plain references on transformers."""
+
+import math
+
+import pytest
+import torch
+
+from scheduler.request import Request, SamplingParams
+from tests.factories import VOCAB, prompt_ids, tiny_hf_model
+from tests.workers.test_engine import make_engine
+from workers.sampling import draw_seed, filter_logits
+
+EOS = VOCAB - 1
+
+
+def hf_logprobs(tokens: list[int]) -> torch.Tensor:
+    """transformers' log_softmax at every position of `tokens` [len, vocab], in float64."""
+    with torch.no_grad():
+        logits = tiny_hf_model("llama")(torch.tensor([tokens])).logits[0]
+    return torch.log_softmax(logits.double(), dim=-1)
+
+
+def request(req_id: str, prompt_len: int, max_tokens: int, prompt_seed: int, **params) -> Request:
+    return Request(req_id=req_id, prompt_ids=prompt_ids(prompt_len, prompt_seed), max_tokens=max_tokens,
+                   sampling=SamplingParams(**params), stop_token_ids=frozenset({EOS}))
+
+
+def test_logprobs_and_echo_logprobs_equal_transformers():
+    """Batched with plain requests, chunked (chunk 8 < prompt): every output token's log-prob and top
+    alternatives, and every prompt token's after the first, equal transformers' log_softmax."""
+    asks = [request("a", 21, 9, 1, logprobs=3, prompt_logprobs=2), request("b", 5, 12, 2, logprobs=0),
+            request("c", 30, 6, 3), request("d", 13, 7, 4, prompt_logprobs=0),
+            request("e", 17, 8, 5, temperature=0.9, seed=7, logprobs=5)]
+    results = make_engine(num_slots=3).run(asks)
+    for req in asks:
+        done = results[req.req_id]
+        lp = hf_logprobs(done.prompt_ids + done.output_ids)
+        n = len(done.prompt_ids)
+        if req.sampling.logprobs is None:
+            assert done.logprobs == []
+        else:
+            assert [t.token_id for t in done.logprobs] == done.output_ids
+            for i, token in enumerate(done.logprobs):
+                row = lp[n - 1 + i]
+                assert token.logprob == pytest.approx(row[token.token_id].item(), abs=1e-4)
+                top = row.topk(req.sampling.logprobs)
+                assert [t for t, _ in token.top] == top.indices.tolist()
+                assert [v for _, v in token.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+        if req.sampling.prompt_logprobs is None:
+            assert done.prompt_logprobs == []
+            continue
+        assert [t.token_id for t in done.prompt_logprobs] == done.prompt_ids[1:]
+        for i, token in enumerate(done.prompt_logprobs):  # prompt token i + 1, predicted at position i
+            assert token.logprob == pytest.approx(lp[i, token.token_id].item(), abs=1e-4)
+            assert [t for t, _ in token.top] == lp[i].topk(req.sampling.prompt_logprobs).indices.tolist()
+
+
+def reference_tokens(req: Request) -> list[int]:
+    """One token at a time on transformers' logits, processed in plain Python floats: logit_bias, stop ids
+    masked under min_tokens, repetition / frequency / presence penalties; then argmax, or the engine's
+    seeded draw."""
+    p, prompt, out = req.sampling, list(req.prompt_ids), []
+    while len(out) < req.max_tokens:
+        with torch.no_grad():
+            row = tiny_hf_model("llama")(torch.tensor([prompt + out])).logits[0, -1].tolist()
+        for token, bias in p.logit_bias:
+            row[token] += bias
+        if len(out) < p.min_tokens:
+            for token in p.suppress_ids:
+                row[token] = -math.inf
+        if p.repetition_penalty != 1.0:
+            for token in set(prompt) | set(out):
+                row[token] = row[token] / p.repetition_penalty if row[token] > 0 else row[token] * p.repetition_penalty
+        for token in set(out):
+            row[token] -= p.frequency_penalty * out.count(token) + p.presence_penalty
+        if p.greedy:
+            token = max(range(len(row)), key=row.__getitem__)
+        else:
+            probs = filter_logits(torch.tensor(row), p).softmax(-1)
+            g = torch.Generator().manual_seed(draw_seed(p.seed, len(out)))
+            token = int(torch.multinomial(probs, 1, generator=g))
+        out.append(token)
+        if token in req.stop_token_ids:
+            break
+    return out
+
+
+def processed_requests() -> list[Request]:
+    suppress = frozenset({EOS})
+    return [
+        request("presence", 12, 14, 11, presence_penalty=1.5, prompt_logprobs=1, logprobs=1),
+        request("frequency", 25, 14, 12, frequency_penalty=0.8),
+        request("repetition", 9, 14, 13, repetition_penalty=1.3),
+        request("all", 18, 12, 14, presence_penalty=-0.5, frequency_penalty=0.4, repetition_penalty=0.8,
+                logit_bias=((7, 5.0), (100, -100.0))),
+        request("bias", 7, 10, 15, logit_bias=((42, 8.0), (43, 6.0))),
+        # EOS pushed to the top: without min_tokens it would stop at once
+        request("min_tokens", 10, 20, 16, min_tokens=6, suppress_ids=suppress, logit_bias=((EOS, 30.0),)),
+        request("sampled", 15, 12, 17, temperature=0.8, top_k=50, seed=5, frequency_penalty=1.0,
+                presence_penalty=0.5, repetition_penalty=1.2, logit_bias=((9, 3.0),)),
+        request("plain", 20, 10, 18),
+    ]
+
+
+@pytest.mark.parametrize("preempt", [False, True], ids=["batched", "preempted"])
+def test_penalties_bias_and_min_tokens_equal_a_plain_reference(preempt):
+    """Batched together (and, on two slots with more urgent requests arriving mid-output, preempted and
+    recomputed): each request's tokens equal the one-at-a-time reference."""
+    engine = make_engine(num_slots=2 if preempt else 3)
+    requests = processed_requests()
+    late = requests[4:] if preempt else []
+    for r in requests[:4] if preempt else requests:
+        r.priority = 1 if preempt else 0
+        engine.submit(r)
+    finished = set()
+    for step in range(10_000):
+        if step == 8:
+            for r in late:
+                engine.submit(r)
+        finished |= {out.req_id for out in engine.step() if out.finished}
+        if engine.idle and step > 8:
+            break
+    assert finished == {r.req_id for r in requests}
+    for req in processed_requests():
+        got = next(r for r in requests if r.req_id == req.req_id)
+        assert got.output_ids == reference_tokens(req), req.req_id
+    assert requests[5].output_ids[-1] == EOS and len(requests[5].output_ids) == 7  # min_tokens=6, then EOS
+    echo = requests[0]  # its prompt log-probs arrive once, whole, however often it was recomputed
+    lp = hf_logprobs(echo.prompt_ids + echo.output_ids)
+    assert [t.logprob for t in echo.prompt_logprobs] == pytest.approx(
+        [lp[i, t].item() for i, t in enumerate(echo.prompt_ids[1:])], abs=1e-4)
+    assert [t.logprob for t in echo.logprobs] == pytest.approx(
+        [lp[len(echo.prompt_ids) - 1 + i, t].item() for i, t in enumerate(echo.output_ids)], abs=1e-4)
+    if preempt:
+        assert echo.num_preemptions > 0
+    engine.run([request("after", 4, 2, 19)])  # the next plan carries what left: the worker drops its states
+    assert engine.runner.states.states == {}

@@ -1,0 +1,81 @@
+"""What a worker keeps per request between steps: the tokens penalties count, and its grammar matcher."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Protocol
+
+import torch
+
+from scheduler.request import SamplingParams
+
+
+class Matcher(Protocol):
+    """A grammar following one request's output (workers.grammar.GrammarMatcher)."""
+
+    def mask_logits(self, logits: torch.Tensor) -> None: ...
+    def accept(self, token_id: int) -> None: ...
+
+
+class RequestState:
+    """Built from a request's prompt and output so far (`history` of its first sampling chunk on this
+    worker), then advanced by every token this worker samples for it."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: tuple[int, ...], output_ids: tuple[int, ...],
+                 matcher: Matcher | None) -> None:
+        self.prompt_ids = frozenset(prompt_ids) if params.repetition_penalty != 1.0 else frozenset()
+        self.counts: Counter[int] = Counter()
+        self.matcher = matcher
+        self.num_outputs = 0
+        for token in output_ids:
+            self.consume(token)
+
+    def consume(self, token: int) -> None:
+        """The request's next output token."""
+        self.counts[token] += 1
+        self.num_outputs += 1
+        if self.matcher is not None:
+            self.matcher.accept(token)
+
+    def penalize(self, row: torch.Tensor, params: SamplingParams) -> None:
+        """In place on a float row: repetition penalty over prompt and output tokens (a positive logit
+        divided, a negative one multiplied), then frequency (per occurrence) and presence (once) penalties
+        over output tokens."""
+        vocab = row.shape[-1]
+        if params.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(t for t in self.prompt_ids | self.counts.keys() if t < vocab), dtype=torch.long)
+            values = row[seen]
+            row[seen] = torch.where(values > 0, values / params.repetition_penalty,
+                                    values * params.repetition_penalty)
+        if (params.frequency_penalty or params.presence_penalty) and self.counts:
+            pairs = [(t, c) for t, c in self.counts.items() if t < vocab]
+            ids = torch.tensor([t for t, _ in pairs], dtype=torch.long)
+            counts = torch.tensor([c for _, c in pairs], dtype=row.dtype)
+            row[ids] -= params.frequency_penalty * counts + params.presence_penalty
+
+
+class RequestStates:
+    """A worker's states by request id. `grammars` compiles response formats (built on first use)."""
+
+    def __init__(self, grammar_factory: Any = None) -> None:
+        self.states: dict[str, RequestState] = {}
+        self._grammar_factory = grammar_factory  # () -> GrammarCompiler, or None: no structured output here
+        self._compiler: Any = None
+
+    def get(self, req_id: str) -> RequestState | None:
+        return self.states.get(req_id)
+
+    def rebuild(self, req_id: str, params: SamplingParams, history: tuple[tuple[int, ...], tuple[int, ...]]) -> None:
+        """(Re)build a request's state from its prompt and outputs so far."""
+        matcher = None
+        if params.structured is not None:
+            if self._compiler is None:
+                if self._grammar_factory is None:
+                    raise ValueError("this worker has no tokenizer, so it cannot follow a response_format")
+                self._compiler = self._grammar_factory()
+            matcher = self._compiler.matcher(params.structured)
+        self.states[req_id] = RequestState(params, history[0], history[1], matcher)
+
+    def drop(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            self.states.pop(req_id, None)
