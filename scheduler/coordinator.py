@@ -99,15 +99,23 @@ class Coordinator:
 
     def _route(self, request: Request) -> None:
         """Queue a request whose cache is empty: on the prefill pool, or on a decode worker when the
-        mode is colocated or the tokens to compute are fewer than local_prefill_max_tokens."""
+        mode is colocated or the tokens to compute are fewer than local_prefill_max_tokens; with the
+        sibling it shares a prompt with (n > 1) when that one is still on the pool."""
         local = not self.prefill or request.num_tokens < self.config.local_prefill_max_tokens
         pool = self.decode if local else self.prefill
-        worker = self._pick(pool)
+        worker = self._sibling_worker(request, pool) or self._pick(pool)
         if worker is None:
             self._fail(request, f"no live {'decode' if local else 'prefill'} worker")
             return
         worker.sched.submit(request)
         self.wake(worker)
+
+    @staticmethod
+    def _sibling_worker(request: Request, pool: list[WorkerState]) -> WorkerState | None:
+        """n > 1: the live worker of the pool holding the sibling this request copies its prompt from."""
+        if request.fork_of is None:
+            return None
+        return next((w for w in pool if w.status is WorkerStatus.UP and request.fork_of in w.sched.requests), None)
 
     @staticmethod
     def _pick(pool: list[WorkerState], exclude: WorkerState | None = None) -> WorkerState | None:

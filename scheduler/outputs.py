@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.detokenizer import IncrementalDetokenizer
-from scheduler.policy import Scheduler, StepUpdate
+from scheduler.plan import StepUpdate
+from scheduler.policy import Scheduler
 from scheduler.request import OPENAI_FINISH_REASON, FinishReason, Request, TokenLogprob
 
 

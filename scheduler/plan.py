@@ -1,10 +1,12 @@
-"""The step plan: plain data the policy hands to a worker, naming which tokens to compute where."""
+"""The step plan: plain data the policy hands to a worker, naming which tokens to compute where; and the
+policy's other plain records (its queue entries, what a step's results did)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from scheduler.request import SamplingParams
+from scheduler.request import Request, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,9 @@ class StepPlan:
     prefill: list[Chunk]  # prompt (or recompute) chunks, most urgent then oldest request first
     preempted: list[str] = field(default_factory=list)  # evicted while planning; they wait to recompute
     released: list[str] = field(default_factory=list)  # left this worker since its last plan: drop their state
+    # (source slot, destination slot, positions): KV rows to copy before the forward (n > 1: a choice
+    # takes its sibling's prompt instead of computing it again)
+    copies: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def chunks(self) -> list[Chunk]:
@@ -50,4 +55,21 @@ class StepPlan:
 
     @property
     def empty(self) -> bool:
-        return not self.decode and not self.prefill
+        return not self.decode and not self.prefill and not self.copies
+
+
+class StepUpdate(NamedTuple):
+    """What a step's results did: the tokens taken (a request that left while the step ran takes none)
+    and the requests that finished."""
+
+    accepted: dict[str, int]
+    finished: list[Request]
+
+
+class WaitingEntry(NamedTuple):
+    """A queued request and the key it is admitted by: most urgent priority, then oldest, then first in."""
+
+    priority: int
+    arrival_s: float
+    order: int
+    request: Request

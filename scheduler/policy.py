@@ -6,27 +6,9 @@ import bisect
 import itertools
 import time
 from collections.abc import Iterable
-from typing import NamedTuple
 
-from scheduler.plan import Chunk, StepPlan
+from scheduler.plan import Chunk, StepPlan, StepUpdate, WaitingEntry
 from scheduler.request import FinishReason, Request, RequestStatus, TokenLogprob
-
-
-class StepUpdate(NamedTuple):
-    """What a step's results did: the tokens taken (a request that left while the step ran takes none)
-    and the requests that finished."""
-
-    accepted: dict[str, int]
-    finished: list[Request]
-
-
-class WaitingEntry(NamedTuple):
-    """A queued request and the key it is admitted by: most urgent priority, then oldest, then first in."""
-
-    priority: int
-    arrival_s: float
-    order: int
-    request: Request
 
 
 class Scheduler:
@@ -119,19 +101,29 @@ class Scheduler:
         """Admit what fits (preempting for more urgent requests), then plan one step (see the class
         docstring)."""
         preempted: list[str] = []
-        while self.waiting:
+        copies: list[tuple[int, int, int]] = []
+        index = 0
+        while index < len(self.waiting):
+            request = self.waiting[index].request
+            sibling = self._fork_source(request)
+            if sibling is not None and (sibling.slot is None or sibling.num_computed < len(request.prompt_ids) - 1):
+                index += 1  # its sibling's prompt will be here soon: copying it beats computing it again
+                continue
             if not self.free_slots:
-                victim = self._victim(self.waiting[0].request)
+                victim = self._victim(request)
                 if victim is None:
                     break
                 self._preempt(victim)
                 preempted.append(victim.req_id)
-            request = self.waiting.pop(0).request
+            self.waiting.pop(index)
             if request.scheduled_s is None:
                 request.scheduled_s = time.perf_counter()
             request.slot = self.free_slots.pop(0)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if sibling is not None and sibling.slot is not None:  # all but the last prompt token: that one
+                request.num_computed = len(request.prompt_ids) - 1  # samples this choice's first token
+                copies.append((sibling.slot, request.slot, request.num_computed))
         self.running.sort(key=lambda r: (r.priority, r.arrival_s))  # prompt chunks: most urgent, then oldest
 
         budget = self.token_budget
@@ -159,7 +151,15 @@ class Scheduler:
         released: list[str] = []
         if decode or prefill:  # an empty plan is not sent: keep them for the next one
             released, self.released = self.released, []
-        return StepPlan(decode=decode, prefill=prefill, preempted=preempted, released=released)
+        return StepPlan(decode=decode, prefill=prefill, preempted=preempted, released=released, copies=copies)
+
+    def _fork_source(self, request: Request) -> Request | None:
+        """n > 1: the sibling on this scheduler with the same prompt, whose prompt KV this request (with an
+        empty cache) copies instead of computing it; it waits while the sibling's prompt is not computed."""
+        if request.fork_of is None or request.num_computed or len(request.prompt_ids) < 2:
+            return None
+        sibling = self.requests.get(request.fork_of)
+        return sibling if sibling is not None and sibling.prompt_ids == request.prompt_ids else None
 
     def _victim(self, candidate: Request) -> Request | None:
         """The running request to evict for `candidate`: strictly less urgent, evicted fewer than

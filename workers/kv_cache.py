@@ -41,6 +41,11 @@ class SlotKVCache:
             rows = rows.view(torch.int16)
         return rows.cpu().numpy()
 
+    def copy_rows(self, src: int, dst: int, length: int) -> None:
+        """Positions 0..length-1 of slot `src` into slot `dst` (a fork sharing its sibling's prompt)."""
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+
     def import_rows(self, slot: int, rows: np.ndarray) -> int:
         """Write exported rows into a slot at positions 0..length-1; return the length."""
         tensor = torch.from_numpy(np.asarray(rows))

@@ -51,6 +51,8 @@ class ModelRunner:
         sampled (its request's cache was lost here) is dropped: no result comes back for it.
         """
         self.states.drop(plan.released)
+        for src, dst, length in plan.copies:
+            self.cache.copy_rows(src, dst, length)
         decode = [c for c in map(self._feed, plan.decode) if c is not None]
         chunks = decode + [c for c in map(self._feed, plan.prefill) if c is not None]
         if not chunks:

@@ -135,3 +135,31 @@ def test_penalties_bias_and_min_tokens_equal_a_plain_reference(preempt):
         assert echo.num_preemptions > 0
     engine.run([request("after", 4, 2, 19)])  # the next plan carries what left: the worker drops its states
     assert engine.runner.states.states == {}
+
+
+@pytest.mark.parametrize("prompt_len", [1, 2, 29])
+def test_n_choices_share_one_prefill_and_equal_separate_requests(prompt_len):
+    """Choice i (fork_of choice 0, seed + i) equals a request of its own with that seed; the prompt is
+    computed once: each later choice copies its sibling's KV and computes only the last prompt token."""
+    def choices(n: int, seed: int) -> list[Request]:
+        prompt = prompt_ids(prompt_len, 21)
+        return [Request(req_id=f"x-{i}", prompt_ids=prompt, max_tokens=9, stop_token_ids=frozenset({EOS}),
+                        sampling=SamplingParams(temperature=0.9, seed=seed + i, presence_penalty=0.5, logprobs=1),
+                        fork_of="x-0" if i else None) for i in range(n)]
+
+    engine = make_engine(num_slots=4)
+    plans = []
+    execute = engine.runner.execute
+    engine.runner.execute = lambda plan: plans.append(plan) or execute(plan)
+    forked = engine.run(choices(3, 40) + [request("other", 11, 6, 22)])
+    computed = sum(c.num_tokens for p in plans for c in p.prefill if c.req_id.startswith("x-"))
+    copies = [copy for p in plans for copy in p.copies]
+    if prompt_len > 1:
+        assert computed == prompt_len + 2 and len(copies) == 2  # one prompt, then one token per later choice
+    for i, expected in enumerate(choices(3, 40)):
+        alone = make_engine(num_slots=1).run([Request(req_id="solo", prompt_ids=expected.prompt_ids, max_tokens=9,
+                                                      stop_token_ids=frozenset({EOS}), sampling=expected.sampling)])
+        assert forked[f"x-{i}"].output_ids == alone["solo"].output_ids
+        assert [t.logprob for t in forked[f"x-{i}"].logprobs] == pytest.approx(
+            [t.logprob for t in alone["solo"].logprobs], abs=1e-5)
+    assert len({tuple(forked[f"x-{i}"].output_ids) for i in range(3)}) > 1  # the seeds differ
