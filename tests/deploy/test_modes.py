@@ -7,7 +7,7 @@ import pytest
 from deploy.config import EngineConfig
 from deploy.driver import RayEngine, open_engine
 from deploy.engine_client import EngineClient, complete
-from scheduler.request import SamplingParams
+from scheduler.request import Request, SamplingParams
 from tests.factories import VOCAB, make_requests
 
 pytestmark = pytest.mark.slow
@@ -104,3 +104,33 @@ def test_preemption_keeps_every_output_equal_to_local(ray_session, tiny_checkpoi
     assert stats["counters"]["preemptions"] >= 1
     assert sum(c.metrics["preemptions"] for c in results.values()) == stats["counters"]["preemptions"]
     assert all(w["slots_used"] == 0 for w in stats["workers"].values())
+
+
+def sampling_variety():
+    """Penalties, logit_bias, min_tokens, log-probs, echo log-probs, and three seeded choices of one prompt."""
+    from tests.workers.test_sampling_params import processed_requests
+
+    prompt = make_requests(1, [20], [1])[0].prompt_ids
+    choices = [Request(req_id=f"n-{i}", prompt_ids=prompt, max_tokens=10, fork_of="n-0" if i else None,
+                       sampling=SamplingParams(temperature=0.9, seed=70 + i, frequency_penalty=0.5, logprobs=2))
+               for i in range(3)]
+    return processed_requests() + choices
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_sampling_parameters_equal_local_mode(ray_session, tiny_checkpoint, mode):
+    with open_engine(EngineConfig(model=tiny_checkpoint, **BASE)) as engine:
+        local = engine.run(sampling_variety())
+    with RayEngine(EngineConfig(model=tiny_checkpoint, mode=mode, **BASE)) as engine:
+        results = engine.run(sampling_variety())
+    for req_id, expected in local.items():
+        got = results[req_id]
+        assert got.token_ids == expected.token_ids and got.finish_reason == expected.finish_reason, req_id
+        assert [t.token_id for t in got.logprobs] == [t.token_id for t in expected.logprobs]
+        assert [t.logprob for t in got.logprobs] == pytest.approx([t.logprob for t in expected.logprobs], abs=1e-4)
+        assert (got.prompt_logprobs is None) == (expected.prompt_logprobs is None)
+        if expected.prompt_logprobs is not None:
+            assert [t.logprob for t in got.prompt_logprobs] == pytest.approx(
+                [t.logprob for t in expected.prompt_logprobs], abs=1e-4)
+    assert len(results["presence"].prompt_logprobs) == 11  # a prompt of 12 tokens: all but the first
+    assert results["min_tokens"].token_ids[-1] == VOCAB - 1 and len(results["min_tokens"].token_ids) == 7
