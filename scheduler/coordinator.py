@@ -52,6 +52,7 @@ class Coordinator:
                                                                    config.prefill_slots)
         self.workers = self.prefill + self.decode
         self.handoffs: dict[str, KVHandoff] = {}  # handed off, not yet imported: the only refs held
+        self.forks: dict[str, list[Request]] = {}  # n > 1: sibling id -> choices waiting for its handoff
         self.placements: dict[str, RequestPlacement] = {}
         self.consumers: dict[str, str] = {}  # req_id -> who receives its outputs
         self.outbox: dict[str, list[RequestOutput]] = {}  # consumer -> outputs not yet taken
@@ -64,7 +65,7 @@ class Coordinator:
         if request.req_id in self.consumers:  # every unfinished request has its consumer here
             raise ValueError(f"request id {request.req_id!r} is already in use")
         Scheduler.check_fits(request, self.config.capacity)
-        num_waiting = sum(w.sched.num_waiting for w in self.workers)
+        num_waiting = sum(w.sched.num_waiting for w in self.workers) + sum(map(len, self.forks.values()))
         if self.config.max_waiting is not None and num_waiting >= self.config.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
         self.consumers[request.req_id] = consumer
@@ -75,14 +76,17 @@ class Coordinator:
     def abort(self, req_id: str) -> bool:
         """End a request in any state (waiting, prefilling, handed off, decoding): its slot, prefill
         row and handoff are freed at once, and its stream gets a final `abort` output."""
-        for worker in self.workers:
-            request = worker.sched.abort(req_id)
-            if request is not None:
-                self.handoffs.pop(req_id, None)
-                self._publish([RequestOutput(req_id, text=self.outputs.close(request), finish_reason="abort",
-                                             metrics=request.metrics())])
-                return True
-        return False
+        request = next((r for w in self.workers if (r := w.sched.abort(req_id)) is not None), None) \
+            or self._take_fork(req_id)
+        if request is None:
+            return False
+        if request.finish_reason is None:  # a choice that was waiting for its sibling's handoff
+            request.mark_finished(FinishReason.ABORT)
+        self.handoffs.pop(req_id, None)
+        self._release_forks(req_id)
+        self._publish([RequestOutput(req_id, text=self.outputs.close(request), finish_reason="abort",
+                                     metrics=request.metrics())])
+        return True
 
     def abort_consumer(self, consumer: str) -> int:
         """Abort every request of a consumer that went away; returns how many."""
@@ -102,6 +106,9 @@ class Coordinator:
         mode is colocated or the tokens to compute are fewer than local_prefill_max_tokens; with the
         sibling it shares a prompt with (n > 1) when that one is still on the pool."""
         local = not self.prefill or request.num_tokens < self.config.local_prefill_max_tokens
+        if not local and request.fork_of is not None and any(request.fork_of in w.sched.requests for w in self.prefill):
+            self.forks.setdefault(request.fork_of, []).append(request)  # one prefill, one handoff for all
+            return
         pool = self.decode if local else self.prefill
         worker = self._sibling_worker(request, pool) or self._pick(pool)
         if worker is None:
@@ -109,6 +116,23 @@ class Coordinator:
             return
         worker.sched.submit(request)
         self.wake(worker)
+
+    def _release_forks(self, req_id: str, target: WorkerState | None = None) -> None:
+        """The choices waiting for this request's handoff go with it to `target` (where they copy its
+        KV), or, when it left without one, on their own way (each computes the prompt)."""
+        for fork in self.forks.pop(req_id, []):
+            if target is None:
+                self._route(fork)
+            else:
+                target.sched.submit(fork)
+
+    def _take_fork(self, req_id: str) -> Request | None:
+        for waiting in self.forks.values():
+            for fork in waiting:
+                if fork.req_id == req_id:
+                    waiting.remove(fork)
+                    return fork
+        return None
 
     @staticmethod
     def _sibling_worker(request: Request, pool: list[WorkerState]) -> WorkerState | None:
@@ -127,6 +151,7 @@ class Coordinator:
     def _fail(self, request: Request, message: str) -> None:
         """End a request that no scheduler holds with an error on its own stream."""
         self.handoffs.pop(request.req_id, None)
+        self._release_forks(request.req_id)
         request.mark_finished(FinishReason.ERROR, message)
         self._publish([RequestOutput(request.req_id, text=self.outputs.close(request), finish_reason="error",
                                      error=message, metrics=request.metrics())])
@@ -187,6 +212,7 @@ class Coordinator:
     def _hand_off(self, sched: Scheduler, handoff: KVHandoff) -> None:
         request = sched.evict(handoff.req_id) if handoff.req_id in sched.requests else None
         if request is None:
+            self._release_forks(handoff.req_id)
             return  # finished on its first token, or aborted: the ref is dropped here
         target = self._pick(self.decode)
         if target is None:
@@ -197,6 +223,7 @@ class Coordinator:
         self.counts.handoff_bytes += handoff.num_bytes
         self.placements[request.req_id].kv_handoff_bytes = handoff.num_bytes
         target.sched.submit(request)
+        self._release_forks(request.req_id, target)
         self.wake(target)
 
     def _count_states(self) -> None:

@@ -330,3 +330,43 @@ def test_the_timeline_summarizes_phases_and_busy_rate():
     assert line["steps"] == 3 and line["period_ms_p50"] == pytest.approx(20.0)
     assert line["outside_forward_fraction"] == pytest.approx(1 - 0.050 / 0.060)
     assert line["tok_s_busy"] == pytest.approx(256 / 0.060)
+
+
+def choices(n, prompt_len=6, max_tokens=5):
+    prompt = list(range(1, prompt_len + 1))
+    return [Request(req_id=f"x-{i}", prompt_ids=prompt, max_tokens=max_tokens, fork_of="x-0" if i else None)
+            for i in range(n)]
+
+
+def test_n_choices_share_one_prefill_and_one_handoff():
+    """Later choices wait for choice 0's handoff, go to its decode worker and copy its imported KV there."""
+    coordinator, streams = cell(decode_slots=4, num_decode_workers=2), Streams()
+    for choice in choices(3):
+        coordinator.admit(choice, consumer="c")
+    assert [r.req_id for r in coordinator.forks["x-0"]] == ["x-1", "x-2"]
+    assert coordinator.prefill[0].sched.num_waiting == 1  # only choice 0 is prefilled
+    plans = []
+    next_step = coordinator.next_step
+    coordinator.next_step = lambda worker: (lambda step: plans.append((worker, step)) or step)(next_step(worker))
+    step_all(coordinator, streams)
+    assert streams.tokens == {f"x-{i}": expected_tokens(f"x-{i}", 5) for i in range(3)}
+    assert coordinator.counts.handoffs == 1 and not coordinator.forks
+    copies = [(w.name, c) for w, step in plans if step is not None for c in step[0].copies]
+    assert [c[2] for _, c in copies] == [5, 5] and len({name for name, _ in copies}) == 1  # 6-token prompt
+    assert_idle(coordinator)
+
+
+@pytest.mark.parametrize("aborted", ["x-0", "x-1"])
+def test_aborting_a_choice_before_the_handoff(aborted):
+    """A waiting choice ends at once; choice 0 ending first sends the others to compute their own prompt."""
+    coordinator, streams = cell(decode_slots=4), Streams()
+    for choice in choices(3):
+        coordinator.admit(choice, consumer="c")
+    assert coordinator.abort(aborted)
+    step_all(coordinator, streams)
+    assert streams.finish[aborted] == "abort" and streams.tokens.get(aborted, []) == []
+    alive = [f"x-{i}" for i in range(3) if f"x-{i}" != aborted]
+    assert {r: streams.tokens[r] for r in alive} == {r: expected_tokens(r, 5) for r in alive}
+    assert coordinator.counts.handoffs == (1 if aborted == "x-1" else 2)
+    assert_idle(coordinator)
+    assert not coordinator.forks
