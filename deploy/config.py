@@ -8,6 +8,7 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from scheduler.cell import MODES_ON_RAY, CellConfig
+from scheduler.prefix_cache import BLOCK_SIZE
 from workers.catalog import DEFAULT_MODEL, MAX_DEFAULT_CONTEXT
 
 Mode = Literal["local", "colocated", "disaggregated"]
@@ -50,6 +51,10 @@ class EngineConfig(BaseModel):
                                 "ends with an error.")
     num_cpus_per_worker: float = Field(1.0, gt=0, description="CPUs reserved per worker actor; torch uses "
                                        "that many threads.")
+    prefix_cache_tokens: int = Field(16384, ge=0, description="Prefix cache per worker that prefills: KV of "
+                                     "this many prompt tokens (blocks of 16) kept for reuse; 0 turns it off.")
+    cache_routing: bool = Field(True, description="Send each prompt to the worker where the most of its prefix "
+                                "is cached, weighed against queued work; false: by load only.")
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
@@ -74,7 +79,12 @@ class EngineConfig(BaseModel):
                           prefill_slots=self.prefill_slots, capacity=capacity, token_budget=self.token_budget,
                           prefill_chunk=self.prefill_chunk, max_waiting=self.max_waiting,
                           max_preemptions=self.max_preemptions, max_recomputes=self.max_recomputes,
-                          local_prefill_max_tokens=self.local_prefill_max_tokens)
+                          local_prefill_max_tokens=self.local_prefill_max_tokens,
+                          prefix_cache_blocks=self.prefix_blocks, cache_routing=self.cache_routing)
+
+    @property
+    def prefix_blocks(self) -> int:
+        return self.prefix_cache_tokens // BLOCK_SIZE
 
 
 def format_validation_errors(errors: Sequence[Any], skip: tuple[str, ...] = (), limit: int = 5,

@@ -66,9 +66,10 @@ class InProcessEngine(Engine):
         loaded = loaded or load_model(config.model, config.dtype, config.device)
         self.capacity = config.context_len(loaded.max_context)
         self.tokenizer, self.eos_token_ids = loaded.tokenizer, loaded.eos_token_ids
-        runner = ModelRunner(loaded.model, num_slots=config.slots, capacity=self.capacity, tokenizer=loaded.tokenizer)
+        runner = ModelRunner(loaded.model, num_slots=config.slots, capacity=self.capacity, tokenizer=loaded.tokenizer,
+                             prefix_blocks=config.prefix_blocks)
         scheduler = Scheduler(config.slots, self.capacity, config.token_budget, config.prefill_chunk,
-                              config.max_waiting, config.max_preemptions)
+                              config.max_waiting, config.max_preemptions, prefix_cache_blocks=config.prefix_blocks)
         log.info("local engine: %s, %d slots x %d tokens, budget %d, chunk %d, torch threads %d", loaded.name,
                  config.slots, self.capacity, config.token_budget, config.prefill_chunk, torch.get_num_threads())
         self.engine = LocalEngine(runner, scheduler, loaded.tokenizer)

@@ -1,7 +1,7 @@
 """The scheduler's Ray actor: a thin shell of loops and remote calls around the pure `Coordinator`.
 
 Nothing in `scheduler/` imports this module. Its workers come from an injected `spawn_worker(kind,
-index, num_slots) -> actor handle` (deploy passes `workers.actors.spawn_worker`; the stub-worker
+index, num_slots, prefix_blocks) -> actor handle` (deploy passes `workers.actors.spawn_worker`; the stub-worker
 benchmark passes stubs), so the imports point one way: deploy -> workers -> scheduler.
 
 Consumers (the batch driver, each ingress replica) `submit` requests under a consumer id and `poll`:
@@ -39,12 +39,13 @@ class SchedulerActor:
     """Creates the workers of a cell and runs one stepping loop per worker, so a decode step never
     waits for a prefill step. Decisions are the coordinator's; this class only moves messages."""
 
-    def __init__(self, config: CellConfig, spawn_worker: Callable[[str, int, int], Any], tokenizer: Any = None,
+    def __init__(self, config: CellConfig, spawn_worker: Callable[[str, int, int, int], Any], tokenizer: Any = None,
                  metrics_backend: Any = None, consumer_timeout_s: float = 30.0) -> None:
         self.coordinator = Coordinator(config, tokenizer, metrics_backend or ray.util.metrics, wake=self._wake)
         self.instance = uuid.uuid4().hex  # a restarted scheduler has a new one: it knows no earlier request
         self.config, self.consumer_timeout_s = config, consumer_timeout_s
-        self.handles = {w.name: spawn_worker(w.kind, w.index, w.sched.num_slots) for w in self.coordinator.workers}
+        self.handles = {w.name: spawn_worker(w.kind, w.index, w.sched.num_slots, _blocks(w.sched))
+                        for w in self.coordinator.workers}
         self.wakeups = {w.name: asyncio.Event() for w in self.coordinator.workers}
         self.mailboxes: dict[str, list[RequestOutput]] = {}  # consumer -> outputs not yet polled
         self.mail: dict[str, asyncio.Event] = {}
@@ -206,3 +207,7 @@ class SchedulerActor:
 
     async def reset_timeline(self) -> None:
         self.timeline.reset()
+
+
+def _blocks(sched: Any) -> int:
+    return sched.prefix_cache.num_blocks if sched.prefix_cache is not None else 0

@@ -27,6 +27,8 @@ class CellConfig:
     max_preemptions: int = 2
     max_recomputes: int = 3  # cache losses a request survives before it ends with an error
     local_prefill_max_tokens: int = 0  # shorter prompts are prefilled on the decode worker
+    prefix_cache_blocks: int = 0  # per worker that prefills (prefill pool; decode pool when it prefills)
+    cache_routing: bool = True  # send a prompt where its prefix is cached (weighed against queued work)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES_ON_RAY:
@@ -52,6 +54,10 @@ class WorkerState:
     @property
     def name(self) -> str:
         return f"{self.kind}-{self.index}"
+
+    @property
+    def prefills(self) -> bool:
+        return self.kind == "prefill" or self.sched.prefix_cache is not None
 
     @property
     def slots_used(self) -> int:

@@ -16,6 +16,7 @@ from scheduler.metrics import RecordingBackend, SchedulerMetrics
 from scheduler.outputs import OutputProcessor, RequestOutput
 from scheduler.plan import StepPlan
 from scheduler.policy import QueueFullError, Scheduler
+from scheduler.prefix_cache import tokens_to_first_token
 from scheduler.request import FinishReason, Request
 
 log = logging.getLogger(__name__)
@@ -42,14 +43,16 @@ class Coordinator:
         self.metrics = SchedulerMetrics(config.mode, metrics_backend or RecordingBackend())
         self.wake = wake
 
-        def pool(kind: str, count: int, slots: int) -> list[WorkerState]:
+        def pool(kind: str, count: int, slots: int, cached: bool) -> list[WorkerState]:
             return [WorkerState(kind, i, Scheduler(slots, config.capacity, config.token_budget, config.prefill_chunk,
-                                                   max_preemptions=config.max_preemptions, decodes=kind == "decode"))
+                                                   max_preemptions=config.max_preemptions, decodes=kind == "decode",
+                                                   prefix_cache_blocks=config.prefix_cache_blocks if cached else 0))
                     for i in range(count)]
 
-        self.decode = pool("decode", config.num_decode_workers, config.decode_slots)
+        decode_prefills = config.mode == "colocated" or config.local_prefill_max_tokens > 0
+        self.decode = pool("decode", config.num_decode_workers, config.decode_slots, decode_prefills)
         self.prefill = [] if config.mode == "colocated" else pool("prefill", config.num_prefill_workers,
-                                                                   config.prefill_slots)
+                                                                   config.prefill_slots, True)
         self.workers = self.prefill + self.decode
         self.handoffs: dict[str, KVHandoff] = {}  # handed off, not yet imported: the only refs held
         self.forks: dict[str, list[Request]] = {}  # n > 1: sibling id -> choices waiting for its handoff
@@ -110,7 +113,7 @@ class Coordinator:
             self.forks.setdefault(request.fork_of, []).append(request)  # one prefill, one handoff for all
             return
         pool = self.decode if local else self.prefill
-        worker = self._sibling_worker(request, pool) or self._pick(pool)
+        worker = self._sibling_worker(request, pool) or self._pick_for_prompt(request, pool)
         if worker is None:
             self._fail(request, f"no live {'decode' if local else 'prefill'} worker")
             return
@@ -133,6 +136,16 @@ class Coordinator:
                     waiting.remove(fork)
                     return fork
         return None
+
+    def _pick_for_prompt(self, request: Request, pool: list[WorkerState]) -> WorkerState | None:
+        """With cache routing, the live worker where the prompt has the fewest tokens to wait for
+        (`tokens_to_first_token`: queued work plus its own uncached tokens), then the least loaded;
+        else (or without prefix caches) the least loaded."""
+        live = [w for w in pool if w.status is WorkerStatus.UP]
+        if not self.config.cache_routing or len(live) < 2 or not all(w.sched.prefix_cache for w in live):
+            return self._pick(pool)
+        return min(live, key=lambda w: (tokens_to_first_token(request, w.sched.prefix_cache,
+                                                              w.sched.requests.values()), w.load()))
 
     @staticmethod
     def _sibling_worker(request: Request, pool: list[WorkerState]) -> WorkerState | None:
@@ -255,6 +268,8 @@ class Coordinator:
         it after its restart) and move its waiting ones to live workers of its pool."""
         self.counts.worker_failures += 1
         worker.status = WorkerStatus.RESTARTING
+        if worker.sched.prefix_cache is not None:
+            worker.sched.prefix_cache.clear()  # the restarted worker's pool is empty
         log.warning("%s failed; moving its requests", worker.name)
         for request in list(worker.sched.running):
             worker.sched.evict(request.req_id)

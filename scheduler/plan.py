@@ -44,6 +44,10 @@ class StepPlan:
     # (source slot, destination slot, positions): KV rows to copy before the forward (n > 1: a choice
     # takes its sibling's prompt instead of computing it again)
     copies: list[tuple[int, int, int]] = field(default_factory=list)
+    # prefix cache: (pool block, slot, first position) to load before the forward, and (slot, first
+    # position, pool block) to save after it
+    loads: list[tuple[int, int, int]] = field(default_factory=list)
+    saves: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def chunks(self) -> list[Chunk]:
@@ -55,7 +59,7 @@ class StepPlan:
 
     @property
     def empty(self) -> bool:
-        return not self.decode and not self.prefill and not self.copies
+        return not (self.decode or self.prefill or self.copies or self.loads or self.saves)
 
 
 class StepUpdate(NamedTuple):

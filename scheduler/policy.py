@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterable
 
 from scheduler.plan import Chunk, StepPlan, StepUpdate, WaitingEntry
+from scheduler.prefix_cache import PrefixCache
 from scheduler.request import FinishReason, Request, RequestStatus, TokenLogprob
 
 
@@ -30,6 +31,7 @@ class Scheduler:
         max_waiting: int | None = None,
         max_preemptions: int = 2,
         decodes: bool = True,
+        prefix_cache_blocks: int = 0,
     ) -> None:
         limits = {"num_slots": num_slots, "capacity": capacity, "token_budget": token_budget,
                   "prefill_chunk": prefill_chunk}
@@ -54,6 +56,8 @@ class Scheduler:
         self.synced: set[str] = set()  # requests whose sampling state the worker holds (history sent)
         self.released: list[str] = []  # left since the last plan: the worker may drop what it keeps for them
         self._order = itertools.count()
+        # the worker's prefix cache, this many blocks of BLOCK_SIZE tokens; None: no cache
+        self.prefix_cache = PrefixCache(prefix_cache_blocks) if prefix_cache_blocks else None
 
     # ---- admission -------------------------------------------------------------------------------
     def check(self, request: Request) -> None:
@@ -102,6 +106,7 @@ class Scheduler:
         docstring)."""
         preempted: list[str] = []
         copies: list[tuple[int, int, int]] = []
+        loads: list[tuple[int, int, int]] = []
         index = 0
         while index < len(self.waiting):
             request = self.waiting[index].request
@@ -124,6 +129,8 @@ class Scheduler:
             if sibling is not None and sibling.slot is not None:  # all but the last prompt token: that one
                 request.num_computed = len(request.prompt_ids) - 1  # samples this choice's first token
                 copies.append((sibling.slot, request.slot, request.num_computed))
+            elif self.prefix_cache is not None and not request.num_computed and not request.wants_prompt_logprobs:
+                loads += self.prefix_cache.admit(request, request.slot)
         self.running.sort(key=lambda r: (r.priority, r.arrival_s))  # prompt chunks: most urgent, then oldest
 
         budget = self.token_budget
@@ -148,10 +155,12 @@ class Scheduler:
             request = self.requests[chunk.req_id]
             request.num_computed += chunk.num_tokens
             request.num_pending += chunk.sample
+        saves = self.prefix_cache.save(self.running) if self.prefix_cache is not None else []
         released: list[str] = []
         if decode or prefill:  # an empty plan is not sent: keep them for the next one
             released, self.released = self.released, []
-        return StepPlan(decode=decode, prefill=prefill, preempted=preempted, released=released, copies=copies)
+        return StepPlan(decode=decode, prefill=prefill, preempted=preempted, released=released, copies=copies,
+                        loads=loads, saves=saves)
 
     def _fork_source(self, request: Request) -> Request | None:
         """n > 1: the sibling on this scheduler with the same prompt, whose prompt KV this request (with an
@@ -179,6 +188,8 @@ class Scheduler:
         request.reset_cache()
         request.num_preemptions += 1
         self.synced.discard(request.req_id)  # what the worker sampled for it in flight is void: resend
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget(request.req_id)
         self._enqueue(request)
 
     def _chunk(self, request: Request, length: int) -> Chunk:
@@ -191,7 +202,7 @@ class Scheduler:
             self.synced.add(request.req_id)
         num_prompt = len(request.prompt_ids)
         targets: tuple[int, ...] = ()
-        if params.prompt_logprobs is not None and len(request.prompt_logprobs) < num_prompt - 1:
+        if request.wants_prompt_logprobs:
             targets = tuple(request.prompt_ids[start + 1 : min(start + length + 1, num_prompt)])
         return Chunk(
             req_id=request.req_id,
@@ -268,6 +279,8 @@ class Scheduler:
         if req_id in self.synced:
             self.synced.discard(req_id)
             self.released.append(req_id)
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget(req_id)
         if request.status is RequestStatus.WAITING:
             self.waiting = [e for e in self.waiting if e.request is not request]
         else:
@@ -296,16 +309,6 @@ class Scheduler:
 
     def waiting_requests(self) -> Iterable[Request]:
         return (e.request for e in self.waiting)
-
-    def stats(self) -> dict[str, int]:
-        return {
-            "num_waiting": len(self.waiting),
-            "num_running": len(self.running),
-            "num_free_slots": len(self.free_slots),
-            "num_slots": self.num_slots,
-            "num_preemptions": self.num_preemptions,
-            "num_recomputed_tokens": self.num_recomputed_tokens,
-        }
 
 
 class QueueFullError(ValueError):

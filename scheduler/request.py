@@ -144,6 +144,7 @@ class Request:
     token_times_s: list[float] = field(default_factory=list)  # when each output token was sampled
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, if sampling.logprobs is set
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. (echo), as computed
+    block_names: list[bytes] = field(default_factory=list, repr=False)  # prefix cache: its full blocks' names
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -182,6 +183,11 @@ class Request:
     def is_decoding(self) -> bool:
         """Only the last sampled (or being sampled) token is missing from the cache."""
         return self.num_outputs_planned > 0 and self.num_uncomputed == 1
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """It still needs prompt log-probs (echo): every prompt position must be computed, none copied."""
+        return self.sampling.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids) - 1
 
     @property
     def finished(self) -> bool:

@@ -21,11 +21,12 @@ class _ModelWorker:
     """Loads the model and a slot cache; `torch` uses as many threads as the actor has CPUs."""
 
     def __init__(self, index: int, model: str, dtype: str, device: str, num_slots: int, capacity: int,
-                 num_threads: int) -> None:
+                 num_threads: int, prefix_blocks: int = 0) -> None:
         torch.set_num_threads(max(1, num_threads))
         self.index = index
         loaded = load_model(model, dtype, resolve_device(device))
-        self.runner = ModelRunner(loaded.model, num_slots=num_slots, capacity=capacity, tokenizer=loaded.tokenizer)
+        self.runner = ModelRunner(loaded.model, num_slots=num_slots, capacity=capacity, tokenizer=loaded.tokenizer,
+                                  prefix_blocks=prefix_blocks)
 
     def ready(self) -> dict[str, Any]:
         """Where this worker runs: answered once the model is loaded."""
@@ -82,7 +83,7 @@ class DecodeWorker(_ModelWorker):
                           step_s=time.perf_counter() - start, forward_s=self.runner.last_forward_s)
 
 
-def spawn_worker(config: Any, capacity: int, kind: str, index: int, num_slots: int) -> Any:
+def spawn_worker(config: Any, capacity: int, kind: str, index: int, num_slots: int, prefix_blocks: int = 0) -> Any:
     """Start one worker actor of a pool (`kind` "prefill" or "decode"); returns its handle at once.
 
     `config` is deploy's EngineConfig (model, dtype, device, resources, restarts, CPUs per worker).
@@ -96,4 +97,5 @@ def spawn_worker(config: Any, capacity: int, kind: str, index: int, num_slots: i
                "num_cpus": config.num_cpus_per_worker, "num_gpus": gpus,
                "resources": config.prefill_resources if kind == "prefill" else config.decode_resources}
     return ray.remote(cls).options(**options).remote(
-        index, config.model, config.dtype, config.device, num_slots, capacity, max(1, int(config.num_cpus_per_worker)))
+        index, config.model, config.dtype, config.device, num_slots, capacity, max(1, int(config.num_cpus_per_worker)),
+        prefix_blocks)

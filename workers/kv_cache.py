@@ -7,7 +7,8 @@ import torch
 
 
 class SlotKVCache:
-    """K and V as `[layers, slots, kv_heads, capacity, head_dim]` tensors.
+    """K and V as `[layers, slots, kv_heads, capacity, head_dim]` tensors, and a prefix-cache pool of
+    `num_blocks` blocks of `block_size` positions, `[layers, blocks, kv_heads, block_size, head_dim]`.
 
     A slot holds one request's keys and values at their positions; a position is visible to a query
     only if the query is at or after it, so a slot reused by a new request needs no clearing.
@@ -15,12 +16,16 @@ class SlotKVCache:
 
     def __init__(
         self, num_layers: int, num_slots: int, num_kv_heads: int, capacity: int, head_dim: int,
-        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", num_blocks: int = 0,
+        block_size: int = 16,
     ) -> None:
         shape = (num_layers, num_slots, num_kv_heads, capacity, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.num_slots, self.capacity = num_slots, capacity
+        pool = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
+        self.pool_k = torch.zeros(pool, dtype=dtype, device=device)
+        self.pool_v = torch.zeros(pool, dtype=dtype, device=device)
+        self.num_slots, self.capacity, self.block_size = num_slots, capacity, block_size
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -29,7 +34,19 @@ class SlotKVCache:
 
     @property
     def total_bytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return 2 * (self.k.numel() + self.pool_k.numel()) * self.k.element_size()
+
+    def load_block(self, block: int, slot: int, start: int) -> None:
+        """A pool block into a slot's positions start..start+block_size-1."""
+        end = start + self.block_size
+        self.k[:, slot, :, start:end] = self.pool_k[:, block]
+        self.v[:, slot, :, start:end] = self.pool_v[:, block]
+
+    def save_block(self, slot: int, start: int, block: int) -> None:
+        """A slot's positions start..start+block_size-1 into a pool block."""
+        end = start + self.block_size
+        self.pool_k[:, block] = self.k[:, slot, :, start:end]
+        self.pool_v[:, block] = self.v[:, slot, :, start:end]
 
     def export_rows(self, slot: int, length: int) -> np.ndarray:
         """Copy positions 0..length-1 of a slot out as `[layers, 2, kv_heads, length, head_dim]`.
@@ -58,3 +75,28 @@ class SlotKVCache:
         self.k[:, slot, :, :length] = tensor[:, 0]
         self.v[:, slot, :, :length] = tensor[:, 1]
         return length
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Memory free for new tensors on the device (MemAvailable on a CPU host); None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def check_fits(num_slots: int, capacity: int, num_blocks: int, block_size: int, per_token: int,
+               device: torch.device) -> None:
+    """Raise MemoryError, with the numbers, if the slots and the prefix-cache pool do not fit in memory."""
+    slots, pool = num_slots * capacity * per_token, num_blocks * block_size * per_token
+    free = available_bytes(device)
+    if free is not None and slots + pool > free:
+        raise MemoryError(
+            f"the KV cache needs {(slots + pool) / 2**30:.2f} GiB ({num_slots} slots x {capacity} tokens = "
+            f"{slots / 2**30:.2f} GiB, prefix cache {num_blocks * block_size} tokens = {pool / 2**30:.2f} GiB, "
+            f"{per_token} bytes per token) but {device} has {free / 2**30:.2f} GiB available: lower slots, "
+            "max_model_len or prefix_cache_tokens")

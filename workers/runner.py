@@ -12,9 +12,10 @@ import torch
 
 from scheduler.messages import Samples
 from scheduler.plan import Chunk, StepPlan
+from scheduler.prefix_cache import BLOCK_SIZE
 from scheduler.request import PENDING
 from workers.kernels import load_kernels
-from workers.kv_cache import SlotKVCache
+from workers.kv_cache import SlotKVCache, check_fits
 from workers.model import BatchLayout, DecoderLM
 from workers.request_state import RequestStates
 from workers.sampling import sample, token_logprobs
@@ -25,22 +26,24 @@ log = logging.getLogger(__name__)
 class ModelRunner:
     """Owns a model and a slot KV cache sized `num_slots × capacity`, and runs plans on them."""
 
-    def __init__(self, model: DecoderLM, num_slots: int, capacity: int, tokenizer: Any = None) -> None:
+    def __init__(self, model: DecoderLM, num_slots: int, capacity: int, tokenizer: Any = None,
+                 prefix_blocks: int = 0) -> None:
         self.model = model.eval()
         weight = model.model.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         spec = model.spec
-        self.cache = SlotKVCache(spec.num_layers, num_slots, spec.num_kv_heads, capacity, spec.head_dim,
-                                 dtype=self.dtype, device=self.device)
         per_token = SlotKVCache.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype)
+        check_fits(num_slots, capacity, prefix_blocks, BLOCK_SIZE, per_token, self.device)
+        self.cache = SlotKVCache(spec.num_layers, num_slots, spec.num_kv_heads, capacity, spec.head_dim,
+                                 dtype=self.dtype, device=self.device, num_blocks=prefix_blocks, block_size=BLOCK_SIZE)
         if self.device.type == "cpu":
             load_kernels()  # build the decode-attention kernel (once per machine) now, not inside a step
         self.last_forward_s = 0.0  # seconds inside the model in the last execute(), for profiling
         self.last_sampled: dict[str, int] = {}  # what the last execute() sampled: fed in for PENDING tokens
         grammars = None if tokenizer is None else lambda: _grammar_compiler(tokenizer, spec.vocab_size)
         self.states = RequestStates(grammars)  # per request: what penalties count, its grammar
-        log.info("KV cache: %d slots x %d tokens, %d bytes per token, %.1f MiB in all",
-                 num_slots, capacity, per_token, self.cache.total_bytes / 2**20)
+        log.info("KV cache: %d slots x %d tokens, prefix cache %d tokens, %d bytes per token, %.1f MiB in all",
+                 num_slots, capacity, prefix_blocks * BLOCK_SIZE, per_token, self.cache.total_bytes / 2**20)
 
     def execute(self, plan: StepPlan) -> Samples:
         """Run every chunk of the plan in one forward; return the sampled token of each sampling chunk and
@@ -53,9 +56,12 @@ class ModelRunner:
         self.states.drop(plan.released)
         for src, dst, length in plan.copies:
             self.cache.copy_rows(src, dst, length)
+        for block, slot, start in plan.loads:
+            self.cache.load_block(block, slot, start)
         decode = [c for c in map(self._feed, plan.decode) if c is not None]
         chunks = decode + [c for c in map(self._feed, plan.prefill) if c is not None]
         if not chunks:
+            self._save_blocks(plan)
             self.last_sampled = {}
             return Samples()
         input_ids, layout = BatchLayout.pack([(c.slot, c.token_ids, c.start_pos) for c in chunks], len(decode),
@@ -70,6 +76,7 @@ class ModelRunner:
         logits = self.model(input_ids, layout, self.cache,
                             torch.tensor(logits_indices, dtype=torch.long, device=self.device))  # [M, vocab]
         self.last_forward_s = time.perf_counter() - forward_start
+        self._save_blocks(plan)
         samples = Samples()
         if sampling:
             samples.tokens = self._sample(logits[: len(sampling)], sampling, samples)
@@ -81,6 +88,10 @@ class ModelRunner:
             samples.prompt_logprobs[c.req_id] = token_logprobs(rows, list(c.prompt_targets), [num_top] * len(rows))
         self.last_sampled = samples.tokens
         return samples
+
+    def _save_blocks(self, plan: StepPlan) -> None:
+        for slot, start, block in plan.saves:
+            self.cache.save_block(slot, start, block)
 
     def _sample(self, logits: torch.Tensor, chunks: list[Chunk], samples: Samples) -> dict[str, int]:
         states = []

@@ -48,7 +48,7 @@ class StubWorker:
                           step_s=time.perf_counter() - start)
 
 
-def spawn_stub(kind: str, index: int, num_slots: int) -> Any:
+def spawn_stub(kind: str, index: int, num_slots: int, prefix_blocks: int = 0) -> Any:
     return ray.remote(StubWorker).options(num_cpus=0).remote(kind, index)
 
 
