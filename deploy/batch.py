@@ -9,15 +9,17 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from tqdm import tqdm
 
 from deploy.config import EngineConfig, format_validation_errors
 from deploy.driver import open_engine
+from deploy.params import parse_logit_bias, structured_format
 from deploy.prompts import build_request, encode_prompt
+from deploy.serving.logprobs import finite
 from scheduler.outputs import Completion
 from scheduler.policy import Scheduler
-from scheduler.request import Request
+from scheduler.request import MAX_LOGPROBS, Request, TokenLogprob
 
 
 class BatchInputError(ValueError):
@@ -43,6 +45,21 @@ class GenerateLine(BaseModel):
     ignore_eos: bool = False
     priority: int = 0
     arrival_s: float = Field(0.0, ge=0, description="Submit this many seconds after the run starts.")
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, le=2)
+    min_tokens: int = Field(0, ge=0, description="No stop (EOS, stop ids or strings) before this many tokens.")
+    logit_bias: dict[str, float] | None = Field(None, description="Token id (as a string) -> bias in [-100, 100].")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Each output token's log-prob and the k "
+                                                                          "most likely; None: none.")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="The same for the prompt.")
+    response_format: dict[str, Any] | None = Field(None, description="OpenAI's: text, json_object or json_schema.")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        parse_logit_bias(value)  # the vocabulary is checked with the tokenizer, in to_requests
+        return value
 
 
 def read_lines(path: str | Path) -> list[GenerateLine]:
@@ -78,7 +95,11 @@ def to_requests(lines: list[GenerateLine], tokenizer: Any, eos_token_ids: frozen
                 str(line.id), prompt_ids, max_tokens=line.max_tokens, eos_token_ids=eos_token_ids,
                 temperature=line.temperature, top_p=line.top_p, top_k=line.top_k, seed=line.seed,
                 stop=line.stop, stop_token_ids=line.stop_token_ids, ignore_eos=line.ignore_eos,
-                priority=line.priority)
+                priority=line.priority, presence_penalty=line.presence_penalty,
+                frequency_penalty=line.frequency_penalty, repetition_penalty=line.repetition_penalty,
+                min_tokens=line.min_tokens, logit_bias=parse_logit_bias(line.logit_bias, len(tokenizer)),
+                logprobs=line.logprobs, prompt_logprobs=line.prompt_logprobs,
+                structured=structured_format(line.response_format))
             Scheduler.check_fits(request, capacity)
         except ValueError as e:
             raise BatchInputError(f"request {line.id!r} (entry {number}): {e}") from None
@@ -86,7 +107,15 @@ def to_requests(lines: list[GenerateLine], tokenizer: Any, eos_token_ids: frozen
     return requests
 
 
-def result_line(done: Completion) -> dict[str, Any]:
+def logprobs_json(entry: TokenLogprob) -> dict[str, Any]:
+    """One token's log-probs in a result line (-inf written as -9999.0, as the HTTP API does)."""
+    return {"token_id": entry.token_id, "logprob": finite(entry.logprob),
+            "top": [[token_id, finite(logprob)] for token_id, logprob in entry.top]}
+
+
+def result_line(done: Completion, request: Request) -> dict[str, Any]:
+    """The output line of a finished request, with the log-probs it asked for: `logprobs` one per
+    output token, `prompt_logprobs` one per prompt token (the first null: nothing precedes it)."""
     line: dict[str, Any] = {
         "id": done.req_id,
         "token_ids": done.token_ids,
@@ -97,6 +126,10 @@ def result_line(done: Completion) -> dict[str, Any]:
     }
     if done.error:
         line["error"] = done.error
+    if request.sampling.logprobs is not None:
+        line["logprobs"] = [logprobs_json(entry) for entry in done.logprobs]
+    if request.sampling.prompt_logprobs is not None:
+        line["prompt_logprobs"] = [None, *(logprobs_json(entry) for entry in done.prompt_logprobs or [])]
     return line
 
 
@@ -124,6 +157,6 @@ def run_generate(config: EngineConfig, input_path: str, output_path: str, progre
         requests = to_requests(lines, engine.tokenizer, engine.eos_token_ids, engine.capacity)
         results = engine.run(requests, arrivals, on_finish=lambda _: bar.update())
     bar.close()
-    out = [result_line(results[r.req_id]) for r in requests]
+    out = [result_line(results[r.req_id], r) for r in requests]
     write_atomically(output_path, out)
     return out

@@ -25,8 +25,8 @@ from deploy.serving.schemas import (
     ChatBody,
     CompletionBody,
     DetokenizeBody,
+    ParameterError,
     TokenizeBody,
-    UnsupportedParameter,
 )
 from scheduler.actor import SchedulerActor
 
@@ -91,8 +91,8 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
 
 def _from_validation(errors: Any) -> APIError:
     cause = (errors[0].get("ctx") or {}).get("error") if errors else None
-    if isinstance(cause, UnsupportedParameter):
-        return APIError(400, str(cause), param=cause.param, code="unsupported_parameter")
+    if isinstance(cause, ParameterError):
+        return APIError(400, str(cause), param=cause.param, code=cause.code)
     where = ".".join(str(p) for p in (errors[0].get("loc", ()) if errors else ()) if p != "body")
     return APIError(400, f"Invalid request: {format_validation_errors(errors, skip=('body',))}",
                     param=where or None)

@@ -6,8 +6,8 @@ the same code serves through Ray Serve or against a fake in tests.
 
 from __future__ import annotations
 
-import json
-import time
+import asyncio
+import random
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -15,7 +15,10 @@ from typing import Any, Protocol
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from deploy.params import parse_logit_bias, structured_format
 from deploy.prompts import build_request, encode_prompt
+from deploy.serving.logprobs import TokenTexts
+from deploy.serving.responses import Job, Replier, Started, aclose, merge_streams
 from deploy.serving.schemas import (
     APIError,
     ChatBody,
@@ -59,16 +62,18 @@ class OpenAIServer:
 
     def __init__(self, client: EngineClient, model: ServedModel) -> None:
         self.client, self.model = client, model
+        self.texts = TokenTexts(model.tokenizer)
 
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": self.model.name, "object": "model", "created": 0,
                                             "owned_by": "pdserve", "max_model_len": self.model.capacity}]}
 
     # ---- request building -------------------------------------------------------------------------
-    def _check_common(self, body: _SamplingBody) -> None:
-        self._check_model(body.model)
-
-    def _build(self, body: _SamplingBody, prompt_ids: list[int], max_tokens: int | None, prefix: str) -> Request:
+    def _build(self, body: _SamplingBody, prompt_ids: list[int], max_tokens: int | None, prefix: str, *,
+               logprobs: int | None = None, prompt_logprobs: int | None = None) -> tuple[str, list[Request]]:
+        """The response id and one Request per choice. Choice i samples as a single request with seed + i
+        would (one random base seed when none is given); choices after the first may share the first's
+        prompt KV (`fork_of`)."""
         num_prompt = len(prompt_ids)
         if not prompt_ids:
             raise APIError(400, "The prompt is empty.", param="prompt")
@@ -79,16 +84,35 @@ class OpenAIServer:
                            f"you requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
                            f"{max_tokens} for the completion).", param="max_tokens",
                            code="context_length_exceeded")
+        if (body.min_tokens or 0) > max_tokens:
+            raise APIError(400, f"min_tokens ({body.min_tokens}) must be <= max_tokens ({max_tokens})",
+                           param="min_tokens")
         try:
-            return build_request(f"{prefix}-{uuid.uuid4().hex}", prompt_ids, max_tokens=max_tokens,
-                                 eos_token_ids=self.model.eos_token_ids, temperature=body.temperature,
-                                 top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=body.stop,
-                                 ignore_eos=body.ignore_eos, priority=body.priority)
+            logit_bias = parse_logit_bias(body.logit_bias, len(self.model.tokenizer))
+        except ValueError as e:
+            raise APIError(400, str(e), param="logit_bias") from None
+        try:
+            structured = structured_format(body.response_format)
+        except ValueError as e:
+            raise APIError(400, str(e), param="response_format") from None
+        resp_id = f"{prefix}-{uuid.uuid4().hex}"
+        req_ids = [f"{resp_id}-{i}" for i in range(body.num_choices)]
+        seed = body.seed if body.seed is not None else random.getrandbits(62)
+        try:
+            return resp_id, [build_request(
+                req_id, prompt_ids, max_tokens=max_tokens, eos_token_ids=self.model.eos_token_ids,
+                temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=seed + i, stop=body.stop,
+                ignore_eos=body.ignore_eos, priority=body.priority,
+                presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                min_tokens=body.min_tokens or 0, logit_bias=logit_bias, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs, structured=structured, fork_of=req_ids[0] if i else None)
+                for i, req_id in enumerate(req_ids)]
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
-    def completion_request(self, body: CompletionBody) -> Request:
-        self._check_common(body)
+    def completion_job(self, body: CompletionBody) -> Job:
+        self._check_model(body.model)
         prompt: Any = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
@@ -101,12 +125,22 @@ class OpenAIServer:
                 ids = encode_prompt(self.model.tokenizer, prompt_token_ids=list(prompt))
         except ValueError as e:
             raise APIError(400, str(e), param="prompt") from None
-        return self._build(body, ids, body.max_tokens or MAX_COMPLETION_DEFAULT, "cmpl")
+        max_tokens = MAX_COMPLETION_DEFAULT if body.max_tokens is None else body.max_tokens
+        echo = bool(body.echo)
+        # max_tokens 0 (echo only): the engine generates one token, which the reply leaves out (see Job)
+        resp_id, requests = self._build(body, ids, max(max_tokens, 1), "cmpl", logprobs=body.logprobs,
+                                        prompt_logprobs=body.logprobs if echo else None)
+        echo_text = (prompt if isinstance(prompt, str) else self.model.tokenizer.decode(ids)) if echo else None
+        return Job(resp_id, requests, chat=False, logprobs=body.logprobs is not None, echo=echo_text,
+                   drop_generation=max_tokens == 0)
 
-    def chat_request(self, body: ChatBody) -> Request:
-        self._check_common(body)
+    def chat_job(self, body: ChatBody) -> Job:
+        self._check_model(body.model)
         ids = self._chat_ids(body.messages)
-        return self._build(body, ids, body.max_completion_tokens or body.max_tokens, "chatcmpl")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        resp_id, requests = self._build(body, ids, body.max_completion_tokens or body.max_tokens, "chatcmpl",
+                                        logprobs=logprobs)
+        return Job(resp_id, requests, chat=True, logprobs=logprobs is not None)
 
     def _chat_ids(self, chat: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
         messages = []
@@ -150,11 +184,11 @@ class OpenAIServer:
         return {"prompt": self.model.tokenizer.decode(body.tokens)}
 
     # ---- running ----------------------------------------------------------------------------------
-    async def _start(self, request: Request) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
+    async def _start(self, request: Request) -> Started:
         """Submit and wait for the first output, so admission errors still get a proper status."""
         stream = self.client.generate(request)
         try:
-            first = await stream.__anext__()
+            first = await anext(stream)
         except Exception as exc:
             cause = _unwrap(exc)
             if isinstance(cause, QueueFullError):
@@ -166,88 +200,28 @@ class OpenAIServer:
                            "service_unavailable", code="engine_unavailable") from None
         return first, stream
 
+    async def _start_all(self, requests: list[Request]) -> list[Started]:
+        """Submit every choice at once; if one is refused, the others are aborted and its error is the reply."""
+        results = await asyncio.gather(*(self._start(r) for r in requests), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for result in results:
+                if not isinstance(result, BaseException):
+                    await aclose(result[1])
+            raise errors[0]
+        return results  # type: ignore[return-value]
+
     async def completions(self, body: CompletionBody) -> JSONResponse | StreamingResponse:
-        return await self._respond(body, self.completion_request(body), chat=False)
+        return await self._respond(body, self.completion_job(body))
 
     async def chat(self, body: ChatBody) -> JSONResponse | StreamingResponse:
-        return await self._respond(body, self.chat_request(body), chat=True)
+        return await self._respond(body, self.chat_job(body))
 
-    async def _respond(self, body: _SamplingBody, request: Request, chat: bool) -> JSONResponse | StreamingResponse:
-        first, stream = await self._start(request)
+    async def _respond(self, body: _SamplingBody, job: Job) -> JSONResponse | StreamingResponse:
+        merged = merge_streams(await self._start_all(job.requests))
+        replier = Replier(job, self.model.name, self.texts)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse(request, first, stream, chat, include_usage),
-                                     media_type="text/event-stream")
-        text, num_tokens, last = "", 0, first
-        async for out in _rest(first, stream):
-            text += out.text
-            num_tokens += len(out.token_ids)
-            last = out
-        if last.finish_reason == "error":
-            raise APIError(500, f"Generation failed: {last.error}", "server_error", code="engine_error")
-        usage = _usage(request, num_tokens)
-        created = int(time.time())
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": last.finish_reason}
-            return JSONResponse({"id": request.req_id, "object": "chat.completion", "created": created,
-                                 "model": self.model.name, "choices": [choice], "usage": usage})
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
-        return JSONResponse({"id": request.req_id, "object": "text_completion", "created": created,
-                             "model": self.model.name, "choices": [choice], "usage": usage})
+            return StreamingResponse(replier.sse(merged, include_usage), media_type="text/event-stream")
+        return JSONResponse(await replier.whole(merged))
 
-    async def _sse(self, request: Request, first: RequestOutput, stream: AsyncIterator[RequestOutput], chat: bool,
-                   include_usage: bool) -> AsyncIterator[str]:
-        created = int(time.time())
-        kind = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-            data: dict[str, Any] = {"id": request.req_id, "object": kind, "created": created,
-                                    "model": self.model.name, "choices": choices}
-            if include_usage:
-                data["usage"] = usage
-            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-        if chat:
-            yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
-        num_tokens, finished = 0, False
-        try:
-            async for out in _rest(first, stream):
-                num_tokens += len(out.token_ids)
-                finished = out.finished
-                if out.finish_reason == "error":
-                    error = APIError(500, f"Generation failed: {out.error}", "server_error", code="engine_error")
-                    yield f"data: {json.dumps(error.body())}\n\n"
-                    break
-                if not out.text and not out.finished:
-                    continue
-                if chat:
-                    delta: dict[str, Any] = {"content": out.text} if out.text else {}
-                    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": out.finish_reason}
-                else:
-                    choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
-                yield chunk([choice])
-        finally:
-            cancel = getattr(stream, "cancel", None)
-            if not finished and cancel is not None:  # the client went away: free the request's slot now
-                cancel()
-        if include_usage:
-            yield chunk([], _usage(request, num_tokens))
-        yield "data: [DONE]\n\n"
-
-
-async def _rest(first: RequestOutput, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
-    yield first
-    if first.finished:
-        return
-    async for out in stream:
-        yield out
-        if out.finished:
-            return
-
-
-def _usage(request: Request, num_completion: int) -> dict[str, int]:
-    num_prompt = len(request.prompt_ids)
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-            "total_tokens": num_prompt + num_completion}

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-# OpenAI parameters that would change what is generated and that pdserve does not implement yet: a
-# request that sets one (to anything but its no-op value) is refused with a 400 naming it, never served
-# as if the parameter were not there. Their no-op values are accepted.
+from deploy.params import parse_logit_bias
+from scheduler.request import MAX_LOGPROBS
+
+MAX_N = 16  # most choices one request may ask for (`n`)
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit on /v1/completions' `logprobs`
+
+# OpenAI parameters that would change what is generated and that pdserve does not implement: a request that
+# sets one (to anything but its no-op value) is refused with a 400 naming it, never served as if the
+# parameter were not there. Their no-op values are accepted. `echo`, `best_of` and `top_logprobs` are
+# implemented on the endpoint that declares them and land here only on the other one.
 UNSUPPORTED: dict[str, Any] = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "n": (None, 1),
-    "best_of": (None, 1), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "min_tokens": (None, 0),
-    "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
+    "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "structured_outputs": (None,), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
@@ -47,6 +52,24 @@ class _SamplingBody(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="pdserve extension: do not stop at EOS")
     priority: int = Field(0, description="pdserve extension: lower is more urgent")
+    n: int | None = Field(None, ge=1, le=MAX_N, description=f"Choices to generate (at most {MAX_N}).")
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=2, description="extension: > 1 discourages repeats")
+    min_tokens: int | None = Field(None, ge=0, description="extension: no stop before this many tokens")
+    logit_bias: dict[str, float] | None = Field(None, description="Token id -> bias in [-100, 100].")
+    response_format: dict[str, Any] | None = Field(
+        None, description="{type: text | json_object | json_schema}; checked by the grammar when the request is built")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        parse_logit_bias(value)  # the vocabulary is checked when the request is built
+        return value
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
 
     @model_validator(mode="after")
     def _nothing_ignored(self) -> _SamplingBody:
@@ -64,6 +87,24 @@ class _SamplingBody(BaseModel):
 
 class CompletionBody(_SamplingBody):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0, description="Default 16; 0 only with echo (score the prompt).")
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS,
+                                 description="Log-probs of each token and of the k most likely.")
+    echo: bool | None = Field(False, description="Return the prompt (and its log-probs) before the completion.")
+    best_of: int | None = Field(None, ge=1, description="Only equal to n: every generated choice is returned.")
+
+    @model_validator(mode="after")
+    def _choices_returned(self) -> CompletionBody:
+        if self.best_of is not None and self.best_of != self.num_choices:
+            raise UnsupportedParameter("best_of", f"`best_of` must equal `n` ({self.num_choices}): pdserve "
+                                                  "returns every choice it generates")
+        if self.max_tokens is not None and (self.min_tokens or 0) > self.max_tokens:
+            raise ParameterError("min_tokens", f"`min_tokens` ({self.min_tokens}) must be <= `max_tokens` "
+                                               f"({self.max_tokens})")
+        if self.max_tokens == 0 and not self.echo:
+            raise ParameterError("max_tokens", "`max_tokens` 0 needs `echo: true` (the prompt is all there is "
+                                               "to return)")
+        return self
 
 
 class ChatMessage(BaseModel):
@@ -76,6 +117,15 @@ class ChatMessage(BaseModel):
 class ChatBody(_SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = Field(False, description="Return each output token's log-prob.")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                     description="With logprobs: also the k most likely tokens at each position.")
+
+    @model_validator(mode="after")
+    def _logprobs_asked(self) -> ChatBody:
+        if self.top_logprobs and not self.logprobs:
+            raise ParameterError("top_logprobs", "`top_logprobs` needs `logprobs: true`")
+        return self
 
 
 class TokenizeBody(BaseModel):
@@ -103,12 +153,20 @@ class DetokenizeBody(BaseModel):
     tokens: list[int]
 
 
-class UnsupportedParameter(ValueError):
-    """A request parameter pdserve refuses; `param` names it for the 400."""
+class ParameterError(ValueError):
+    """A bad value of a request parameter (raised in a validator); `param` names it for the 400."""
+
+    code: str | None = None
 
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+class UnsupportedParameter(ParameterError):
+    """A request parameter pdserve refuses."""
+
+    code = "unsupported_parameter"
 
 
 class APIError(Exception):

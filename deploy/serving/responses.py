@@ -1,0 +1,190 @@
+"""Engine outputs as OpenAI replies: whole bodies and SSE chunks, for n choices, with log-probs and echo."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from deploy.serving.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from deploy.serving.schemas import APIError
+from scheduler.outputs import RequestOutput
+from scheduler.request import Request, TokenLogprob
+
+Started = tuple[RequestOutput, AsyncIterator[RequestOutput]]  # a stream's first output, and the stream
+
+
+@dataclass(frozen=True)
+class Job:
+    """One HTTP request: its engine requests (one per choice) and how their outputs are returned."""
+
+    resp_id: str
+    requests: list[Request]  # choice i is requests[i]; all have the same prompt
+    chat: bool
+    logprobs: bool = False  # the reply carries log-probs (the requests asked the engine for them)
+    echo: str | None = None  # completions' `echo`: the prompt's text, returned before each choice's text
+    # echo with max_tokens 0 (how lm-eval-harness scores a prompt): the engine needs max_tokens >= 1, so it
+    # generates one token, which the reply leaves out of text, log-probs and usage. (vLLM does the same, but
+    # counts that token in usage.completion_tokens; we report 0, what the reply holds.)
+    drop_generation: bool = False
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.requests[0].prompt_ids
+
+
+async def aclose(stream: AsyncIterator[RequestOutput]) -> None:
+    """Close a stream (before its end, that aborts its request in the engine), if it can be closed."""
+    close = getattr(stream, "aclose", None)
+    if close is not None:
+        await close()
+
+
+async def merge_streams(started: list[Started]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of every choice's stream as they come, tagged with the choice index; each stream ends at its
+    finished output. Closing this (a client that went away, or an error) cancels every stream still open, which
+    aborts its request in the engine."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, first: RequestOutput, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            out = first
+            queue.put_nowait((index, out))
+            while not out.finished:
+                out = await anext(stream)
+                queue.put_nowait((index, out))
+        except Exception as e:  # a stream that failed (or ended early) fails the whole reply
+            queue.put_nowait((index, e if not isinstance(e, StopAsyncIteration) else RuntimeError(
+                "the engine's stream ended before its request finished")))
+        finally:
+            queue.put_nowait((index, None))
+            await aclose(stream)
+
+    tasks = [asyncio.create_task(pump(i, first, stream)) for i, (first, stream) in enumerate(started)]
+    try:
+        num_open = len(tasks)
+        while num_open:
+            index, item = await queue.get()
+            if item is None:
+                num_open -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _failed(out: RequestOutput) -> APIError:
+    return APIError(500, f"Generation failed: {out.error}", "server_error", code="engine_error")
+
+
+class Replier:
+    """Shapes one job's outputs into OpenAI's chat or text-completion objects."""
+
+    def __init__(self, job: Job, model_name: str, texts: TokenTexts) -> None:
+        self.job, self.model_name, self.texts = job, model_name, texts
+        self.created = int(time.time())
+
+    def _piece(self, out: RequestOutput, with_prompt: bool, text_offset: int) -> tuple[str, Any, int]:
+        """Text, log-probs and number of tokens one choice returns for `out` (the prompt first, if echoed)."""
+        job, text = self.job, ""
+        token_ids: list[int] = []
+        entries: list[TokenLogprob | None] = []
+        if with_prompt and job.echo is not None:
+            text, token_ids = job.echo, list(job.prompt_ids)
+            entries = [None, *(out.prompt_logprobs or [])] if job.logprobs else []
+        if not job.drop_generation:
+            text += out.text
+            token_ids += out.token_ids
+            entries += out.logprobs
+        if not job.logprobs:
+            return text, None, len(token_ids)
+        if job.chat:
+            return text, chat_logprobs(out.logprobs, self.texts), len(token_ids)
+        return text, completion_logprobs(token_ids, entries, self.texts, text_offset), len(token_ids)
+
+    def _finish_reason(self, out: RequestOutput) -> str | None:
+        if self.job.drop_generation and out.finished:
+            return "length"  # max_tokens 0 was reached, whatever the one token generated said
+        return out.finish_reason
+
+    def _choice(self, index: int, text: str, logprobs: Any, finish_reason: str | None, stream: bool) -> dict:
+        if not self.job.chat:
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if stream:
+            delta = {"content": text} if text else {}
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        message = {"role": "assistant", "content": text}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def usage(self, num_completion: int) -> dict[str, int]:
+        num_prompt = len(self.job.prompt_ids)
+        return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+                "total_tokens": num_prompt + num_completion}
+
+    def _num_generated(self, out: RequestOutput) -> int:
+        return 0 if self.job.drop_generation else len(out.token_ids)
+
+    async def whole(self, merged: AsyncIterator[tuple[int, RequestOutput]]) -> dict[str, Any]:
+        """The non-streaming body: every choice gathered to its end. A failed choice fails the reply."""
+        outs = [RequestOutput(r.req_id) for r in self.job.requests]
+        async with aclosing(merged):
+            async for index, out in merged:
+                if out.finish_reason == "error":
+                    raise _failed(out)
+                done = outs[index]
+                done.token_ids += out.token_ids
+                done.text += out.text
+                done.logprobs += out.logprobs
+                if out.prompt_logprobs is not None:
+                    done.prompt_logprobs = out.prompt_logprobs
+                done.finish_reason = out.finish_reason
+        choices = []
+        for index, done in enumerate(outs):
+            text, logprobs, _ = self._piece(done, True, 0)
+            choices.append(self._choice(index, text, logprobs, self._finish_reason(done), stream=False))
+        return {"id": self.job.resp_id, "object": "chat.completion" if self.job.chat else "text_completion",
+                "created": self.created, "model": self.model_name, "choices": choices,
+                "usage": self.usage(sum(self._num_generated(done) for done in outs))}
+
+    async def sse(self, merged: AsyncIterator[tuple[int, RequestOutput]], include_usage: bool) -> AsyncIterator[str]:
+        """The SSE stream: chunks of different choices interleave, each naming its choice's index. A chunk carries
+        the log-probs of the tokens it brings, even when their text is still held back (empty)."""
+        kind = "chat.completion.chunk" if self.job.chat else "text_completion"
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+            data: dict[str, Any] = {"id": self.job.resp_id, "object": kind, "created": self.created,
+                                    "model": self.model_name, "choices": choices}
+            if include_usage:
+                data["usage"] = usage
+            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+        num_choices = len(self.job.requests)
+        if self.job.chat:
+            for index in range(num_choices):
+                yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])
+        started, text_lens, num_tokens = [False] * num_choices, [0] * num_choices, 0
+        async with aclosing(merged):
+            async for index, out in merged:
+                if out.finish_reason == "error":
+                    yield f"data: {json.dumps(_failed(out).body())}\n\n"
+                    break
+                num_tokens += self._num_generated(out)
+                text, logprobs, num_piece_tokens = self._piece(out, not started[index], text_lens[index])
+                started[index] = True
+                if not text and not out.finished and not (logprobs and num_piece_tokens):
+                    continue
+                text_lens[index] += len(text)
+                logprobs = logprobs if num_piece_tokens else None
+                yield chunk([self._choice(index, text, logprobs, self._finish_reason(out), stream=True)])
+        if include_usage:
+            yield chunk([], self.usage(num_tokens))
+        yield "data: [DONE]\n\n"

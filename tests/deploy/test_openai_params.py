@@ -1,0 +1,144 @@
+"""OpenAI parameters at the HTTP edge: a value out of range answers 400 naming it, what is refused stays refused,
+and what is accepted reaches the engine requests (n of them, with their seeds)."""
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from deploy.serving.app import _from_validation
+from deploy.serving.schemas import APIError, ChatBody, CompletionBody
+from tests.deploy.fake_engine import install_grammar, make_server
+
+MESSAGES = [{"role": "user", "content": "paris is in"}]
+
+
+def parse(schema, **fields):  # type: ignore[no-untyped-def]
+    """A body as the ingress parses it (from JSON), with the fields a request of that kind needs."""
+    needed = {"messages": MESSAGES} if schema is ChatBody else {"prompt": "hello world"}
+    return schema.model_validate_json(json.dumps({"model": "tiny", **needed, **fields}))
+
+
+def refusal(schema, **fields) -> APIError:  # type: ignore[no-untyped-def]
+    """The 400 the ingress answers for a body that does not validate."""
+    with pytest.raises(ValidationError) as info:
+        parse(schema, **fields)
+    return _from_validation(info.value.errors())
+
+
+@pytest.mark.parametrize("schema, fields, param", [
+    (CompletionBody, {"n": 0}, "n"),
+    (ChatBody, {"n": 17}, "n"),
+    (CompletionBody, {"presence_penalty": 2.5}, "presence_penalty"),
+    (ChatBody, {"frequency_penalty": -2.1}, "frequency_penalty"),
+    (CompletionBody, {"repetition_penalty": 0}, "repetition_penalty"),
+    (ChatBody, {"repetition_penalty": 2.5}, "repetition_penalty"),
+    (CompletionBody, {"min_tokens": -1}, "min_tokens"),
+    (CompletionBody, {"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+    (ChatBody, {"logit_bias": {"abc": 1}}, "logit_bias"),
+    (CompletionBody, {"logit_bias": {"5": 101}}, "logit_bias"),
+    (CompletionBody, {"logit_bias": {"-1": 1}}, "logit_bias"),
+    (CompletionBody, {"logprobs": 6}, "logprobs"),
+    (CompletionBody, {"logprobs": -1}, "logprobs"),
+    (ChatBody, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (ChatBody, {"top_logprobs": 2}, "top_logprobs"),
+    (CompletionBody, {"best_of": 2}, "best_of"),
+    (CompletionBody, {"n": 2, "best_of": 3}, "best_of"),
+    (CompletionBody, {"max_tokens": 0}, "max_tokens"),
+    (ChatBody, {"response_format": "json"}, "response_format"),
+])
+def test_out_of_range_values_get_400_naming_the_parameter(schema, fields, param):
+    error = refusal(schema, **fields)
+    assert (error.status, error.param) == (400, param), error.message
+
+
+@pytest.mark.parametrize("schema, name, value", [
+    (ChatBody, "tools", [{"type": "function", "function": {"name": "f"}}]),
+    (ChatBody, "tool_choice", "auto"),
+    (ChatBody, "functions", [{"name": "f"}]),
+    (CompletionBody, "suffix", "the end"),
+    (CompletionBody, "guided_json", {"type": "object"}),
+    (ChatBody, "guided_choice", ["a", "b"]),
+    (ChatBody, "echo", True),  # echo, best_of and top_logprobs exist on the other endpoint only
+    (ChatBody, "best_of", 2),
+    (CompletionBody, "top_logprobs", 2),
+])
+def test_unimplemented_parameters_are_still_refused(schema, name, value):
+    error = refusal(schema, **{name: value})
+    assert (error.status, error.param, error.code) == (400, name, "unsupported_parameter")
+    assert "not supported" in error.message
+    assert "Unrecognized" in refusal(schema, frobnicate=1).message
+
+
+@pytest.mark.parametrize("schema, fields", [
+    (ChatBody, {"user": "u-1", "metadata": {"k": "v"}, "store": False, "stream_options": {"include_usage": True}}),
+    (CompletionBody, {"user": "u-1", "stream": True, "stream_options": {"include_usage": True}}),
+    (ChatBody, {"n": 1, "presence_penalty": 0, "logprobs": False, "top_logprobs": 0, "tool_choice": "none",
+                "response_format": {"type": "text"}, "best_of": 1, "echo": False}),
+    (CompletionBody, {"n": 3, "best_of": 3, "echo": True, "max_tokens": 0, "logprobs": 5, "logit_bias": {"7": -100}}),
+    (ChatBody, {"n": None, "presence_penalty": None, "min_tokens": None, "logit_bias": None}),
+])
+def test_descriptive_fields_and_no_op_values_are_accepted(schema, fields):
+    parse(schema, **fields)
+
+
+def test_values_checked_against_the_tokenizer_and_grammar_get_400_when_the_request_is_built(monkeypatch):
+    install_grammar(monkeypatch)
+    server = make_server()
+    cases = [
+        (parse(CompletionBody, logit_bias={"384": 1}), "logit_bias", "vocabulary"),
+        (parse(ChatBody, response_format={"type": "xml"}), "response_format", "response_format"),
+        (parse(ChatBody, min_tokens=5, max_completion_tokens=4), "min_tokens", "max_tokens (4)"),
+    ]
+    for body, param, contains in cases:
+        with pytest.raises(APIError) as info:
+            server.chat_job(body) if isinstance(body, ChatBody) else server.completion_job(body)
+        assert (info.value.status, info.value.param) == (400, param)
+        assert contains in info.value.message
+
+
+def test_n_choices_are_n_requests_with_consecutive_seeds_forking_the_first(monkeypatch):
+    install_grammar(monkeypatch)
+    server = make_server()
+    body = parse(CompletionBody, n=3, seed=5, max_tokens=7, presence_penalty=0.5, frequency_penalty=-0.5,
+                 repetition_penalty=1.2, min_tokens=2, logit_bias={"5": 10, "9": -100},
+                 response_format={"type": "json_object"}, stop=["\n"])
+    job = server.completion_job(body)
+    requests = job.requests
+    assert job.resp_id.startswith("cmpl-") and [r.req_id for r in requests] == [f"{job.resp_id}-{i}" for i in range(3)]
+    assert [r.sampling.seed for r in requests] == [5, 6, 7]
+    assert [r.fork_of for r in requests] == [None, requests[0].req_id, requests[0].req_id]
+    for r in requests:
+        assert r.prompt_ids == requests[0].prompt_ids and r.max_tokens == 7 and r.stop_strings == ("\n",)
+        s = r.sampling
+        assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_tokens) == (0.5, -0.5, 1.2, 2)
+        assert s.logit_bias == ((5, 10.0), (9, -100.0)) and s.structured is not None
+        assert s.logprobs is None and s.prompt_logprobs is None
+    unseeded = server.completion_job(parse(CompletionBody, n=2)).requests
+    assert unseeded[1].sampling.seed == unseeded[0].sampling.seed + 1
+    single = server.chat_job(parse(ChatBody)).requests
+    assert len(single) == 1 and single[0].fork_of is None and single[0].sampling.structured is None
+    assert single[0].sampling.repetition_penalty == 1.0 and single[0].sampling.logit_bias == ()
+
+
+@pytest.mark.parametrize("schema, fields, logprobs, prompt_logprobs", [
+    (ChatBody, {"logprobs": True, "top_logprobs": 3}, 3, None),
+    (ChatBody, {"logprobs": True}, 0, None),
+    (ChatBody, {"logprobs": False}, None, None),
+    (CompletionBody, {"logprobs": 2}, 2, None),
+    (CompletionBody, {"logprobs": 2, "echo": True}, 2, 2),
+    (CompletionBody, {"echo": True}, None, None),
+])
+def test_logprobs_asked_of_the_engine(schema, fields, logprobs, prompt_logprobs):
+    server, body = make_server(), parse(schema, **fields)
+    job = server.chat_job(body) if schema is ChatBody else server.completion_job(body)
+    sampling = job.requests[0].sampling
+    assert (sampling.logprobs, sampling.prompt_logprobs) == (logprobs, prompt_logprobs)
+    assert job.logprobs == (logprobs is not None)
+
+
+def test_echo_with_max_tokens_0_runs_one_token_and_drops_it():
+    job = make_server().completion_job(parse(CompletionBody, echo=True, max_tokens=0, logprobs=1))
+    assert job.requests[0].max_tokens == 1 and job.drop_generation and job.echo == "hello world"
+    by_ids = make_server().completion_job(parse(CompletionBody, prompt=[275, 288, 304], echo=True))
+    assert by_ids.echo == "héllo world" and not by_ids.drop_generation

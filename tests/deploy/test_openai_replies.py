@@ -1,0 +1,172 @@
+"""Replies in OpenAI's shapes from a scripted engine: log-probs (chat and completions), echo, n choices,
+streamed and not, and failures, refusals and disconnects that must abort every choice."""
+
+import asyncio
+import itertools
+
+import pytest
+
+from deploy.serving.schemas import APIError, ChatBody, CompletionBody
+from tests.deploy.fake_engine import FakeEngine, make_server, reply, sampled_ids, script
+from tests.factories import tiny_tokenizer
+
+MESSAGES = [{"role": "user", "content": "paris is in"}]
+
+
+def text_of(request) -> str:  # type: ignore[no-untyped-def]
+    return "".join(out.text for out in script(request))
+
+
+def token_texts(ids: list[int]) -> list[str]:
+    return [tiny_tokenizer().decode([t]) for t in ids]
+
+
+def streamed_choices(chunks: list[dict]) -> dict[int, list[dict]]:
+    """Each choice's chunk choices, in order (usage-only chunks left out)."""
+    by_index: dict[int, list[dict]] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            by_index.setdefault(choice["index"], []).append(choice)
+    return by_index
+
+
+def test_chat_logprobs_whole_and_streamed():
+    engine = FakeEngine()
+    server = make_server(engine)
+    body = dict(model="tiny", messages=MESSAGES, max_tokens=5, seed=3, logprobs=True, top_logprobs=2)
+    whole = reply(server, ChatBody(**body))
+    (request,) = engine.requests.values()
+    ids = sampled_ids(request)
+    choice = whole["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": text_of(request)}
+    content = choice["logprobs"]["content"]
+    assert [c["token"] for c in content] == token_texts(ids)
+    assert [c["logprob"] for c in content] == [-0.25 * (j + 1) for j in range(5)]
+    for c in content:
+        assert c["bytes"] == list(c["token"].encode()) and set(c) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert [t["logprob"] for t in c["top_logprobs"]] == [-0.1, -9999.0]  # -inf is not JSON
+        assert all(set(t) == {"token", "logprob", "bytes"} for t in c["top_logprobs"])
+
+    chunks = reply(server, ChatBody(**body, stream=True))
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    deltas = streamed_choices(chunks[1:])[0]
+    assert "".join(d["delta"].get("content", "") for d in deltas) == text_of(request)
+    assert [c for d in deltas if d["logprobs"] for c in d["logprobs"]["content"]] == content
+    # a token whose text is held back still brings its log-prob, in a chunk with no content yet
+    assert any(d["delta"] == {} and d["logprobs"] for d in deltas)
+    assert [d["finish_reason"] for d in deltas][-1] == "length"
+
+
+def test_completion_logprobs_with_echo_whole_and_streamed():
+    engine = FakeEngine()
+    server = make_server(engine)
+    body = dict(model="tiny", prompt="hello world", max_tokens=4, seed=1, logprobs=2, echo=True)
+    whole = reply(server, CompletionBody(**body))
+    (request,) = engine.requests.values()
+    prompt_ids, ids = request.prompt_ids, sampled_ids(request)
+    choice = whole["choices"][0]
+    assert choice["text"] == "hello world" + text_of(request)
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == token_texts(prompt_ids + ids)
+    num_prompt = len(prompt_ids)
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert logprobs["token_logprobs"][1:] == [-0.25 * (p + 1) for p in range(num_prompt - 1)] + \
+        [-0.25 * (j + 1) for j in range(4)]
+    for token, top in zip(logprobs["tokens"][1:], logprobs["top_logprobs"][1:], strict=True):
+        assert next(iter(top)) == token and len(top) <= 3 and -9999.0 in top.values()  # sampled + 2 most likely
+    assert logprobs["text_offset"] == list(itertools.accumulate([0] + [len(t) for t in logprobs["tokens"][:-1]]))
+    assert whole["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 4, "total_tokens": num_prompt + 4}
+
+    chunks = streamed_choices(reply(server, CompletionBody(**body, stream=True)))[0]
+    assert chunks[0]["text"].startswith("hello world")
+    assert "".join(c["text"] for c in chunks) == choice["text"]
+    with_logprobs = [c["logprobs"] for c in chunks if c["logprobs"]]
+    assert sum((lp["tokens"] for lp in with_logprobs), []) == logprobs["tokens"]
+    assert sum((lp["top_logprobs"] for lp in with_logprobs), []) == logprobs["top_logprobs"]
+    returned = 0  # each chunk's offsets start where the text returned before it ends
+    for c in chunks:
+        if c["logprobs"]:
+            assert c["logprobs"]["text_offset"][0] == returned
+        returned += len(c["text"])
+
+
+def test_echo_with_max_tokens_0_returns_the_prompt_and_its_logprobs_only():
+    server = make_server()
+    body = dict(model="tiny", prompt="paris is in france", max_tokens=0, echo=True, logprobs=1)
+    whole = reply(server, CompletionBody(**body))
+    choice = whole["choices"][0]
+    prompt_ids = tiny_tokenizer()("paris is in france").input_ids
+    assert choice["text"] == "paris is in france" and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == token_texts(prompt_ids)
+    assert len(choice["logprobs"]["token_logprobs"]) == len(prompt_ids)
+    assert whole["usage"]["completion_tokens"] == 0
+    chunks = reply(server, CompletionBody(**body, stream=True, stream_options={"include_usage": True}))
+    choices = streamed_choices(chunks)[0]
+    assert "".join(c["text"] for c in choices) == "paris is in france"
+    assert sum((c["logprobs"]["tokens"] for c in choices if c["logprobs"]), []) == choice["logprobs"]["tokens"]
+    assert choices[-1]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 0
+
+
+def test_n_choices_sample_as_single_requests_with_seed_plus_i():
+    server = make_server()
+    whole = reply(server, CompletionBody(model="tiny", prompt="hello", n=3, seed=10, max_tokens=6))
+    singles = [reply(server, CompletionBody(model="tiny", prompt="hello", seed=10 + i, max_tokens=6))
+               for i in range(3)]
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in whole["choices"]] == [s["choices"][0]["text"] for s in singles]
+    assert len({c["text"] for c in whole["choices"]}) == 3
+    assert all(c["finish_reason"] == "length" and c["logprobs"] is None for c in whole["choices"])
+    num_prompt = singles[0]["usage"]["prompt_tokens"]
+    assert whole["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 18, "total_tokens": num_prompt + 18}
+
+    chunks = reply(server, CompletionBody(model="tiny", prompt="hello", n=3, seed=10, max_tokens=6, stream=True,
+                                          stream_options={"include_usage": True}))
+    indexes = [choice["index"] for chunk in chunks for choice in chunk["choices"]]
+    assert indexes != sorted(indexes)  # the choices' chunks interleave
+    by_index = streamed_choices(chunks)
+    assert ["".join(c["text"] for c in by_index[i]) for i in range(3)] == [c["text"] for c in whole["choices"]]
+    assert all([c["finish_reason"] for c in by_index[i]].count("length") == 1 for i in range(3))
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    assert len({chunk["id"] for chunk in chunks}) == 1
+
+    chat = reply(server, ChatBody(model="tiny", messages=MESSAGES, n=2, max_tokens=3, stream=True))
+    assert [c["choices"][0]["delta"].get("role") for c in chat[:2]] == ["assistant", "assistant"]
+    assert sorted(c["choices"][0]["index"] for c in chat[:2]) == [0, 1]
+
+
+def test_a_failed_choice_fails_the_reply_and_aborts_the_others():
+    engine = FakeEngine(fail={"1"})
+    server = make_server(engine)
+    with pytest.raises(APIError) as info:
+        reply(server, CompletionBody(model="tiny", prompt="hello", n=3, max_tokens=8))
+    assert (info.value.status, info.value.code) == (500, "engine_error") and "worker lost" in info.value.message
+    assert sorted(r.rsplit("-", 1)[1] for r in engine.aborted) == ["0", "2"]
+
+    engine.aborted.clear()
+    chunks = reply(server, CompletionBody(model="tiny", prompt="hello", n=3, max_tokens=8, stream=True))
+    assert chunks[-1]["error"]["code"] == "engine_error"
+    assert sorted(r.rsplit("-", 1)[1] for r in engine.aborted) == ["0", "2"]
+
+
+def test_a_refused_choice_aborts_the_admitted_ones_and_answers_429():
+    engine = FakeEngine(refuse={"1"})
+    with pytest.raises(APIError) as info:
+        reply(make_server(engine), ChatBody(model="tiny", messages=MESSAGES, n=3, max_tokens=8))
+    assert info.value.status == 429 and info.value.headers == {"Retry-After": "1"}
+    assert sorted(r.rsplit("-", 1)[1] for r in engine.aborted) == ["0", "2"]
+
+
+def test_a_client_that_disconnects_cancels_every_choice():
+    engine = FakeEngine()
+    server = make_server(engine)
+
+    async def disconnect_after_two_chunks() -> None:
+        response = await server.completions(CompletionBody(model="tiny", prompt="hello", n=2, max_tokens=20,
+                                                           stream=True))
+        events = response.body_iterator
+        await anext(events)
+        await anext(events)
+        await events.aclose()
+
+    asyncio.run(disconnect_after_two_chunks())
+    assert sorted(engine.aborted) == sorted(engine.requests) and len(engine.aborted) == 2
