@@ -109,7 +109,8 @@ class Coordinator:
         mode is colocated or the tokens to compute are fewer than local_prefill_max_tokens; with the
         sibling it shares a prompt with (n > 1) when that one is still on the pool."""
         local = not self.prefill or request.num_tokens < self.config.local_prefill_max_tokens
-        if not local and request.fork_of is not None and any(request.fork_of in w.sched.requests for w in self.prefill):
+        if not local and request.fork_of is not None and not request.wants_prompt_logprobs \
+                and any(request.fork_of in w.sched.requests for w in self.prefill):
             self.forks.setdefault(request.fork_of, []).append(request)  # one prefill, one handoff for all
             return
         pool = self.decode if local else self.prefill
@@ -130,12 +131,10 @@ class Coordinator:
                 target.sched.submit(fork)
 
     def _take_fork(self, req_id: str) -> Request | None:
-        for waiting in self.forks.values():
-            for fork in waiting:
-                if fork.req_id == req_id:
-                    waiting.remove(fork)
-                    return fork
-        return None
+        fork = next((f for waiting in self.forks.values() for f in waiting if f.req_id == req_id), None)
+        if fork is not None and fork.fork_of is not None:
+            self.forks[fork.fork_of].remove(fork)
+        return fork
 
     def _pick_for_prompt(self, request: Request, pool: list[WorkerState]) -> WorkerState | None:
         """With cache routing, the live worker where the prompt has the fewest tokens to wait for

@@ -165,7 +165,8 @@ class Scheduler:
     def _fork_source(self, request: Request) -> Request | None:
         """n > 1: the sibling on this scheduler with the same prompt, whose prompt KV this request (with an
         empty cache) copies instead of computing it; it waits while the sibling's prompt is not computed."""
-        if request.fork_of is None or request.num_computed or len(request.prompt_ids) < 2:
+        if request.fork_of is None or request.num_computed or len(request.prompt_ids) < 2 \
+                or request.wants_prompt_logprobs:  # echo: its own prompt positions must be computed
             return None
         sibling = self.requests.get(request.fork_of)
         return sibling if sibling is not None and sibling.prompt_ids == request.prompt_ids else None

@@ -38,8 +38,8 @@ MAX_LOGPROBS = 20  # most alternatives a token's log-probs can list (OpenAI's to
 class SamplingParams:
     """How to pick each token. temperature 0 means greedy; top_k 0 and top_p 1 disable those filters.
 
-    Logit processing runs in this order on each row: logit_bias, min_tokens (stop ids masked), the
-    penalties, the structured-output mask; then temperature, top-k, top-p and the draw. Log-probs are the
+    Logit processing runs in this order on each row: logit_bias, the penalties, the structured-output
+    mask, min_tokens (stop ids masked); then temperature, top-k, top-p and the draw. Log-probs are the
     model's own (before any of that), as vLLM and OpenAI report them.
     """
 

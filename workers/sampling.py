@@ -34,19 +34,23 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def process_logits(logits: torch.Tensor, params: SamplingParams, output_index: int,
                    state: RequestState | None) -> torch.Tensor:
-    """A new float row: logit_bias added; the stop ids masked while under min_tokens; repetition, frequency
-    and presence penalties (vLLM's definitions); then every token the request's grammar forbids masked."""
+    """A new float row: logit_bias added; repetition, frequency and presence penalties (vLLM's definitions);
+    every token the request's grammar forbids masked; then the stop ids masked while under min_tokens,
+    unless nothing else is left (a complete JSON reply allows only EOS: the grammar wins)."""
     row = logits.float().clone()
     if params.logit_bias:
         ids, biases = zip(*params.logit_bias, strict=True)
         in_vocab = [i for i, t in enumerate(ids) if t < row.shape[-1]]
         row[torch.tensor([ids[i] for i in in_vocab], dtype=torch.long)] += torch.tensor([biases[i] for i in in_vocab])
-    if output_index < params.min_tokens and params.suppress_ids:
-        row[torch.tensor(sorted(t for t in params.suppress_ids if t < row.shape[-1]), dtype=torch.long)] = float("-inf")
     if state is not None:
         state.penalize(row, params)
         if state.matcher is not None:
             state.matcher.mask_logits(row)
+    if output_index < params.min_tokens and params.suppress_ids:
+        suppressed = torch.tensor(sorted(t for t in params.suppress_ids if t < row.shape[-1]), dtype=torch.long)
+        masked = row.index_fill(0, suppressed, float("-inf"))
+        if bool(torch.isfinite(masked).any()):
+            row = masked
     return row
 
 
