@@ -161,6 +161,11 @@ class SchedulerActor:
         except _WORKER_ERRORS as e:
             await self._recover(worker, e)
             return False
+        except Exception as e:  # the step raised (a bug): end this worker's requests with it, keep serving
+            log.exception("a step of %s failed", worker.name)
+            self.coordinator.fail_worker_requests(worker, f"internal error on {worker.name}: {type(e).__name__}: {e}")
+            self._deliver()
+            return False
         t2 = time.perf_counter()
         try:
             self.coordinator.apply(worker, plan, result)

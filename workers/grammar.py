@@ -106,6 +106,11 @@ class GrammarMatcher:
     def num_accepted(self) -> int:
         return self._num_accepted
 
+    @property
+    def ended(self) -> bool:
+        """EOS was accepted: the reply is complete."""
+        return self._ended
+
     def _banned(self) -> np.ndarray | None:
         """A bool row of the tokens not allowed next, or None when only EOS is."""
         if self._ended or self._matcher.is_terminated():

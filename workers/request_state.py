@@ -15,6 +15,8 @@ class Matcher(Protocol):
 
     def mask_logits(self, logits: torch.Tensor) -> None: ...
     def accept(self, token_id: int) -> None: ...
+    @property
+    def ended(self) -> bool: ...
 
 
 class RequestState:
@@ -34,7 +36,8 @@ class RequestState:
         """The request's next output token."""
         self.counts[token] += 1
         self.num_outputs += 1
-        if self.matcher is not None:
+        # after EOS the request has ended: a step already in flight may still sample for it (dropped)
+        if self.matcher is not None and not self.matcher.ended:
             self.matcher.accept(token)
 
     def penalize(self, row: torch.Tensor, params: SamplingParams) -> None:

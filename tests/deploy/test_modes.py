@@ -1,6 +1,7 @@
 """colocated and disaggregated modes on Ray produce exactly what local mode produces."""
 
 import asyncio
+import json
 
 import pytest
 
@@ -114,7 +115,13 @@ def sampling_variety():
     choices = [Request(req_id=f"n-{i}", prompt_ids=prompt, max_tokens=10, fork_of="n-0" if i else None,
                        sampling=SamplingParams(temperature=0.9, seed=70 + i, frequency_penalty=0.5, logprobs=2))
                for i in range(3)]
-    return processed_requests() + choices
+    from workers.grammar import parse_response_format
+
+    schema = {"type": "object", "required": ["size"], "properties": {"size": {"type": "integer", "maximum": 99}}}
+    spec = parse_response_format({"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    structured = [Request(req_id=f"json-{i}", prompt_ids=prompt, max_tokens=30, stop_token_ids=frozenset({VOCAB - 1}),
+                          sampling=SamplingParams(temperature=1.0, seed=i, structured=spec)) for i in range(2)]
+    return processed_requests() + choices + structured
 
 
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
@@ -134,3 +141,4 @@ def test_sampling_parameters_equal_local_mode(ray_session, tiny_checkpoint, mode
                 [t.logprob for t in expected.prompt_logprobs], abs=1e-4)
     assert len(results["presence"].prompt_logprobs) == 11  # a prompt of 12 tokens: all but the first
     assert results["min_tokens"].token_ids[-1] == VOCAB - 1 and len(results["min_tokens"].token_ids) == 7
+    assert all(json.loads(results[f"json-{i}"].text)["size"] <= 99 for i in range(2))

@@ -214,3 +214,19 @@ def test_killed_workers_lose_no_request(ray_session, tiny_checkpoint):
             assert done.token_ids == expected[req_id], req_id
     assert stats["counters"]["worker_failures"] >= 1 and stats["counters"]["recomputes"] >= 1
     assert stats["live_handoffs"] == 0
+
+
+def test_a_step_that_raises_ends_its_requests_with_the_error_and_the_cell_keeps_serving(ray_session,
+                                                                                        tiny_checkpoint):
+    """A step failing inside the worker (here: a response format only the worker checks) must not leave
+    streams waiting forever: the worker's requests end with the error and later requests are served."""
+    from scheduler.request import SamplingParams
+
+    config = EngineConfig(model=tiny_checkpoint, mode="colocated", slots=2, max_model_len=256)
+    with RayEngine(config) as engine:
+        bad = make_request("bad", 5, 4)
+        bad.sampling = SamplingParams(structured="{not json")
+        failed = engine.run([bad])["bad"]
+        later = engine.run([req("later", 6, 5)])["later"]
+    assert failed.finish_reason == "error" and "internal error on decode-0" in failed.error
+    assert later.finish_reason == "length" and later.token_ids == local_outputs(config, [req("later", 6, 5)])["later"]

@@ -1,0 +1,125 @@
+"""The OpenAI parameters through Ray Serve (colocated) with the official `openai` client, against
+transformers and against the local engine."""
+
+import json
+
+import jsonschema
+import openai
+import pytest
+import torch
+from ray import serve
+
+from deploy.config import EngineConfig
+from deploy.driver import open_engine
+from deploy.prompts import build_request, encode_prompt
+from deploy.serving.app import build_app
+from tests.factories import free_port, tiny_hf_model
+
+pytestmark = pytest.mark.slow
+ARGS = dict(mode="colocated", slots=4, max_model_len=256, token_budget=32, prefill_chunk=8)
+MESSAGES = [{"role": "user", "content": "paris is in"}]
+
+
+@pytest.fixture(scope="module")
+def client(ray_session, tiny_checkpoint):
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app({"model": tiny_checkpoint, "served_model_name": "tiny", **ARGS}), name="params",
+              route_prefix="/")
+    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+    serve.shutdown()
+
+
+def local(checkpoint, max_tokens, prompt=None, messages=None, **params):
+    """The local engine's completion for the same prompt and parameters."""
+    with open_engine(EngineConfig(model=checkpoint, max_model_len=256)) as engine:
+        ids = encode_prompt(engine.tokenizer, prompt=prompt, messages=messages)
+        request = build_request("x", ids, max_tokens=max_tokens, eos_token_ids=engine.eos_token_ids, **params)
+        return engine.run([request])["x"], ids
+
+
+def hf_logprobs(tokens):
+    with torch.no_grad():
+        return torch.log_softmax(tiny_hf_model("llama")(torch.tensor([tokens])).logits[0].double(), dim=-1)
+
+
+def test_chat_logprobs_equal_transformers(client, tiny_checkpoint):
+    got = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0,
+                                         logprobs=True, top_logprobs=2)
+    done, prompt = local(tiny_checkpoint, 8, messages=MESSAGES, temperature=0)
+    content = got.choices[0].logprobs.content
+    assert got.choices[0].message.content == done.text and len(content) == len(done.token_ids)
+    lp = hf_logprobs(prompt + done.token_ids)
+    for i, (entry, token) in enumerate(zip(content, done.token_ids, strict=True)):
+        assert entry.logprob == pytest.approx(lp[len(prompt) - 1 + i, token].item(), abs=1e-4)
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(
+            lp[len(prompt) - 1 + i].topk(2).values.tolist(), abs=1e-4)
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-6)  # greedy: the top one
+    streamed = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0,
+                                              logprobs=True, top_logprobs=2, stream=True)
+    entries = [e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in content], abs=1e-6)
+
+
+def test_echo_scores_the_prompt_as_transformers_does(client, tiny_checkpoint):
+    """What evaluation harnesses send: echo, logprobs, max_tokens 0 -> the prompt's own log-probs."""
+    prompt = "the quick brown fox jumps over the lazy dog"
+    got = client.completions.create(model="tiny", prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+    with open_engine(EngineConfig(model=tiny_checkpoint, max_model_len=256)) as engine:
+        ids = encode_prompt(engine.tokenizer, prompt=prompt)
+    choice, lp = got.choices[0], hf_logprobs(ids)
+    assert choice.text == prompt and got.usage.completion_tokens == 0
+    assert len(choice.logprobs.tokens) == len(ids) and choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx([lp[i - 1, ids[i]].item() for i in range(1, len(ids))],
+                                                               abs=1e-4)
+    with_output = client.completions.create(model="tiny", prompt=prompt, echo=True, logprobs=2, max_tokens=5,
+                                            temperature=0)
+    done, _ = local(tiny_checkpoint, 5, prompt=prompt, temperature=0)
+    assert with_output.choices[0].text == prompt + done.text
+    assert len(with_output.choices[0].logprobs.token_logprobs) == len(ids) + len(done.token_ids)
+
+
+def test_n_seeded_choices_equal_separate_requests(client):
+    got = client.completions.create(model="tiny", prompt="once upon a time", n=3, seed=5, temperature=0.9,
+                                    max_tokens=10)
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    alone = [client.completions.create(model="tiny", prompt="once upon a time", seed=5 + i, temperature=0.9,
+                                       max_tokens=10).choices[0] for i in range(3)]
+    assert [c.text for c in got.choices] == [c.text for c in alone]
+    assert len({c.text for c in got.choices}) > 1
+    assert got.usage.completion_tokens == sum(
+        client.completions.create(model="tiny", prompt="once upon a time", seed=5 + i, temperature=0.9,
+                                  max_tokens=10).usage.completion_tokens for i in range(3))
+    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, n=2, seed=9, temperature=0.9,
+                                                 max_tokens=10, stream=True))
+    texts = {i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+             for i in range(2)}
+    whole = client.chat.completions.create(model="tiny", messages=MESSAGES, n=2, seed=9, temperature=0.9,
+                                           max_tokens=10)
+    assert texts == {c.index: c.message.content for c in whole.choices}
+
+
+def test_penalties_bias_and_min_tokens_equal_the_local_engine(client, tiny_checkpoint):
+    params = dict(presence_penalty=1.2, frequency_penalty=0.7, logit_bias={"42": 6.0, "7": -100.0})
+    extra = dict(repetition_penalty=1.3, min_tokens=10, ignore_eos=False)
+    got = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0,
+                                         extra_body=extra, **params)
+    done, _ = local(tiny_checkpoint, 16, messages=MESSAGES, temperature=0, presence_penalty=1.2,
+                    frequency_penalty=0.7, logit_bias={42: 6.0, 7: -100.0}, repetition_penalty=1.3, min_tokens=10)
+    plain, _ = local(tiny_checkpoint, 16, messages=MESSAGES, temperature=0)
+    assert got.choices[0].message.content == done.text and done.token_ids != plain.token_ids
+    assert got.usage.completion_tokens == len(done.token_ids) >= 10 and 7 not in done.token_ids
+
+
+def test_json_schema_replies_validate(client):
+    schema = {"type": "object", "required": ["color", "size"], "properties": {
+        "color": {"enum": ["red", "green", "blue"]}, "size": {"type": "integer", "minimum": 0, "maximum": 99}}}
+    for seed in range(3):
+        got = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=40, temperature=1.0, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "thing", "schema": schema}})
+        assert got.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(got.choices[0].message.content), schema)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, response_format={"type": "xml"})
+    assert err.value.body["param"] == "response_format"
