@@ -16,7 +16,7 @@ from scheduler.metrics import RecordingBackend, SchedulerMetrics
 from scheduler.outputs import OutputProcessor, RequestOutput
 from scheduler.plan import StepPlan
 from scheduler.policy import QueueFullError, Scheduler
-from scheduler.prefix_cache import tokens_to_first_token
+from scheduler.prefix_cache import routing_cost
 from scheduler.request import FinishReason, Request
 
 log = logging.getLogger(__name__)
@@ -137,14 +137,13 @@ class Coordinator:
         return fork
 
     def _pick_for_prompt(self, request: Request, pool: list[WorkerState]) -> WorkerState | None:
-        """With cache routing, the live worker where the prompt has the fewest tokens to wait for
-        (`tokens_to_first_token`: queued work plus its own uncached tokens), then the least loaded;
-        else (or without prefix caches) the least loaded."""
+        """With cache routing, the live worker of least `routing_cost` (queued work and the prompt's uncached
+        tokens), then the least loaded; else (or without prefix caches) the least loaded."""
         live = [w for w in pool if w.status is WorkerStatus.UP]
         if not self.config.cache_routing or len(live) < 2 or not all(w.sched.prefix_cache for w in live):
             return self._pick(pool)
-        return min(live, key=lambda w: (tokens_to_first_token(request, w.sched.prefix_cache,
-                                                              w.sched.requests.values()), w.load()))
+        return min(live, key=lambda w: (routing_cost(request, w.sched.prefix_cache, w.sched.requests.values()),
+                                        w.load()))
 
     @staticmethod
     def _sibling_worker(request: Request, pool: list[WorkerState]) -> WorkerState | None:

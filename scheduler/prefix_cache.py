@@ -45,16 +45,18 @@ def common_blocks(a: list[bytes], b: list[bytes]) -> int:
     return count
 
 
-def tokens_to_first_token(request: Request, cache: PrefixCache | None, held: Iterable[Request]) -> int:
-    """The routing score of a worker for a new prompt, in tokens to compute before the prompt's first token:
-    the uncomputed tokens of the requests the worker holds, plus the prompt's tokens not cached there.
-    Cached counts the worker's pool and the prompts it holds (what they share with this one is computed
-    by them, and cached, before this one runs)."""
+def routing_cost(request: Request, cache: PrefixCache | None, held: Iterable[Request]) -> int:
+    """The routing score of a worker for a new prompt, in tokens (lower is better): the uncomputed tokens of
+    the requests the worker holds, plus twice the prompt's tokens not cached there. Queued work plus the
+    uncached tokens once is what the prompt waits for before its first token; the uncached tokens again
+    are the work it adds for every request after it (so a prefix is not computed twice to save a little
+    queueing). Cached counts the worker's pool and the prompts it holds (what they share with this one
+    is computed by them, and cached, before this one runs)."""
     names, held = block_names(request), list(held)
     shared = max((common_blocks(names, block_names(r)) for r in held), default=0) * BLOCK_SIZE
     pooled = cache.cached_tokens(names) if cache is not None else 0
-    cached = min(max(pooled, shared), request.num_tokens - 1)
-    return sum(r.num_uncomputed for r in held) + request.num_tokens - cached
+    uncached = request.num_tokens - min(max(pooled, shared), request.num_tokens - 1)
+    return sum(r.num_uncomputed for r in held) + 2 * uncached
 
 
 class PrefixCache:
