@@ -17,6 +17,7 @@ from deploy.config import EngineConfig
 from scheduler.arrivals import ArrivalSchedule, run_at_arrivals
 from scheduler.outputs import Completion
 from scheduler.policy import Scheduler
+from scheduler.prefix_cache import summarize
 from scheduler.request import Request
 
 log = logging.getLogger(__name__)
@@ -87,10 +88,13 @@ class InProcessEngine(Engine):
                 "outside_forward_fraction": 1 - prof["model_s"] / max(prof["step_s"], 1e-9),
                 "decode_steps": prof["decode_steps"],
                 "decode_step_ms": 1000 * prof["decode_step_s"] / max(prof["decode_steps"], 1),
-                "decode_model_fraction": prof["decode_model_s"] / max(prof["decode_step_s"], 1e-9)}
+                "decode_model_fraction": prof["decode_model_s"] / max(prof["decode_step_s"], 1e-9)} \
+            | summarize([cache.stats()] if (cache := self.engine.scheduler.prefix_cache) else [])
 
     def reset_profile(self) -> None:
         self.engine.reset_profile()
+        if self.engine.scheduler.prefix_cache is not None:
+            self.engine.scheduler.prefix_cache.reset_counters()
 
     def close(self) -> None:
         pass  # nothing runs outside this process: the model and cache go with the engine
@@ -130,8 +134,10 @@ class RayEngine(Engine):
         return {c.req_id: c for c in asyncio.run(run_at_arrivals(schedule, one))}
 
     def profile(self) -> dict[str, Any]:
-        timeline = self.stats()["timeline"]
-        return {f"{kind}_{key}": value for kind, line in timeline.items() for key, value in line.items()}
+        stats = self.stats()
+        caches = [w["prefix_cache"] for w in stats["workers"].values() if "prefix_cache" in w]
+        return {f"{kind}_{key}": value for kind, line in stats["timeline"].items() for key, value in line.items()} \
+            | summarize(caches)
 
     def reset_profile(self) -> None:
         import ray

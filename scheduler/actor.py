@@ -211,7 +211,11 @@ class SchedulerActor:
         return self.coordinator.stats() | {"timeline": self.timeline.summary()}
 
     async def reset_timeline(self) -> None:
+        """Start the step timeline and the prefix caches' hit counts afresh (a benchmark after its warm-up)."""
         self.timeline.reset()
+        for worker in self.coordinator.workers:
+            if worker.sched.prefix_cache is not None:
+                worker.sched.prefix_cache.reset_counters()
 
 
 def _blocks(sched: Any) -> int:

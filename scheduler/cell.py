@@ -63,6 +63,14 @@ class WorkerState:
     def slots_used(self) -> int:
         return self.sched.num_slots - len(self.sched.free_slots)
 
+    def stats(self) -> dict[str, Any]:
+        """What /stats shows of this worker: up or not, slots, queue, and its prefix cache if it has one."""
+        line: dict[str, Any] = {"alive": self.status is WorkerStatus.UP, "slots_used": self.slots_used,
+                                "running": len(self.sched.running), "waiting": self.sched.num_waiting}
+        if self.sched.prefix_cache is not None:
+            line["prefix_cache"] = self.sched.prefix_cache.stats()
+        return line
+
     def load(self) -> tuple[int, int]:
         """Lower is less loaded: (requests here beyond free slots, requests running)."""
         return (len(self.sched.running) + self.sched.num_waiting - self.sched.num_slots, len(self.sched.running))

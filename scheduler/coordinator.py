@@ -210,7 +210,7 @@ class Coordinator:
                     self.placements[req_id].kv_handoff_s = handoff.export_s + seconds
         outputs = self.outputs.apply(sched, sched.update(plan, result.sampled, result.logprobs, result.prompt_logprobs))
         self.metrics.on_step(worker.name, worker.kind, worker.slots_used, plan.num_tokens, len(plan.preempted),
-                             result.step_s)
+                             result.step_s, sched.prefix_cache.stats() if sched.prefix_cache is not None else None)
         for chunk in plan.chunks:  # who computed what, for the request's metrics
             placement = self.placements.get(chunk.req_id)
             if placement is not None:
@@ -308,9 +308,7 @@ class Coordinator:
 
     def stats(self) -> dict[str, Any]:
         """Slots and queues per worker, live handoffs and counts: what a test or /stats reads."""
-        workers = {w.name: {"alive": w.status is WorkerStatus.UP, "slots_used": w.slots_used,
-                            "running": len(w.sched.running), "waiting": w.sched.num_waiting}
-                   for w in self.workers}
+        workers = {w.name: w.stats() for w in self.workers}
         counters = vars(self.counts) | {
             "preemptions": sum(w.sched.num_preemptions for w in self.workers),
             "recomputed_tokens": sum(w.sched.num_recomputed_tokens for w in self.workers)}

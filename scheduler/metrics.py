@@ -46,10 +46,17 @@ class SchedulerMetrics:
                                            mode_tag)
         self.recomputes = backend.Counter("pdserve_recomputes_total", "Requests recomputed after a lost cache.",
                                           mode_tag)
+        self.prefix_hit_rate = backend.Gauge("pdserve_prefix_cache_hit_rate", "Prompt tokens served from the "
+                                             "worker's prefix cache, as a fraction of prompt tokens.", worker_tags)
+        self.prefix_blocks_used = backend.Gauge("pdserve_prefix_cache_blocks_used", "Prefix-cache blocks in use "
+                                                "(of `blocks` in /stats) per worker.", worker_tags)
 
     def on_step(self, worker: str, kind: str, slots_used: int, num_tokens: int, num_preempted: int,
-                step_s: float) -> None:
+                step_s: float, prefix_cache: dict[str, float] | None = None) -> None:
         tags = self.tags | {"worker": worker}
+        if prefix_cache is not None:
+            self.prefix_hit_rate.set(prefix_cache["hit_rate"], tags=tags)
+            self.prefix_blocks_used.set(prefix_cache["blocks_used"], tags=tags)
         self.step_tokens.observe(num_tokens, tags=tags)
         self.step_seconds.observe(step_s, tags=self.tags | {"kind": kind})
         self.slots_used.set(slots_used, tags=tags)

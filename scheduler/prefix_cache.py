@@ -59,6 +59,14 @@ def routing_cost(request: Request, cache: PrefixCache | None, held: Iterable[Req
     return sum(r.num_uncomputed for r in held) + 2 * uncached
 
 
+def summarize(caches: Iterable[dict[str, float]]) -> dict[str, float]:
+    """Several workers' cache stats as one line: prompt tokens looked up and served from a pool, the hit rate."""
+    caches = list(caches)
+    queried, hit = sum(c["queried_tokens"] for c in caches), sum(c["hit_tokens"] for c in caches)
+    return {"prefix_queried_tokens": queried, "prefix_hit_tokens": hit, "prefix_hit_rate": hit / max(queried, 1),
+            "prefix_evictions": sum(c["evictions"] for c in caches)} if caches else {}
+
+
 class PrefixCache:
     """`num_blocks` pool blocks of BLOCK_SIZE tokens, named by their hash chain, evicted least recently used.
 
@@ -153,6 +161,9 @@ class PrefixCache:
         self.blocks[name] = block
         self.pinned.add(name)
         return block
+
+    def reset_counters(self) -> None:
+        self.queried_tokens = self.hit_tokens = self.evictions = 0
 
     def clear(self) -> None:
         """The worker's pool is gone (it restarted): nothing is cached."""

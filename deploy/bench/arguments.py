@@ -20,6 +20,19 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         "--prompts-file: the first N lines, 0 for all)")
     parser.add_argument("--prompt-len", default="16:512", help="N or MIN:MAX (uniform), tokens")
     parser.add_argument("--output-len", default="16:256", help="N or MIN:MAX (uniform), tokens")
+    parser.add_argument("--workload", choices=("random", "shared-prefix", "chat"), default="random",
+                        help="random prompts; shared-prefix: --groups system prompts of --prefix-len tokens, "
+                        "each request one of them plus a suffix of --prompt-len; chat: --groups conversations "
+                        "of --turns turns, each turn's prompt holding the turns before it (user turns of "
+                        "--prompt-len, replies of --output-len)")
+    parser.add_argument("--groups", type=int, default=8, help="system prompts (shared-prefix) or "
+                        "conversations (chat)")
+    parser.add_argument("--prefix-len", type=int, default=1000, help="tokens of each shared system prompt")
+    parser.add_argument("--turns", type=int, default=4, help="turns per conversation (chat)")
+    parser.add_argument("--compare-prefix-cache", action="store_true",
+                        help="run each configuration with the prefix cache off and on, side by side")
+    parser.add_argument("--compare-cache-routing", action="store_true",
+                        help="run each configuration routing prompts by cache and by load only")
     parser.add_argument("--prompts-file", default=None, help="JSONL of prompts instead of random ones: "
                         "`prompt`, `messages` or `prompt_token_ids` per line, optional `max_tokens`")
     parser.add_argument("--sweep-slots", default=None, help="comma list of slot counts to run the engine with")

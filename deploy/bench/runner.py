@@ -24,11 +24,13 @@ from deploy.bench.baselines import copy_bandwidth, run_baselines
 from deploy.bench.stats import summarize_run
 from deploy.bench.workload import (
     Workload,
+    chat_workload,
     engine_requests,
     load_workload,
     make_workload,
     parse_list,
     poisson_arrivals,
+    shared_prefix_workload,
     warmup_request,
 )
 from deploy.config import MODES, EngineConfig
@@ -70,12 +72,15 @@ class Run:
     token_budget: int | None
     rate: float
     priorities: bool
+    prefix_cache: bool = True
+    cache_routing: bool = True
 
     def label(self) -> str:
         parts = [self.mode] + [f"{k}={v}" for k, v in (("slots", self.slots), ("budget", self.token_budget))
                                if v is not None]
         return " ".join(parts + [f"rate={self.rate:g}" if self.rate else "all-at-once"]
-                        + ([] if self.priorities else ["no-priorities"]))
+                        + ([] if self.priorities else ["no-priorities"]) + ([] if self.prefix_cache else
+                        ["no-prefix-cache"]) + ([] if self.cache_routing else ["routing-by-load"]))
 
 
 def plan_runs(args: argparse.Namespace, config: EngineConfig) -> list[Run]:
@@ -94,8 +99,11 @@ def plan_runs(args: argparse.Namespace, config: EngineConfig) -> list[Run]:
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"--modes: unknown mode {mode!r} ({', '.join(MODES)})")
-    return [Run(mode, s, b, rate, prio) for mode in modes for s in slots for b in budgets for rate in rates
-            for prio in ((False, True) if args.compare_priorities else (True,))]
+    caches = (False, True) if args.compare_prefix_cache else (config.prefix_cache_tokens > 0,)
+    routings = (True, False) if args.compare_cache_routing else (config.cache_routing,)
+    return [Run(mode, s, b, rate, prio, cache, routing) for mode in modes for s in slots for b in budgets
+            for rate in rates for prio in ((False, True) if args.compare_priorities else (True,))
+            for cache in caches for routing in routings]
 
 
 def _rounded(line: dict[str, Any]) -> dict[str, Any]:
@@ -157,14 +165,19 @@ def _prepare(config: EngineConfig, args: argparse.Namespace) -> tuple[Any, dict[
 
         loaded = load_model(config.model, config.dtype, config.device)
         tokenizer = loaded.tokenizer
+    vocab = loaded.model.spec.vocab_size if loaded is not None else len(tokenizer)
     if args.prompts_file:
         base = load_workload(args.prompts_file, tokenizer, args.num_requests, args.output_len, args.seed,
                              args.urgent_fraction)
+    elif args.workload == "shared-prefix":
+        base = shared_prefix_workload(args.num_requests, args.groups, args.prefix_len, args.prompt_len,
+                                      args.output_len, vocab, args.seed, args.urgent_fraction)
+    elif args.workload == "chat":
+        base = chat_workload(args.groups, args.turns, args.prompt_len, args.output_len, vocab, args.seed)
     else:
-        vocab = loaded.model.spec.vocab_size if loaded is not None else len(tokenizer)
         base = make_workload(args.num_requests, args.prompt_len, args.output_len, vocab, args.seed,
                              urgent_fraction=args.urgent_fraction)
-    head: dict[str, Any] = {"model": config.model, "requests": len(base.prompts),
+    head: dict[str, Any] = {"model": config.model, "workload": args.workload, "requests": len(base.prompts),
                             "output_tokens": base.num_output_tokens, "seed": args.seed,
                             "torch_threads": torch.get_num_threads()}
     if loaded is not None:
@@ -177,7 +190,7 @@ def _prepare(config: EngineConfig, args: argparse.Namespace) -> tuple[Any, dict[
         from deploy.bench.http_client import EndpointError, run_http
 
         head |= {"url": args.url, "served_model": model_name}
-        warm = run_http(args.url, model_name, [base.prompts[0][:16]], [2], [0.0], [0], args.api_key)["0"]
+        warm = run_http(args.url, model_name, [base.prompts[0][:16][::-1]], [2], [0.0], [0], args.api_key)["0"]
         if warm.error:  # untimed; a refusal here (wrong key, wrong model name) would fail every request
             raise EndpointError(f"{args.url}: the warm-up request failed: {warm.error}")
     return loaded, head, base
@@ -200,13 +213,17 @@ def _run_one(run: Run, config: EngineConfig, args: argparse.Namespace, loaded: A
                                work.priorities(run.priorities), args.api_key, on_finish)
             elapsed = time.perf_counter() - start
         else:
+            cache_tokens = config.prefix_cache_tokens if run.prefix_cache else 0
             run_config = config.model_copy(update={"mode": run.mode, "slots": run.slots,
-                                                   "token_budget": run.token_budget, "prefill_chunk": chunk})
+                                                   "token_budget": run.token_budget, "prefill_chunk": chunk,
+                                                   "prefix_cache_tokens": cache_tokens,
+                                                   "cache_routing": run.cache_routing})
             results, elapsed, extra = run_engine(run_config, loaded, work, args.sequential, run.priorities,
                                                  on_finish)
     summary = head | {"mode": run.mode, "slots": run.slots, "token_budget": run.token_budget,
                       "prefill_chunk": chunk, "rate": run.rate, "sequential": args.sequential,
-                      "priorities": run.priorities}
+                      "priorities": run.priorities, "prefix_cache": run.prefix_cache,
+                      "cache_routing": run.cache_routing}
     summary |= summarize_run(work, results, elapsed, args.slo_ttft_ms, args.slo_tpot_ms,
                              exact=run.mode != "url") | extra
     for key in ("serial_tok_s", "static_tok_s"):
@@ -226,7 +243,16 @@ def _run_one(run: Run, config: EngineConfig, args: argparse.Namespace, loaded: A
 
 
 def _compare_modes(lines: list[dict[str, Any]]) -> None:
-    by_mode = {line["mode"]: line for line in lines if "rid" not in line}
+    summaries = [line for line in lines if "rid" not in line]
+    by_mode = {line["mode"]: line for line in summaries}
     if "colocated" in by_mode and "disaggregated" in by_mode:
         ratio = by_mode["disaggregated"]["ttft_ms_mean"] / by_mode["colocated"]["ttft_ms_mean"]
         print(json.dumps({"ttft_disaggregated_over_colocated": round(ratio, 3)}), flush=True)
+    for line in summaries:  # the prefix cache side by side: the same configuration with it off
+        off = next((o for o in summaries if not o["prefix_cache"] and o is not line
+                    and all(o[k] == line[k] for k in ("mode", "slots", "token_budget", "rate", "cache_routing"))), None)
+        if line["prefix_cache"] and off is not None:
+            print(json.dumps({"mode": line["mode"], "ttft_p50_no_cache_over_cache":
+                              round(off["ttft_ms_p50"] / max(line["ttft_ms_p50"], 1e-9), 3),
+                              "tok_s_cache_over_no_cache": round(line["output_tok_s"] / off["output_tok_s"], 3)}),
+                  flush=True)

@@ -1,10 +1,11 @@
-"""Bench workloads: random-token prompts or a JSONL file, output lengths, Poisson arrivals, urgency."""
+"""Bench workloads: random-token prompts (shared prefixes, chat replays) or a JSONL file, output lengths,
+Poisson arrivals, urgency."""
 
 from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from scheduler.request import Request, SamplingParams
@@ -69,6 +70,43 @@ def make_workload(num_requests: int, prompt_len: str, output_len: str, vocab_siz
     return Workload(prompts, output_lens, poisson_arrivals(num_requests, rate, seed), urgent)
 
 
+def shared_prefix_workload(num_requests: int, groups: int, prefix_len: int, suffix_len: str, output_len: str,
+                           vocab_size: int, seed: int, urgent_fraction: float = 0.0) -> Workload:
+    """`groups` system prompts of `prefix_len` random tokens; each request is one of them (drawn at random)
+    followed by its own random suffix, lengths from the ranges, reproducibly."""
+    if groups < 1 or prefix_len < 0:
+        raise ValueError(f"--groups must be >= 1 and --prefix-len >= 0, got {groups} and {prefix_len}")
+    rng = random.Random(f"shared-{seed}")
+    low_id = min(100, vocab_size // 4)
+    prefixes = [[rng.randrange(low_id, vocab_size) for _ in range(prefix_len)] for _ in range(groups)]
+    suffixes = make_workload(num_requests, suffix_len, output_len, vocab_size, seed, urgent_fraction=urgent_fraction)
+    prompts = [prefixes[rng.randrange(groups)] + suffix for suffix in suffixes.prompts]
+    return replace(suffixes, prompts=prompts)
+
+
+def chat_workload(conversations: int, turns: int, turn_len: str, output_len: str, vocab_size: int,
+                  seed: int) -> Workload:
+    """A multi-turn chat replay: turn k of a conversation is its turn k-1 prompt, a stand-in assistant reply
+    (random tokens of an output length) and a new user message of `turn_len` tokens, so every prompt
+    contains the turns before it. Requests are ordered turn by turn (all first turns, then all second
+    turns, ...), so a conversation's turns arrive in order."""
+    if conversations < 1 or turns < 1:
+        raise ValueError(f"--groups and --turns must be >= 1, got {conversations} and {turns}")
+    rng = random.Random(f"chat-{seed}")
+    base = make_workload(conversations * turns, turn_len, output_len, vocab_size, seed)
+    low_id = min(100, vocab_size // 4)
+    history: list[list[int]] = [[] for _ in range(conversations)]
+    prompts = []
+    for i, message in enumerate(base.prompts):
+        c = i % conversations
+        if history[c]:  # the reply to the turn before, as long as that turn's output
+            reply_len = base.output_lens[i - conversations]
+            history[c] = history[c] + [rng.randrange(low_id, vocab_size) for _ in range(reply_len)]
+        history[c] = history[c] + message
+        prompts.append(list(history[c]))
+    return replace(base, prompts=prompts)
+
+
 def load_workload(path: str, tokenizer: Any, num_requests: int, output_len: str, seed: int,
                   urgent_fraction: float = 0.0) -> Workload:
     """Prompts from a JSONL file, one object per line with `prompt` (text), `messages` (chat) or
@@ -108,4 +146,4 @@ def engine_requests(work: Workload, priorities: bool) -> list[Request]:
 def warmup_request(work: Workload) -> Request:
     """A short request run before the clock starts: first calls into torch (and fresh worker processes)
     are slower than every later one."""
-    return Request(req_id="warmup", prompt_ids=work.prompts[0][:16], max_tokens=2)
+    return Request(req_id="warmup", prompt_ids=work.prompts[0][:16][::-1], max_tokens=2)  # shares no prefix

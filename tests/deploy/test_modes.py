@@ -142,3 +142,29 @@ def test_sampling_parameters_equal_local_mode(ray_session, tiny_checkpoint, mode
     assert len(results["presence"].prompt_logprobs) == 11  # a prompt of 12 tokens: all but the first
     assert results["min_tokens"].token_ids[-1] == VOCAB - 1 and len(results["min_tokens"].token_ids) == 7
     assert all(json.loads(results[f"json-{i}"].text)["size"] <= 99 for i in range(2))
+
+
+@pytest.mark.parametrize("overrides", [dict(mode="colocated", decode_workers=2),
+                                       dict(mode="disaggregated", prefill_workers=2)], ids=["colocated", "2P1D"])
+def test_prefix_cache_changes_no_output_and_routes_to_the_cache(ray_session, tiny_checkpoint, overrides):
+    """Three waves of prompts sharing a 40-token prefix (plus two with nothing shared): local mode without
+    the cache gives the same tokens; the later waves find the prefix cached on the worker they went to."""
+    from tests.factories import prompt_ids
+
+    system = prompt_ids(40, 77)
+
+    def waves():
+        shared = [Request(req_id=f"s{i}", prompt_ids=system + prompt_ids(3 + i, 80 + i), max_tokens=6)
+                  for i in range(6)]
+        other = [Request(req_id=f"o{i}", prompt_ids=prompt_ids(30, 90 + i), max_tokens=6) for i in range(2)]
+        return [shared[:2] + other[:1], shared[2:4] + other[1:], shared[4:]]
+
+    with open_engine(EngineConfig(model=tiny_checkpoint, prefix_cache_tokens=0, **BASE)) as engine:
+        expected = {k: c.token_ids for wave in waves() for k, c in engine.run(wave).items()}
+    with RayEngine(EngineConfig(model=tiny_checkpoint, **(BASE | overrides))) as engine:
+        got = {k: c.token_ids for wave in waves() for k, c in engine.run(wave).items()}
+        stats = engine.stats()["workers"]
+    assert got == expected
+    caches = [w["prefix_cache"] for w in stats.values() if "prefix_cache" in w]
+    assert len(caches) == 2
+    assert sum(c["hit_tokens"] for c in caches) >= 4 * 32  # the 4 later shared prompts: 2 blocks each

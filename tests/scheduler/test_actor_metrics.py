@@ -31,8 +31,14 @@ def test_ttft_histogram_counts_every_served_request(ray_session, tiny_checkpoint
                           token_budget=16, prefill_chunk=8)
     with RayEngine(config) as engine:
         worker_id = ray_session.get(engine.handle.ready.remote())["scheduler_worker_id"]
-        results = engine.run(make_requests(7, [5, 20, 9], [4, 9, 6]))
+        requests = make_requests(7, [5, 20, 9], [4, 9, 6])
+        for r in requests[3:]:  # four requests repeat the first's 20-token prompt: one 16-token block cached
+            r.prompt_ids = list(requests[1].prompt_ids)
+        results = engine.run(requests[:3])
+        results |= engine.run(requests[3:])
+        prefill_cache = engine.stats()["workers"]["prefill-0"]["prefix_cache"]
     assert len(results) == 7
+    assert prefill_cache["hit_tokens"] == 4 * 16 and prefill_cache["blocks_used"] >= 1
     deadline, text = time.monotonic() + 40, ""
     while time.monotonic() < deadline:  # Ray exports metrics every few seconds
         text = scrape(ray_session.metrics_port)
@@ -47,3 +53,5 @@ def test_ttft_histogram_counts_every_served_request(ray_session, tiny_checkpoint
     assert sample_sum(text, "ray_pdserve_kv_handoff_bytes_count", worker_id) == 7
     assert sample_sum(text, "ray_pdserve_step_seconds_count", worker_id, kind="decode") > 0
     assert re.search(r"ray_pdserve_slots_in_use\{", text)
+    hit_rate = sample_sum(text, "ray_pdserve_prefix_cache_hit_rate", worker_id, worker="prefill-0")
+    assert hit_rate == pytest.approx(prefill_cache["hit_rate"])
