@@ -111,8 +111,10 @@ class Scheduler:
         while index < len(self.waiting):
             request = self.waiting[index].request
             sibling = self._fork_source(request)
-            if sibling is not None and (sibling.slot is None or sibling.num_computed < len(request.prompt_ids) - 1):
-                index += 1  # its sibling's prompt will be here soon: copying it beats computing it again
+            if sibling is not None and (sibling.slot is None or sibling.num_computed < len(request.prompt_ids) - 1) \
+                    or sibling is None and self.prefix_cache is not None \
+                    and self.prefix_cache.should_wait(request, self.running):
+                index += 1  # its prefix is being computed here: copying it soon beats computing it again
                 continue
             if not self.free_slots:
                 victim = self._victim(request)

@@ -118,6 +118,19 @@ class PrefixCache:
         self.pinned.clear()
         return saves
 
+    def should_wait(self, request: Request, running: Iterable[Request]) -> bool:
+        """A request with an empty row whose leading blocks a running request here is still computing (and
+        the pool lacks) waits for them rather than computing them a second time alongside."""
+        if request.num_computed or request.wants_prompt_logprobs:
+            return False
+        names = block_names(request)
+        pooled = self.cached_tokens(names) // BLOCK_SIZE
+        for other in running:
+            shared = common_blocks(names, block_names(other)) if names else 0
+            if shared > pooled and other.num_computed < shared * BLOCK_SIZE:
+                return True
+        return False
+
     def forget(self, req_id: str) -> None:
         """Its cache row is gone (it left, or was preempted: readmitted, it matches the pool again)."""
         self.saved.pop(req_id, None)

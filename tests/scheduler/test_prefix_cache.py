@@ -110,3 +110,13 @@ def test_a_worker_that_restarts_has_an_empty_cache():
     worker.sched.prefix_cache.allocate(names[0])
     coordinator.worker_died(worker)
     assert worker.sched.prefix_cache.cached_tokens(names) == 0
+
+
+def test_the_same_prefix_arriving_twice_at_once_is_computed_once():
+    sched = Scheduler(2, 256, token_budget=16, prefill_chunk=16, prefix_cache_blocks=16)
+    sched.submit(request("a", tokens(4 * B + 3)))
+    sched.submit(request("b", tokens(4 * B) + [7, 7]))
+    plans = run(sched)
+    computed = {r: sum(c.num_tokens for p in plans for c in p.prefill if c.req_id == r) for r in "ab"}
+    assert computed == {"a": 4 * B + 3, "b": 2}  # b waited for a's four blocks, then loaded them
+    assert sched.prefix_cache.hit_tokens == 4 * B
