@@ -27,15 +27,27 @@ def _engine_fields() -> dict[str, tuple[str, type, tuple[str, ...] | None]]:
             flags[f"--{name.replace('_', '-')}"] = (name, str, typing.get_args(kind))
         elif kind in (int, float, str):
             flags[f"--{name.replace('_', '-')}"] = (name, kind, None)
+        elif kind is bool:
+            flags[f"--{name.replace('_', '-')}"] = (name, _truth, None)
     return flags
+
+
+def _truth(text: str) -> bool:
+    """A boolean flag's value: true/false (also yes/no, on/off, 1/0)."""
+    value = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+    if text.lower() not in value:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value[text.lower()]
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field, described by the config itself; unset flags keep its defaults."""
     for flag, (name, kind, choices) in _engine_fields().items():
         field = EngineConfig.model_fields[name]
+        default = str(field.default).lower() if kind is _truth else field.default
         parser.add_argument(flag, dest=name, type=kind, default=None, choices=choices,
-                            help=f"{field.description} (default: {field.default})")
+                            metavar="{true,false}" if kind is _truth else None,
+                            help=f"{field.description} (default: {default})")
 
 
 def config_from_args(args: argparse.Namespace, cls: type[EngineConfig] = EngineConfig, **overrides: object) -> Any:

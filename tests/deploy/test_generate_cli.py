@@ -88,3 +88,15 @@ def test_console_script_runs(checkpoint, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "generate" in proc.stderr and "wrote 1 results" in proc.stderr  # progress bar and summary
     assert len(read_jsonl(out)) == 1
+
+
+def test_every_engine_setting_is_a_flag_booleans_included():
+    from deploy.cli import build_parser, config_from_args
+
+    args = build_parser().parse_args(["generate", "--input", "i", "--output", "o", "--cache-routing", "false",
+                                      "--prefix-cache-tokens", "0"])
+    config = config_from_args(args)
+    assert config.cache_routing is False and config.prefix_cache_tokens == 0
+    assert config_from_args(build_parser().parse_args(["generate", "--input", "i", "--output", "o"])).cache_routing
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--input", "i", "--output", "o", "--cache-routing", "maybe"])
