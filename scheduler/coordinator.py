@@ -11,13 +11,14 @@ from collections.abc import Callable
 from typing import Any
 
 from scheduler.cell import CellConfig, CellCounts, RequestPlacement, WorkerState, WorkerStatus
-from scheduler.messages import KVHandoff, KVImport, StepResult
+from scheduler.forks import WaitingForks, sibling_worker
+from scheduler.messages import KVHandoff, KVImport, KVPiece, StepResult
 from scheduler.metrics import RecordingBackend, SchedulerMetrics
 from scheduler.outputs import OutputProcessor, RequestOutput
 from scheduler.plan import StepPlan
 from scheduler.policy import QueueFullError, Scheduler
 from scheduler.prefix_cache import routing_cost
-from scheduler.request import FinishReason, Request
+from scheduler.request import FinishReason, Request, RequestStatus
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,8 @@ class Coordinator:
                                                                    config.prefill_slots, True)
         self.workers = self.prefill + self.decode
         self.handoffs: dict[str, KVHandoff] = {}  # handed off, not yet imported: the only refs held
-        self.forks: dict[str, list[Request]] = {}  # n > 1: sibling id -> choices waiting for its handoff
+        self.pieces: dict[str, list[KVPiece]] = {}  # prompts on prefill workers: the KV pieces sent so far
+        self.forks = WaitingForks()
         self.placements: dict[str, RequestPlacement] = {}
         self.consumers: dict[str, str] = {}  # req_id -> who receives its outputs
         self.outbox: dict[str, list[RequestOutput]] = {}  # consumer -> outputs not yet taken
@@ -68,7 +70,7 @@ class Coordinator:
         if request.req_id in self.consumers:  # every unfinished request has its consumer here
             raise ValueError(f"request id {request.req_id!r} is already in use")
         Scheduler.check_fits(request, self.config.capacity)
-        num_waiting = sum(w.sched.num_waiting for w in self.workers) + sum(map(len, self.forks.values()))
+        num_waiting = sum(w.sched.num_waiting for w in self.workers) + len(self.forks)
         if self.config.max_waiting is not None and num_waiting >= self.config.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
         self.consumers[request.req_id] = consumer
@@ -80,12 +82,12 @@ class Coordinator:
         """End a request in any state (waiting, prefilling, handed off, decoding): its slot, prefill
         row and handoff are freed at once, and its stream gets a final `abort` output."""
         request = next((r for w in self.workers if (r := w.sched.abort(req_id)) is not None), None) \
-            or self._take_fork(req_id)
+            or self.forks.take(req_id)
         if request is None:
             return False
         if request.finish_reason is None:  # a choice that was waiting for its sibling's handoff
             request.mark_finished(FinishReason.ABORT)
-        self.handoffs.pop(req_id, None)
+        self._drop_kv(req_id)
         self._release_forks(req_id)
         self._publish([RequestOutput(req_id, text=self.outputs.close(request), finish_reason="abort",
                                      metrics=request.metrics())])
@@ -109,32 +111,29 @@ class Coordinator:
         mode is colocated or the tokens to compute are fewer than local_prefill_max_tokens; with the
         sibling it shares a prompt with (n > 1) when that one is still on the pool."""
         local = not self.prefill or request.num_tokens < self.config.local_prefill_max_tokens
-        if not local and request.fork_of is not None and not request.wants_prompt_logprobs \
-                and any(request.fork_of in w.sched.requests for w in self.prefill):
-            self.forks.setdefault(request.fork_of, []).append(request)  # one prefill, one handoff for all
+        if not local and self.forks.park(request, self.prefill):
             return
         pool = self.decode if local else self.prefill
-        worker = self._sibling_worker(request, pool) or self._pick_for_prompt(request, pool)
+        worker = sibling_worker(request, pool) or self._pick_for_prompt(request, pool)
         if worker is None:
             self._fail(request, f"no live {'decode' if local else 'prefill'} worker")
             return
         worker.sched.submit(request)
         self.wake(worker)
 
+    def _drop_kv(self, req_id: str) -> None:
+        """Drop the refs of a request's KV pieces and handoff: the object store frees their bytes."""
+        self.handoffs.pop(req_id, None)
+        self.pieces.pop(req_id, None)
+
     def _release_forks(self, req_id: str, target: WorkerState | None = None) -> None:
         """The choices waiting for this request's handoff go with it to `target` (where they copy its
         KV), or, when it left without one, on their own way (each computes the prompt)."""
-        for fork in self.forks.pop(req_id, []):
+        for fork in self.forks.release(req_id):
             if target is None:
                 self._route(fork)
             else:
                 target.sched.submit(fork)
-
-    def _take_fork(self, req_id: str) -> Request | None:
-        fork = next((f for waiting in self.forks.values() for f in waiting if f.req_id == req_id), None)
-        if fork is not None and fork.fork_of is not None:
-            self.forks[fork.fork_of].remove(fork)
-        return fork
 
     def _pick_for_prompt(self, request: Request, pool: list[WorkerState]) -> WorkerState | None:
         """With cache routing, the live worker of least `routing_cost` (queued work and the prompt's uncached
@@ -145,12 +144,6 @@ class Coordinator:
         return min(live, key=lambda w: (routing_cost(request, w.sched.prefix_cache, w.sched.requests.values()),
                                         w.load()))
 
-    @staticmethod
-    def _sibling_worker(request: Request, pool: list[WorkerState]) -> WorkerState | None:
-        """n > 1: the live worker of the pool holding the sibling this request copies its prompt from."""
-        if request.fork_of is None:
-            return None
-        return next((w for w in pool if w.status is WorkerStatus.UP and request.fork_of in w.sched.requests), None)
 
     @staticmethod
     def _pick(pool: list[WorkerState], exclude: WorkerState | None = None) -> WorkerState | None:
@@ -161,7 +154,7 @@ class Coordinator:
 
     def _fail(self, request: Request, message: str) -> None:
         """End a request that no scheduler holds with an error on its own stream."""
-        self.handoffs.pop(request.req_id, None)
+        self._drop_kv(request.req_id)
         self._release_forks(request.req_id)
         request.mark_finished(FinishReason.ERROR, message)
         self._publish([RequestOutput(request.req_id, text=self.outputs.close(request), finish_reason="error",
@@ -183,6 +176,8 @@ class Coordinator:
         """Plan the worker's next step and the handoffs it must import first; None when it has no work.
         A request preempted on a decode worker in disaggregated mode is recomputed on the prefill pool."""
         plan = worker.sched.plan()
+        for req_id in plan.preempted:  # its pieces are void: it exports again from its first row
+            self.pieces.pop(req_id, None)
         if plan.preempted and worker.kind == "decode" and self.prefill:
             for req_id in plan.preempted:
                 request = worker.sched.evict(req_id)
@@ -197,6 +192,12 @@ class Coordinator:
         """Consume a step's results: lost imports go back to be recomputed, sampled tokens are applied,
         finished prompts are handed off to a decode worker, and the outputs are published."""
         sched = worker.sched
+        for piece in result.kv_pieces:  # of requests still prefilling here (not aborted or preempted since)
+            request = sched.requests.get(piece.req_id)
+            if request is not None and request.status is RequestStatus.RUNNING:
+                self.pieces.setdefault(piece.req_id, []).append(piece)
+        handoffs = [KVHandoff(c.req_id, tuple(self.pieces.pop(c.req_id, ())), worker.index) for c in plan.prefill
+                    if worker.kind == "prefill" and c.sample and c.req_id in result.sampled]
         for req_id in result.failed_imports:  # the handoff's bytes died with their prefill worker
             self.handoffs.pop(req_id, None)
             request = sched.evict(req_id)
@@ -215,7 +216,7 @@ class Coordinator:
             placement = self.placements.get(chunk.req_id)
             if placement is not None:
                 setattr(placement, f"{worker.kind}_worker", worker.index)
-        for handoff in result.handoffs:
+        for handoff in handoffs:
             self._hand_off(sched, handoff)
         self._count_states()
         self._publish(outputs)
@@ -271,7 +272,7 @@ class Coordinator:
         log.warning("%s failed; moving its requests", worker.name)
         for request in list(worker.sched.running):
             worker.sched.evict(request.req_id)
-            self.handoffs.pop(request.req_id, None)  # imported or not, its slot is gone
+            self._drop_kv(request.req_id)  # imported or not, its slot is gone
             self._recompute(request, f"{worker.name} failed")
         self._move_waiting(worker)
 

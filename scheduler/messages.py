@@ -13,19 +13,42 @@ from scheduler.request import TokenLogprob
 
 
 @dataclass(frozen=True)
-class KVHandoff:
-    """A prompt's KV rows, exported by a prefill worker into Ray's object store.
+class KVPiece:
+    """KV rows of one request, positions start..start+num_tokens-1, that a prefill worker put into Ray's
+    object store after the step that computed them."""
 
-    The only place a handoff's ObjectRef lives: the scheduler passes this object to the decode worker
-    and drops it once imported (or the request ends), which frees the bytes.
+    req_id: str
+    start: int
+    num_tokens: int
+    ref: Any  # ray.ObjectRef of a numpy array [layers, 2, kv_heads, num_tokens, head_dim]
+    num_bytes: int
+    export_s: float  # time the prefill worker spent on it (copy out and put)
+
+
+@dataclass(frozen=True)
+class KVHandoff:
+    """A finished prompt's KV rows: the pieces its prefill worker sent out chunk by chunk, in order.
+
+    The only place the pieces' ObjectRefs live once the prompt is done: the scheduler passes this object
+    to the decode worker and drops it once imported (or the request ends), which frees the bytes.
     """
 
     req_id: str
-    ref: Any  # ray.ObjectRef of a numpy array [layers, 2, kv_heads, num_tokens, head_dim]
-    num_tokens: int  # positions 0..num_tokens-1 of the request's sequence
-    num_bytes: int
-    export_s: float  # time the prefill worker spent exporting (copy out and put)
+    pieces: tuple[KVPiece, ...]
     prefill_worker: int
+
+    @property
+    def num_tokens(self) -> int:  # positions 0..num_tokens-1 of the request's sequence
+        return self.pieces[-1].start + self.pieces[-1].num_tokens if self.pieces else 0
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(p.num_bytes for p in self.pieces)
+
+    @property
+    def export_s(self) -> float:
+        """Time on the critical path, after the prompt's last chunk: its last piece's export."""
+        return self.pieces[-1].export_s if self.pieces else 0.0
 
 
 @dataclass(frozen=True)
@@ -52,7 +75,7 @@ class StepResult:
     sampled: dict[str, int]  # req_id -> token, for every sampling chunk that ran
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # see Samples
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
-    handoffs: list[KVHandoff] = field(default_factory=list)  # prefill workers: prompts finished this step
+    kv_pieces: list[KVPiece] = field(default_factory=list)  # prefill workers: the plan's exports
     failed_imports: list[str] = field(default_factory=list)  # decode workers: handoffs whose bytes were lost
     import_s: dict[str, float] = field(default_factory=dict)  # decode workers: seconds to fetch and copy in
     step_s: float = 0.0  # wall time of the step on the worker

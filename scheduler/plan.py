@@ -48,6 +48,9 @@ class StepPlan:
     # position, pool block) to save after it
     loads: list[tuple[int, int, int]] = field(default_factory=list)
     saves: list[tuple[int, int, int]] = field(default_factory=list)
+    # prefill workers: (req_id, slot, first position, end) of KV rows to send out after the forward, as each
+    # chunk is computed, so a finished prompt's handoff has only its last piece left to send
+    exports: list[tuple[str, int, int, int]] = field(default_factory=list)
 
     @property
     def chunks(self) -> list[Chunk]:

@@ -22,17 +22,9 @@ class Scheduler:
     are free for the next plan.
     """
 
-    def __init__(
-        self,
-        num_slots: int,
-        capacity: int,
-        token_budget: int = 256,
-        prefill_chunk: int = 128,
-        max_waiting: int | None = None,
-        max_preemptions: int = 2,
-        decodes: bool = True,
-        prefix_cache_blocks: int = 0,
-    ) -> None:
+    def __init__(self, num_slots: int, capacity: int, token_budget: int = 256, prefill_chunk: int = 128,
+                 max_waiting: int | None = None, max_preemptions: int = 2, decodes: bool = True,
+                 prefix_cache_blocks: int = 0) -> None:
         limits = {"num_slots": num_slots, "capacity": capacity, "token_budget": token_budget,
                   "prefill_chunk": prefill_chunk}
         for name, value in limits.items():
@@ -153,16 +145,20 @@ class Scheduler:
                 length = min(request.num_uncomputed, self.prefill_chunk, budget)
                 prefill.append(self._chunk(request, length))
                 budget -= length
+        exports = []
         for chunk in decode + prefill:  # planned is as good as computed: the next plan may follow at once
             request = self.requests[chunk.req_id]
             request.num_computed += chunk.num_tokens
             request.num_pending += chunk.sample
+            if not self.decodes:  # rows loaded from the pool or a sibling go out with the first piece
+                exports.append((chunk.req_id, chunk.slot, request.num_exported, request.num_computed))
+                request.num_exported = request.num_computed
         saves = self.prefix_cache.save(self.running) if self.prefix_cache is not None else []
         released: list[str] = []
         if decode or prefill:  # an empty plan is not sent: keep them for the next one
             released, self.released = self.released, []
         return StepPlan(decode=decode, prefill=prefill, preempted=preempted, released=released, copies=copies,
-                        loads=loads, saves=saves)
+                        loads=loads, saves=saves, exports=exports)
 
     def _fork_source(self, request: Request) -> Request | None:
         """n > 1: the sibling on this scheduler with the same prompt, whose prompt KV this request (with an

@@ -136,6 +136,7 @@ class Request:
     text: str = ""  # detokenized output, cut before a stop string; filled by the engine
     num_recomputes: int = 0  # times its cache was lost (worker died, handoff lost) and recomputed
     num_preemptions: int = 0  # times it was evicted for a more urgent request (then recomputed)
+    num_exported: int = 0  # on a prefill worker: leading rows of its cache row already sent out (KV pieces)
 
     arrival_s: float = field(default_factory=time.perf_counter)
     scheduled_s: float | None = None  # first admitted into a slot
@@ -203,6 +204,7 @@ class Request:
         """Its cache is gone (evicted, or lost with a worker): recompute prompt + output so far, then
         continue where it stopped. The one recompute path for preemption and faults."""
         self.num_computed, self.num_pending, self.slot, self.status = 0, 0, None, RequestStatus.WAITING
+        self.num_exported = 0
 
     def metrics(self) -> dict[str, float]:
         """Latencies in seconds: TTFT, TPOT (after the first token), end to end, and the phases

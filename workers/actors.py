@@ -11,7 +11,7 @@ from typing import Any
 import ray
 import torch
 
-from scheduler.messages import KVHandoff, KVImport, StepResult
+from scheduler.messages import KVImport, KVPiece, StepResult
 from scheduler.plan import StepPlan
 from workers.loader import load_model, resolve_device
 from workers.runner import ModelRunner
@@ -35,23 +35,20 @@ class _ModelWorker:
 
 
 class PrefillWorker(_ModelWorker):
-    """Runs prompt chunks; when a prompt's last chunk is done, exports its KV rows to the object store."""
+    """Runs prompt chunks, and puts each chunk's KV rows into the object store as soon as it is computed
+    (the plan's exports): when a prompt's last chunk is done, only that piece is left to send."""
 
     def step(self, plan: StepPlan, imports: list[KVImport]) -> StepResult:
         start = time.perf_counter()
         samples = self.runner.execute(plan)
-        handoffs = []
-        for chunk in plan.chunks:
-            if not chunk.sample:
-                continue
+        pieces = []
+        for req_id, slot, first, end in plan.exports:
             export_start = time.perf_counter()
-            length = chunk.start_pos + chunk.num_tokens
-            rows = self.runner.cache.export_rows(chunk.slot, length)  # the row is free for reuse after this
-            ref = ray.put(rows)
-            handoffs.append(KVHandoff(chunk.req_id, ref, length, rows.nbytes, time.perf_counter() - export_start,
-                                      self.index))
+            rows = self.runner.cache.export_rows(slot, first, end)
+            pieces.append(KVPiece(req_id, first, end - first, ray.put(rows), rows.nbytes,
+                                  time.perf_counter() - export_start))
         return StepResult(sampled=samples.tokens, logprobs=samples.logprobs, prompt_logprobs=samples.prompt_logprobs,
-                          handoffs=handoffs, step_s=time.perf_counter() - start, forward_s=self.runner.last_forward_s)
+                          kv_pieces=pieces, step_s=time.perf_counter() - start, forward_s=self.runner.last_forward_s)
 
 
 class DecodeWorker(_ModelWorker):
@@ -63,15 +60,16 @@ class DecodeWorker(_ModelWorker):
         import_s: dict[str, float] = {}
         for item in imports:
             t0 = time.perf_counter()
-            try:
-                rows = ray.get(item.handoff.ref)  # zero-copy view of the object store's shared memory
+            try:  # zero-copy views of the object store's shared memory, copied once into the slot
+                pieces = ray.get([piece.ref for piece in item.handoff.pieces])
             except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError,
                     ray.exceptions.ObjectFetchTimedOutError, ray.exceptions.ObjectReconstructionFailedError):
                 failed.append(item.handoff.req_id)
                 continue
             with warnings.catch_warnings():  # the shared buffer is read-only; we only read it
                 warnings.simplefilter("ignore", UserWarning)
-                self.runner.cache.import_rows(item.slot, rows)
+                for piece, rows in zip(item.handoff.pieces, pieces, strict=True):
+                    self.runner.cache.import_rows(item.slot, rows, piece.start)
             import_s[item.handoff.req_id] = time.perf_counter() - t0
         if failed:
             lost = set(failed)

@@ -48,12 +48,13 @@ class SlotKVCache:
         self.pool_k[:, block] = self.k[:, slot, :, start:end]
         self.pool_v[:, block] = self.v[:, slot, :, start:end]
 
-    def export_rows(self, slot: int, length: int) -> np.ndarray:
-        """Copy positions 0..length-1 of a slot out as `[layers, 2, kv_heads, length, head_dim]`.
+    def export_rows(self, slot: int, start: int, end: int) -> np.ndarray:
+        """Copy positions start..end-1 of a slot out as `[layers, 2, kv_heads, end - start, head_dim]`.
 
-        A numpy array, so Ray's object store can hand it to another process without pickling.
+        A numpy array, so Ray's object store can hand it to another process without pickling; bf16 rows
+        travel as their raw 16-bit words.
         """
-        rows = torch.stack((self.k[:, slot, :, :length], self.v[:, slot, :, :length]), dim=1)
+        rows = torch.stack((self.k[:, slot, :, start:end], self.v[:, slot, :, start:end]), dim=1)
         if rows.dtype == torch.bfloat16:  # numpy has no bfloat16: ship the raw 16-bit words
             rows = rows.view(torch.int16)
         return rows.cpu().numpy()
@@ -63,17 +64,17 @@ class SlotKVCache:
         self.k[:, dst, :, :length] = self.k[:, src, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
-    def import_rows(self, slot: int, rows: np.ndarray) -> int:
-        """Write exported rows into a slot at positions 0..length-1; return the length."""
+    def import_rows(self, slot: int, rows: np.ndarray, start: int = 0) -> int:
+        """Write exported rows into a slot at positions start..start+length-1; return the length."""
         tensor = torch.from_numpy(np.asarray(rows))
         if self.k.dtype == torch.bfloat16:
             tensor = tensor.view(torch.bfloat16)
         tensor = tensor.to(self.k.device)  # [layers, 2, kv_heads, length, head_dim]
         length = tensor.shape[3]
-        if length > self.capacity:
-            raise ValueError(f"{length} rows do not fit a slot of capacity {self.capacity}")
-        self.k[:, slot, :, :length] = tensor[:, 0]
-        self.v[:, slot, :, :length] = tensor[:, 1]
+        if start + length > self.capacity:
+            raise ValueError(f"rows {start}..{start + length - 1} do not fit a slot of capacity {self.capacity}")
+        self.k[:, slot, :, start : start + length] = tensor[:, 0]
+        self.v[:, slot, :, start : start + length] = tensor[:, 1]
         return length
 
 

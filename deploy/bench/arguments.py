@@ -20,11 +20,17 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         "--prompts-file: the first N lines, 0 for all)")
     parser.add_argument("--prompt-len", default="16:512", help="N or MIN:MAX (uniform), tokens")
     parser.add_argument("--output-len", default="16:256", help="N or MIN:MAX (uniform), tokens")
-    parser.add_argument("--workload", choices=("random", "shared-prefix", "chat"), default="random",
+    parser.add_argument("--workload", choices=("random", "shared-prefix", "chat", "interference"), default="random",
                         help="random prompts; shared-prefix: --groups system prompts of --prefix-len tokens, "
                         "each request one of them plus a suffix of --prompt-len; chat: --groups conversations "
                         "of --turns turns, each turn's prompt holding the turns before it (user turns of "
-                        "--prompt-len, replies of --output-len)")
+                        "--prompt-len, replies of --output-len); interference: --steady decoding streams "
+                        "while --num-requests long prompts (--prompt-len, --output-len) arrive at --rate")
+    parser.add_argument("--steady", type=int, default=16, help="interference: steady streams, all started at once")
+    parser.add_argument("--steady-prompt-len", default="32:64", help="interference: the steady streams' prompts")
+    parser.add_argument("--steady-output-len", default="512", help="interference: the steady streams' outputs")
+    parser.add_argument("--long-start-s", type=float, default=5.0,
+                        help="interference: seconds before the first long prompt (the streams are decoding)")
     parser.add_argument("--groups", type=int, default=8, help="system prompts (shared-prefix) or "
                         "conversations (chat)")
     parser.add_argument("--prefix-len", type=int, default=1000, help="tokens of each shared system prompt")
@@ -44,6 +50,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serial generate runs only this many requests (its rate is per token)")
     parser.add_argument("--modes", default=None, help="comma list of modes to run side by side in one run "
                         "(e.g. colocated,disaggregated); default: --mode")
+    parser.add_argument("--colocated-workers", type=int, default=None,
+                        help="colocated runs use this many workers (e.g. prefill + decode workers of the "
+                        "disaggregated runs, for equal CPUs); default: --decode-workers")
     parser.add_argument("--sequential", action="store_true",
                         help="send one request at a time (low load: time to first token without queueing)")
     parser.add_argument("--rate", default="0", help="Poisson arrivals, requests/s (0: all at once); a comma list "

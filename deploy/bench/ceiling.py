@@ -23,7 +23,7 @@ import ray
 from deploy.driver import RayEngine
 from scheduler.actor import SchedulerActor
 from scheduler.cell import CellConfig
-from scheduler.messages import KVHandoff, KVImport, StepResult
+from scheduler.messages import KVImport, KVPiece, StepResult
 from scheduler.plan import StepPlan
 from scheduler.request import Request
 
@@ -42,9 +42,8 @@ class StubWorker:
     def step(self, plan: StepPlan, imports: list[KVImport]) -> StepResult:
         start = time.perf_counter()
         sampled = {c.req_id: STUB_TOKEN for c in plan.chunks if c.sample}
-        handoffs = [KVHandoff(c.req_id, None, c.start_pos + c.num_tokens, 0, 0.0, self.index)
-                    for c in plan.chunks if c.sample] if self.kind == "prefill" else []
-        return StepResult(sampled=sampled, handoffs=handoffs, import_s={i.handoff.req_id: 0.0 for i in imports},
+        pieces = [KVPiece(req_id, first, end - first, None, 0, 0.0) for req_id, _, first, end in plan.exports]
+        return StepResult(sampled=sampled, kv_pieces=pieces, import_s={i.handoff.req_id: 0.0 for i in imports},
                           step_s=time.perf_counter() - start)
 
 

@@ -124,3 +124,30 @@ def plot_bench(summaries: list[dict[str, Any]], path: str) -> dict[str, dict[str
              for panel in axes}
     plt.close(fig)
     return drawn
+
+
+def plot_interference(series: dict[str, dict[str, list]], path: str) -> dict[str, int]:
+    """The interference scenario, one panel per run: each steady stream's inter-token latency over time (dots)
+    with the long prompts' arrivals marked (vertical lines), on one y scale. `series` maps a run's label
+    to {"itl": [(seconds, ms), ...], "arrivals": [seconds, ...]}. Returns the points drawn per panel."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(series), 1, figsize=(11, 3.2 * len(series)), sharex=True, sharey=True,
+                             constrained_layout=True, squeeze=False)
+    drawn = {}
+    for ax, (label, points) in zip(axes[:, 0], series.items(), strict=True):
+        for t in points["arrivals"]:
+            ax.axvline(t, color="tab:red", alpha=0.35, linewidth=1)
+        ax.plot([t for t, _ in points["itl"]], [ms for _, ms in points["itl"]], ".", markersize=2)
+        ax.set_yscale("log")
+        ax.set_ylabel("steady streams' ITL, ms")
+        ax.set_title(f"{label}: inter-token latency of the steady streams (red: a long prompt arrives)")
+        ax.grid(alpha=0.3)
+        drawn[label] = len(points["itl"])
+    axes[-1, 0].set_xlabel("seconds since the start")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return drawn

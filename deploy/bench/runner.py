@@ -13,7 +13,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +26,10 @@ from deploy.bench.workload import (
     Workload,
     chat_workload,
     engine_requests,
+    interference_workload,
     load_workload,
     make_workload,
     parse_list,
-    poisson_arrivals,
     shared_prefix_workload,
     warmup_request,
 )
@@ -54,7 +54,7 @@ def run_engine(config: EngineConfig, loaded: Any, work: Workload, sequential: bo
         for batch in batches:
             results |= engine.run(batch, arrival_s=arrivals, on_finish=on_finish)
         elapsed = time.perf_counter() - start
-        extra = engine.profile()
+        extra = engine.profile() | {"start_perf_s": start}
     handoff_bytes = sum(c.metrics.get("kv_handoff_bytes", 0) for c in results.values())
     handoff_s = sum(c.metrics.get("kv_handoff_s", 0.0) for c in results.values())
     if handoff_bytes:
@@ -128,9 +128,10 @@ def run_bench(config: EngineConfig, args: argparse.Namespace) -> list[dict[str, 
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     lines: list[dict[str, Any]] = []
+    series: dict[str, Any] = {}
     with open(args.output, "w") if args.output else contextlib.nullcontext() as out:
         for run in runs:
-            summary, per_request = _run_one(run, config, args, loaded, head, base)
+            summary, per_request = _run_one(run, config, args, loaded, head, base, series)
             print(json.dumps(_rounded(summary)), flush=True)
             lines += [summary] + per_request
             if out is not None:  # each run's lines as it ends: a later failure loses nothing before it
@@ -146,6 +147,12 @@ def run_bench(config: EngineConfig, args: argparse.Namespace) -> list[dict[str, 
 
         plot_bench([line for line in lines if "rid" not in line], plot_path)
         print(f"figure: {plot_path}", file=sys.stderr)
+        if series:
+            from deploy.bench.plot import plot_interference
+
+            interference_path = str(Path(plot_path).with_suffix("")) + "-interference.png"
+            plot_interference(series, interference_path)
+            print(f"figure: {interference_path}", file=sys.stderr)
     return lines
 
 
@@ -172,6 +179,9 @@ def _prepare(config: EngineConfig, args: argparse.Namespace) -> tuple[Any, dict[
     elif args.workload == "shared-prefix":
         base = shared_prefix_workload(args.num_requests, args.groups, args.prefix_len, args.prompt_len,
                                       args.output_len, vocab, args.seed, args.urgent_fraction)
+    elif args.workload == "interference":
+        base = interference_workload(args.steady, args.steady_prompt_len, args.steady_output_len, args.num_requests,
+                                     args.prompt_len, args.output_len, vocab, args.seed, args.long_start_s)
     elif args.workload == "chat":
         base = chat_workload(args.groups, args.turns, args.prompt_len, args.output_len, vocab, args.seed)
     else:
@@ -197,11 +207,13 @@ def _prepare(config: EngineConfig, args: argparse.Namespace) -> tuple[Any, dict[
 
 
 def _run_one(run: Run, config: EngineConfig, args: argparse.Namespace, loaded: Any, head: dict[str, Any],
-             base: Workload) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """One configuration, with a progress bar: its summary line and per-request lines."""
-    work = replace(base, arrival_s=poisson_arrivals(len(base.prompts), run.rate, args.seed))
+             base: Workload, series: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One configuration, with a progress bar: its summary line and per-request lines (and, for the
+    interference workload, the steady streams' ITL over time into `series`)."""
+    work = base.at_rate(run.rate, args.seed)
     chunk = min(config.prefill_chunk, run.token_budget) if run.token_budget else None
     extra: dict[str, Any] = {}
+    workers = args.colocated_workers if run.mode == "colocated" and args.colocated_workers else config.decode_workers
     with tqdm(total=len(work.prompts), desc=run.label(), unit="req", file=sys.stderr, leave=False,
               disable=args.quiet) as bar:
         on_finish = lambda _done: bar.update(1)
@@ -214,18 +226,31 @@ def _run_one(run: Run, config: EngineConfig, args: argparse.Namespace, loaded: A
             elapsed = time.perf_counter() - start
         else:
             cache_tokens = config.prefix_cache_tokens if run.prefix_cache else 0
-            run_config = config.model_copy(update={"mode": run.mode, "slots": run.slots,
+            run_config = config.model_copy(update={"mode": run.mode, "slots": run.slots, "decode_workers": workers,
                                                    "token_budget": run.token_budget, "prefill_chunk": chunk,
                                                    "prefix_cache_tokens": cache_tokens,
                                                    "cache_routing": run.cache_routing})
             results, elapsed, extra = run_engine(run_config, loaded, work, args.sequential, run.priorities,
                                                  on_finish)
+            if work.steady:  # the points of the interference figure
+                start = extra.pop("start_perf_s")
+                series[run.label()] = {
+                    "itl": [(b - start, 1000 * (b - a)) for rid, c in results.items() if work.steady[int(rid)]
+                            for a, b in zip(c.token_times_s, c.token_times_s[1:], strict=False)],
+                    "arrivals": [t for t, s in zip(work.arrival_s, work.steady, strict=True) if not s]}
+            extra.pop("start_perf_s", None)
     summary = head | {"mode": run.mode, "slots": run.slots, "token_budget": run.token_budget,
                       "prefill_chunk": chunk, "rate": run.rate, "sequential": args.sequential,
-                      "priorities": run.priorities, "prefix_cache": run.prefix_cache,
+                      "priorities": run.priorities, "prefix_cache": run.prefix_cache, "decode_workers": workers,
+                      "prefill_workers": config.prefill_workers if run.mode == "disaggregated" else 0,
                       "cache_routing": run.cache_routing}
     summary |= summarize_run(work, results, elapsed, args.slo_ttft_ms, args.slo_tpot_ms,
                              exact=run.mode != "url") | extra
+    if summary.get("prefill_tok_s_busy") and summary.get("decode_tok_s_busy"):
+        # P:D sizing: busy seconds of prefill per request over busy seconds of decode per request
+        prompt_tokens = sum(map(len, work.prompts))
+        summary["prefill_workers_per_decode_worker"] = (prompt_tokens / summary["prefill_tok_s_busy"]) / (
+            work.num_output_tokens / summary["decode_tok_s_busy"])
     for key in ("serial_tok_s", "static_tok_s"):
         if key in head:
             summary[f"x_{key.split('_')[0]}"] = summary["output_tok_s"] / head[key]

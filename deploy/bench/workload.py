@@ -17,6 +17,16 @@ class Workload:
     output_lens: list[int]
     arrival_s: list[float]  # offsets from the start (all 0: everything at once)
     urgent: list[bool]  # urgent requests get priority 0, the others 1 (when priorities are on)
+    steady: tuple[bool, ...] = ()  # interference: the steady decoding streams (the others: long prompts)
+    long_start_s: float = 0.0  # interference: when the long prompts' Poisson arrivals begin
+
+    def at_rate(self, rate: float, seed: int) -> Workload:
+        """Poisson arrivals at `rate` (all at once when 0); in an interference workload only the long
+        prompts arrive so, from `long_start_s`, and the steady streams all start at 0."""
+        if not self.steady:
+            return replace(self, arrival_s=poisson_arrivals(len(self.prompts), rate, seed))
+        later = iter(poisson_arrivals(self.steady.count(False), rate, seed))
+        return replace(self, arrival_s=[0.0 if s else self.long_start_s + next(later) for s in self.steady])
 
     @property
     def num_output_tokens(self) -> int:
@@ -105,6 +115,18 @@ def chat_workload(conversations: int, turns: int, turn_len: str, output_len: str
         history[c] = history[c] + message
         prompts.append(list(history[c]))
     return replace(base, prompts=prompts)
+
+
+def interference_workload(steady: int, steady_prompt_len: str, steady_output_len: str, num_long: int,
+                          prompt_len: str, output_len: str, vocab_size: int, seed: int,
+                          long_start_s: float) -> Workload:
+    """`steady` decoding streams (short prompts, long outputs) that all start at once, and `num_long` long
+    prompts (short outputs) arriving from `long_start_s` on: what disaggregation is for."""
+    streams = make_workload(steady, steady_prompt_len, steady_output_len, vocab_size, seed)
+    prompts = make_workload(num_long, prompt_len, output_len, vocab_size, seed + 1)
+    return Workload(streams.prompts + prompts.prompts, streams.output_lens + prompts.output_lens,
+                    [0.0] * (steady + num_long), [False] * (steady + num_long),
+                    tuple([True] * steady + [False] * num_long), long_start_s)
 
 
 def load_workload(path: str, tokenizer: Any, num_requests: int, output_len: str, seed: int,

@@ -12,7 +12,7 @@ import pytest
 
 from scheduler.cell import CellConfig, WorkerStatus
 from scheduler.coordinator import Coordinator
-from scheduler.messages import KVHandoff, StepResult
+from scheduler.messages import KVPiece, StepResult
 from scheduler.metrics import RecordingBackend
 from scheduler.policy import QueueFullError
 from scheduler.request import Request
@@ -40,10 +40,11 @@ def fake_step(coordinator, worker, plan, imports, lose_imports=()):
     """What a worker would return: a token per sampling chunk; prefill workers export handoffs."""
     lost = {i.handoff.req_id for i in imports if i.handoff.req_id in lose_imports}  # dropped from the step
     sampled = {c.req_id: token(c.req_id, c.output_index) for c in plan.chunks if c.sample and c.req_id not in lost}
-    if worker.kind == "prefill":
-        handoffs = [KVHandoff(c.req_id, object(), c.start_pos + c.num_tokens, 1000, 0.001, worker.index)
-                    for c in plan.chunks if c.sample]
-        return StepResult(sampled=sampled, handoffs=handoffs, step_s=0.01, forward_s=0.009)
+    if worker.kind == "prefill":  # a piece per export, 1000 bytes per request in its last one
+        length = lambda r: worker.sched.requests[r].num_tokens  # noqa: E731
+        pieces = [KVPiece(r, first, end - first, object(), 0 if end < length(r) else 1000, 0.001)
+                  for r, _, first, end in plan.exports]
+        return StepResult(sampled=sampled, kv_pieces=pieces, step_s=0.01, forward_s=0.009)
     return StepResult(sampled=sampled, failed_imports=sorted(lost),
                       import_s={i.handoff.req_id: 0.002 for i in imports if i.handoff.req_id not in lost},
                       step_s=0.01, forward_s=0.009)
@@ -89,7 +90,8 @@ def step_all(coordinator, streams, steps=200, lose_imports=(), before_step=None)
 
 
 def assert_idle(coordinator):
-    assert not coordinator.handoffs and not coordinator.consumers and not coordinator.placements
+    assert not coordinator.handoffs and not coordinator.pieces and not coordinator.consumers
+    assert not coordinator.placements
     assert all(w.slots_used == 0 and w.sched.num_waiting == 0 for w in coordinator.workers)
 
 
@@ -204,7 +206,7 @@ def test_when_a_whole_pool_is_gone_waiting_requests_end_with_an_error():
     assert streams.finish["c"] == "error"
 
 
-@pytest.mark.parametrize("state", ["waiting", "prefilling", "handed-off", "decoding"])
+@pytest.mark.parametrize("state", ["waiting", "prefilling", "pieces-sent", "handed-off", "decoding"])
 def test_abort_in_every_state_frees_everything(state):
     coordinator, streams = cell(decode_slots=1, prefill_chunk=2, token_budget=2), Streams()
     coordinator.admit(req("hog", max_tokens=40), consumer="c")  # holds the decode slot once handed off
@@ -213,6 +215,7 @@ def test_abort_in_every_state_frees_everything(state):
     coordinator.admit(req("y", prompt_len=6, max_tokens=5), consumer="c")  # waits behind x for the prefill row
     reached = {"waiting": lambda: "y" in {r.req_id for r in coordinator.prefill[0].sched.waiting_requests()},
                "prefilling": lambda: any(r.req_id == "x" for r in coordinator.prefill[0].sched.running),
+               "pieces-sent": lambda: len(coordinator.pieces.get("x", ())) == 2,  # 2 of its 3 chunks' KV out
                "handed-off": lambda: "x" in coordinator.handoffs,
                "decoding": lambda: any(r.req_id == "x" for r in coordinator.decode[0].sched.running)}
     target = "y" if state == "waiting" else "x"
@@ -225,6 +228,7 @@ def test_abort_in_every_state_frees_everything(state):
     assert coordinator.abort(target) and not coordinator.abort(target)
     streams.take(coordinator)
     assert streams.finish[target] == "abort" and target not in coordinator.handoffs
+    assert target not in coordinator.pieces  # every piece's ref dropped at once: the store frees them
     for other in {"hog", "x", "y"} - {target} - set(streams.finish):
         coordinator.abort(other)
     streams.take(coordinator)
@@ -343,7 +347,7 @@ def test_n_choices_share_one_prefill_and_one_handoff():
     coordinator, streams = cell(decode_slots=4, num_decode_workers=2), Streams()
     for choice in choices(3):
         coordinator.admit(choice, consumer="c")
-    assert [r.req_id for r in coordinator.forks["x-0"]] == ["x-1", "x-2"]
+    assert [r.req_id for r in coordinator.forks.by_sibling["x-0"]] == ["x-1", "x-2"]
     assert coordinator.prefill[0].sched.num_waiting == 1  # only choice 0 is prefilled
     plans = []
     next_step = coordinator.next_step

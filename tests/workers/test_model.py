@@ -47,16 +47,16 @@ def test_logits_match_transformers_for_chunks_and_batched_decode(kind, slot_a, s
     assert out.shape == (2, VOCAB)
 
 
-def test_cache_rows_round_trip_through_export_and_import():
+def test_cache_rows_round_trip_through_export_and_import_piece_by_piece():
     model = tiny_model("llama")
     spec = model.spec
     src = SlotKVCache(spec.num_layers, 2, spec.num_kv_heads, 64, spec.head_dim)
     dst = SlotKVCache(spec.num_layers, 3, spec.num_kv_heads, 64, spec.head_dim)
     seq = prompt_ids(30, seed=3)
     _run(model, src, [(1, seq[:29], 0)], 0)
-    rows = src.export_rows(1, 29)
-    assert rows.shape == (spec.num_layers, 2, spec.num_kv_heads, 29, spec.head_dim)
-    assert dst.import_rows(2, rows) == 29
+    pieces = [src.export_rows(1, 0, 16), src.export_rows(1, 16, 29)]  # as a prefill worker sends them out
+    assert pieces[1].shape == (spec.num_layers, 2, spec.num_kv_heads, 13, spec.head_dim)
+    assert dst.import_rows(2, pieces[0]) == 16 and dst.import_rows(2, pieces[1], 16) == 13
     a = _run(model, src, [(1, [seq[29]], 29)], 1)
     b = _run(model, dst, [(2, [seq[29]], 29)], 1)
     torch.testing.assert_close(a, b, atol=0, rtol=0)
