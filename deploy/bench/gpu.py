@@ -254,8 +254,10 @@ def run_gpu_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                                  loaded.model.spec.vocab_size, args.seed + slots)
             chunk = min(args.prefill_chunk, args.token_budget) if args.token_budget else args.prefill_chunk
             budget = args.token_budget or auto_token_budget(slots, args.prompt_len, chunk)
+            # random prompts share no prefix: a prefix cache would only add block copies to the steps measured
             config = EngineConfig(model=str(checkpoint), mode="local", slots=slots, max_model_len=max_model_len,
-                                  token_budget=budget, prefill_chunk=chunk, dtype=args.dtype, device=device)
+                                  token_budget=budget, prefill_chunk=chunk, dtype=args.dtype, device=device,
+                                  prefix_cache_tokens=0)
             _progress(start, f"slots {slots}: engine, {num_requests} requests")
             line = head | {"slots": slots, "requests": num_requests, "requested_tokens": work.num_output_tokens,
                            "token_budget": budget, "prefill_chunk": chunk}

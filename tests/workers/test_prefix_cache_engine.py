@@ -79,3 +79,10 @@ def test_recompute_after_preemption_uses_the_cache():
     assert eng.scheduler.num_preemptions > 0
     # the recompute found its prompt and output blocks in the pool: more hits than the prompts alone give
     assert eng.scheduler.prefix_cache.hit_tokens > 3 * BLOCK_SIZE
+
+
+def test_a_pool_that_does_not_fit_fails_at_start_up_with_the_numbers():
+    """Asking for more KV than the machine has fails before anything is allocated, saying how much."""
+    huge = 10**9 // BLOCK_SIZE  # a billion tokens of prefix cache
+    with pytest.raises(MemoryError, match=r"prefix cache 1000000000 tokens = .* GiB.* available"):
+        ModelRunner(tiny_model("llama"), num_slots=2, capacity=CAPACITY, prefix_blocks=huge)
