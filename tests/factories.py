@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import socket
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from scheduler.request import Request, SamplingParams
@@ -135,3 +137,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def served_app(checkpoint: str, name: str, **args: Any) -> Iterator[str]:
+    """The pdserve Serve app on the tiny checkpoint (served as "tiny") on a free loopback port; yields its
+    base URL and shuts Serve down after."""
+    from ray import serve
+
+    from deploy.serving.app import build_app
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app({"model": checkpoint, "served_model_name": "tiny", **args}), name=name, route_prefix="/")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()

@@ -147,15 +147,17 @@ def test_sampling_parameters_equal_local_mode(ray_session, tiny_checkpoint, mode
 @pytest.mark.parametrize("overrides", [dict(mode="colocated", decode_workers=2),
                                        dict(mode="disaggregated", prefill_workers=2)], ids=["colocated", "2P1D"])
 def test_prefix_cache_changes_no_output_and_routes_to_the_cache(ray_session, tiny_checkpoint, overrides):
-    """Three waves of prompts sharing a 40-token prefix (plus two with nothing shared): local mode without
-    the cache gives the same tokens; the later waves find the prefix cached on the worker they went to."""
+    """Three waves of prompts sharing a 40-token prefix (plus two with nothing shared), greedy and seeded:
+    local mode without the cache gives the same tokens; the later waves find the prefix cached on the
+    worker they went to."""
     from tests.factories import prompt_ids
 
     system = prompt_ids(40, 77)
 
     def waves():
-        shared = [Request(req_id=f"s{i}", prompt_ids=system + prompt_ids(3 + i, 80 + i), max_tokens=6)
-                  for i in range(6)]
+        seeded = SamplingParams(temperature=0.8, top_k=40, seed=4)
+        shared = [Request(req_id=f"s{i}", prompt_ids=system + prompt_ids(3 + i, 80 + i), max_tokens=6,
+                          sampling=seeded if i % 2 else SamplingParams()) for i in range(6)]
         other = [Request(req_id=f"o{i}", prompt_ids=prompt_ids(30, 90 + i), max_tokens=6) for i in range(2)]
         return [shared[:2] + other[:1], shared[2:4] + other[1:], shared[4:]]
 

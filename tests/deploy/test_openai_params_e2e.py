@@ -7,13 +7,11 @@ import jsonschema
 import openai
 import pytest
 import torch
-from ray import serve
 
 from deploy.config import EngineConfig
 from deploy.driver import open_engine
 from deploy.prompts import build_request, encode_prompt
-from deploy.serving.app import build_app
-from tests.factories import free_port, tiny_hf_model
+from tests.factories import served_app, tiny_hf_model
 
 pytestmark = pytest.mark.slow
 ARGS = dict(mode="colocated", slots=4, max_model_len=256, token_budget=32, prefill_chunk=8)
@@ -22,12 +20,8 @@ MESSAGES = [{"role": "user", "content": "paris is in"}]
 
 @pytest.fixture(scope="module")
 def client(ray_session, tiny_checkpoint):
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"model": tiny_checkpoint, "served_model_name": "tiny", **ARGS}), name="params",
-              route_prefix="/")
-    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
-    serve.shutdown()
+    with served_app(tiny_checkpoint, "params", **ARGS) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def local(checkpoint, max_tokens, prompt=None, messages=None, **params):

@@ -13,7 +13,7 @@ from deploy.config import EngineConfig
 from deploy.driver import open_engine
 from deploy.prompts import build_request, encode_prompt
 from deploy.serving.app import OpenAIIngress, build_app
-from tests.factories import free_port
+from tests.factories import served_app
 
 pytestmark = pytest.mark.slow
 ARGS = dict(mode="disaggregated", slots=2, prefill_slots=1, max_model_len=256, token_budget=16, prefill_chunk=8)
@@ -22,12 +22,8 @@ ARGS = dict(mode="disaggregated", slots=2, prefill_slots=1, max_model_len=256, t
 
 @pytest.fixture(scope="module")
 def server(ray_session, tiny_checkpoint):
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"model": tiny_checkpoint, "served_model_name": "tiny", **ARGS}), name="main",
-              route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
+    with served_app(tiny_checkpoint, "main", **ARGS) as url:
+        yield url
 
 
 @pytest.fixture

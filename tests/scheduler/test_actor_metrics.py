@@ -39,17 +39,20 @@ def test_ttft_histogram_counts_every_served_request(ray_session, tiny_checkpoint
         prefill_cache = engine.stats()["workers"]["prefill-0"]["prefix_cache"]
     assert len(results) == 7
     assert prefill_cache["hit_tokens"] == 4 * 16 and prefill_cache["blocks_used"] >= 1
-    deadline, text = time.monotonic() + 40, ""
-    while time.monotonic() < deadline:  # Ray exports metrics every few seconds
+    def finished(text: str) -> float:
+        return sum(sample_sum(text, "ray_pdserve_requests_finished_total", worker_id, reason=r)
+                   for r in ("stop", "length"))
+
+    deadline, text = time.monotonic() + 60, ""
+    while time.monotonic() < deadline:  # Ray exports metrics every few seconds, not all in one batch
         text = scrape(ray_session.metrics_port)
-        if sample_sum(text, "ray_pdserve_ttft_seconds_count", worker_id) >= 7:
+        if sample_sum(text, "ray_pdserve_ttft_seconds_count", worker_id) >= 7 and finished(text) >= 7 \
+                and "ray_pdserve_prefix_cache_hit_rate{" in text:
             break
         time.sleep(1)
     assert sample_sum(text, "ray_pdserve_ttft_seconds_count", worker_id) == 7
     assert sample_sum(text, "ray_pdserve_e2e_seconds_count", worker_id) == 7
-    finished = sum(sample_sum(text, "ray_pdserve_requests_finished_total", worker_id, reason=r)
-                   for r in ("stop", "length"))
-    assert finished == 7
+    assert finished(text) == 7
     assert sample_sum(text, "ray_pdserve_kv_handoff_bytes_count", worker_id) == 7
     assert sample_sum(text, "ray_pdserve_step_seconds_count", worker_id, kind="decode") > 0
     assert re.search(r"ray_pdserve_slots_in_use\{", text)
