@@ -52,6 +52,9 @@ class SchedulerActor:
         self.last_poll_s: dict[str, float] = {}
         self.timeline = StepTimeline()
         self.last_result_s: dict[str, float] = {}  # per worker: when its last step's result arrived
+        self.round_trip_s: dict[str, float] = {}  # per worker: a moving average of its steps' round trips
+        self.finishing: dict[str, float] = {}  # prefill workers with a prompt's last chunk in flight: sent at
+        self.handoff_applied = asyncio.Event()  # set (then replaced) when such a step's results are applied
         self.tasks: list[asyncio.Task[None]] = []
 
     # ---- lifecycle --------------------------------------------------------------------------------
@@ -131,10 +134,13 @@ class SchedulerActor:
         """Keep one step in flight ahead: step N+1 is planned and sent before step N's results are
         applied, so planning, applying and publishing overlap the worker's forward. The policy plans
         N+1 as if N's tokens were known (the worker feeds them in), never past max_tokens, and drops
-        what N+1 samples for a request that stopped in N."""
+        what N+1 samples for a request that stopped in N. A decode worker plans N+1 late when a handoff
+        is due before N ends (`_await_handoff`), so the handed-off request joins N+1, not N+2."""
         handle, wakeup = self.handles[worker.name], self.wakeups[worker.name]
         in_flight: tuple[Any, ...] | None = None  # (plan, result ref, planning seconds, send time)
         while True:
+            if worker.kind == "decode" and in_flight is not None:
+                await self._await_handoff(worker, in_flight[1], in_flight[3])
             t0 = time.perf_counter()
             step = self.coordinator.next_step(worker)
             sent = None
@@ -142,6 +148,8 @@ class SchedulerActor:
                 plan, imports = step
                 t1 = time.perf_counter()
                 sent = (plan, handle.step.remote(plan, imports), t1 - t0, t1)
+                if worker.kind == "prefill" and any(c.sample for c in plan.prefill):
+                    self.finishing[worker.name] = t1
             elif in_flight is None:
                 self._deliver()  # a preempted request's reroute may have failed it
                 wakeup.clear()
@@ -154,25 +162,49 @@ class SchedulerActor:
                     sent = None
             in_flight = sent
 
+    async def _await_handoff(self, worker: WorkerState, ref: Any, sent_s: float) -> None:
+        """Before planning a decode worker's next step while its step N runs: if a prefill worker's step that
+        finishes a prompt is expected back before N (by the workers' average round trips), wait for that
+        handoff, or for N, whichever comes first. Waiting never changes an output, only which step a
+        handed-off request joins; when no handoff is due it costs nothing."""
+        n_ends = sent_s + self.round_trip_s.get(worker.name, 0.0)
+        due = [sent + self.round_trip_s.get(name, float("inf")) for name, sent in self.finishing.items()]
+        if not due or min(due) > n_ends:
+            return
+        arrived = asyncio.ensure_future(self.handoff_applied.wait())
+        done = asyncio.ensure_future(asyncio.gather(ref, return_exceptions=True))
+        await asyncio.wait([arrived, done], timeout=max(0.0, n_ends - time.perf_counter()) + 0.05,
+                           return_when=asyncio.FIRST_COMPLETED)
+        for task in (arrived, done):
+            task.cancel()
+
     async def _finish_step(self, worker: WorkerState, plan: Any, ref: Any, plan_s: float, sent_s: float) -> bool:
         """Wait for a step's result and apply it; False if the worker died (then it has been recovered)."""
         try:
             result = await ref
         except _WORKER_ERRORS as e:
+            self.finishing.pop(worker.name, None)
             await self._recover(worker, e)
             return False
         except Exception as e:  # the step raised (a bug): end this worker's requests with it, keep serving
             log.exception("a step of %s failed", worker.name)
+            self.finishing.pop(worker.name, None)
             self.coordinator.fail_worker_requests(worker, f"internal error on {worker.name}: {type(e).__name__}: {e}")
             self._deliver()
             return False
         t2 = time.perf_counter()
+        self.round_trip_s[worker.name] = 0.8 * self.round_trip_s.get(worker.name, t2 - sent_s) + 0.2 * (t2 - sent_s)
         try:
             self.coordinator.apply(worker, plan, result)
         except Exception as e:  # a bug: say so loudly, end this worker's requests, keep the loop alive
             log.exception("applying a step of %s failed", worker.name)
             self.coordinator.fail_worker_requests(worker, f"internal error on {worker.name}: {type(e).__name__}: {e}")
         t3 = time.perf_counter()
+        if worker.kind == "prefill" and any(c.sample for c in plan.prefill):  # handoffs are queued: wake waiters
+            self.handoff_applied.set()
+            self.handoff_applied = asyncio.Event()
+        if self.finishing.get(worker.name) == sent_s:
+            del self.finishing[worker.name]
         self._deliver()
         period = t2 - max(sent_s, self.last_result_s.get(worker.name, 0.0))
         self.last_result_s[worker.name] = t2
