@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from deploy.bench.baselines import copy_bandwidth, run_baselines
-from deploy.bench.stats import summarize_run
+from deploy.bench.stats import summarize, summarize_run
 from deploy.bench.workload import (
     Workload,
     chat_workload,
@@ -238,6 +238,9 @@ def _run_one(run: Run, config: EngineConfig, args: argparse.Namespace, loaded: A
                     "itl": [(b - start, 1000 * (b - a)) for rid, c in results.items() if work.steady[int(rid)]
                             for a, b in zip(c.token_times_s, c.token_times_s[1:], strict=False)],
                     "arrivals": [t for t, s in zip(work.arrival_s, work.steady, strict=True) if not s]}
+                # the same gaps, only those that end while long prompts arrive (the streams' ramp-up left out)
+                during = [ms for t, ms in series[run.label()]["itl"] if t >= work.long_start_s]
+                extra |= summarize("steady_itl_during_ms", during)
             extra.pop("start_perf_s", None)
     summary = head | {"mode": run.mode, "slots": run.slots, "token_budget": run.token_budget,
                       "prefill_chunk": chunk, "rate": run.rate, "sequential": args.sequential,

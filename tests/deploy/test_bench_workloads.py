@@ -33,8 +33,8 @@ def test_interference_and_prefix_reports(ray_session, tiny_checkpoint, tmp_path)
     handoff gap and the P:D ratio; the figure of ITL over time; and the prefix cache compared on and off."""
     out = tmp_path / "intf.jsonl"
     rc = main(["bench", "--model", tiny_checkpoint, "--workload", "interference", "--steady", "3",
-               "--steady-output-len", "60", "--num-requests", "3", "--prompt-len", "200:300", "--output-len", "3",
-               "--rate", "20", "--long-start-s", "0.2", "--modes", "colocated,disaggregated",
+               "--steady-output-len", "200", "--num-requests", "3", "--prompt-len", "200:300", "--output-len", "3",
+               "--rate", "20", "--long-start-s", "0.1", "--modes", "colocated,disaggregated",
                "--colocated-workers", "2", "--baselines", "none", "--max-model-len", "512", "--slots", "4",
                "--output", str(out), "--quiet"])
     assert rc == 0
@@ -42,6 +42,7 @@ def test_interference_and_prefix_reports(ray_session, tiny_checkpoint, tmp_path)
     assert summaries["colocated"]["decode_workers"] == 2 and summaries["disaggregated"]["prefill_workers"] == 1
     for s in summaries.values():
         assert 0 < s["steady_itl_ms_p50"] <= s["steady_itl_ms_p99"] and s["long_ttft_ms_p50"] > 0
+        assert 0 < s["steady_itl_during_ms_p50"] <= s["steady_itl_during_ms_p99"]
     split = summaries["disaggregated"]
     assert split["handoff_gap_ms_p50"] > 0 and split["prefill_workers_per_decode_worker"] > 0
     assert (tmp_path / "intf-interference.png").stat().st_size > 10_000
