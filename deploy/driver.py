@@ -17,7 +17,7 @@ from deploy.config import EngineConfig
 from scheduler.arrivals import ArrivalSchedule, run_at_arrivals
 from scheduler.outputs import Completion
 from scheduler.policy import Scheduler
-from scheduler.prefix_cache import summarize
+from scheduler.prefix_cache import combined_stats
 from scheduler.request import Request
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class InProcessEngine(Engine):
                 "decode_steps": prof["decode_steps"],
                 "decode_step_ms": 1000 * prof["decode_step_s"] / max(prof["decode_steps"], 1),
                 "decode_model_fraction": prof["decode_model_s"] / max(prof["decode_step_s"], 1e-9)} \
-            | summarize([cache.stats()] if (cache := self.engine.scheduler.prefix_cache) else [])
+            | combined_stats([cache.stats()] if (cache := self.engine.scheduler.prefix_cache) else [])
 
     def reset_profile(self) -> None:
         self.engine.reset_profile()
@@ -137,7 +137,7 @@ class RayEngine(Engine):
         stats = self.stats()
         caches = [w["prefix_cache"] for w in stats["workers"].values() if "prefix_cache" in w]
         return {f"{kind}_{key}": value for kind, line in stats["timeline"].items() for key, value in line.items()} \
-            | summarize(caches)
+            | combined_stats(caches)
 
     def reset_profile(self) -> None:
         import ray

@@ -6,6 +6,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+from deploy.params import ParameterError
 from scheduler.request import Request, SamplingParams
 
 
@@ -56,11 +57,11 @@ def build_request(
     fork_of: str | None = None,
 ) -> Request:
     """A Request with the model's EOS as a stop token unless ignore_eos; a random seed if none is given.
-    Raises ValueError naming the parameter for a value out of range."""
+    Raises ValueError for a value out of range (ParameterError, naming it, for min_tokens)."""
     stop_strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
     stops = frozenset(stop_token_ids) | (frozenset() if ignore_eos else eos_token_ids)
     if min_tokens > max_tokens:
-        raise ValueError(f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})")
+        raise ParameterError("min_tokens", f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})")
     sampling = SamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k, seed=random.getrandbits(62) if seed is None else seed,
         presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,

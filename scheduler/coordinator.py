@@ -197,7 +197,7 @@ class Coordinator:
             if request is not None and request.status is RequestStatus.RUNNING:
                 self.pieces.setdefault(piece.req_id, []).append(piece)
         handoffs = [KVHandoff(c.req_id, tuple(self.pieces.pop(c.req_id, ())), worker.index) for c in plan.prefill
-                    if worker.kind == "prefill" and c.sample and c.req_id in result.sampled]
+                    if worker.kind == "prefill" and c.sample and c.req_id in result.samples.tokens]
         for req_id in result.failed_imports:  # the handoff's bytes died with their prefill worker
             self.handoffs.pop(req_id, None)
             request = sched.evict(req_id)
@@ -209,7 +209,9 @@ class Coordinator:
                 self.metrics.on_handoff(handoff.num_bytes, handoff.export_s + seconds)
                 if req_id in self.placements:
                     self.placements[req_id].kv_handoff_s = handoff.export_s + seconds
-        outputs = self.outputs.apply(sched, sched.update(plan, result.sampled, result.logprobs, result.prompt_logprobs))
+        samples = result.samples
+        update = sched.update(plan, samples.tokens, samples.logprobs, samples.prompt_logprobs)
+        outputs = self.outputs.apply(sched, update)
         self.metrics.on_step(worker.name, worker.kind, worker.slots_used, plan.num_tokens, len(plan.preempted),
                              result.step_s, sched.prefix_cache.stats() if sched.prefix_cache is not None else None)
         for chunk in plan.chunks:  # who computed what, for the request's metrics

@@ -72,9 +72,7 @@ class Samples:
 class StepResult:
     """What a worker returns for one step."""
 
-    sampled: dict[str, int]  # req_id -> token, for every sampling chunk that ran
-    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # see Samples
-    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    samples: Samples  # a token for every sampling chunk that ran, and the log-probs asked for
     kv_pieces: list[KVPiece] = field(default_factory=list)  # prefill workers: the plan's exports
     failed_imports: list[str] = field(default_factory=list)  # decode workers: handoffs whose bytes were lost
     import_s: dict[str, float] = field(default_factory=dict)  # decode workers: seconds to fetch and copy in

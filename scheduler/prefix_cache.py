@@ -59,7 +59,7 @@ def routing_cost(request: Request, cache: PrefixCache | None, held: Iterable[Req
     return sum(r.num_uncomputed for r in held) + 2 * uncached
 
 
-def summarize(caches: Iterable[dict[str, float]]) -> dict[str, float]:
+def combined_stats(caches: Iterable[dict[str, float]]) -> dict[str, float]:
     """Several workers' cache stats as one line: prompt tokens looked up and served from a pool, the hit rate."""
     caches = list(caches)
     queried, hit = sum(c["queried_tokens"] for c in caches), sum(c["hit_tokens"] for c in caches)

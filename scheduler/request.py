@@ -32,6 +32,7 @@ OPENAI_FINISH_REASON: dict[FinishReason, str] = {
 
 
 MAX_LOGPROBS = 20  # most alternatives a token's log-probs can list (OpenAI's top_logprobs limit)
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on each logit_bias value
 
 
 @dataclass(frozen=True)
@@ -72,8 +73,9 @@ class SamplingParams:
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         for token, bias in self.logit_bias:
-            if token < 0 or not -100 <= bias <= 100:
-                raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {token}: {bias}")
+            if token < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-{MAX_LOGIT_BIAS:g}, "
+                                 f"{MAX_LOGIT_BIAS:g}], got {token}: {bias}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:

@@ -47,8 +47,8 @@ class PrefillWorker(_ModelWorker):
             rows = self.runner.cache.export_rows(slot, first, end)
             pieces.append(KVPiece(req_id, first, end - first, ray.put(rows), rows.nbytes,
                                   time.perf_counter() - export_start))
-        return StepResult(sampled=samples.tokens, logprobs=samples.logprobs, prompt_logprobs=samples.prompt_logprobs,
-                          kv_pieces=pieces, step_s=time.perf_counter() - start, forward_s=self.runner.last_forward_s)
+        return StepResult(samples=samples, kv_pieces=pieces, step_s=time.perf_counter() - start,
+                          forward_s=self.runner.last_forward_s)
 
 
 class DecodeWorker(_ModelWorker):
@@ -76,8 +76,7 @@ class DecodeWorker(_ModelWorker):
             plan = dataclasses.replace(plan, decode=[c for c in plan.decode if c.req_id not in lost],
                                        prefill=[c for c in plan.prefill if c.req_id not in lost])
         samples = self.runner.execute(plan)
-        return StepResult(sampled=samples.tokens, logprobs=samples.logprobs, prompt_logprobs=samples.prompt_logprobs,
-                          failed_imports=failed, import_s=import_s,
+        return StepResult(samples=samples, failed_imports=failed, import_s=import_s,
                           step_s=time.perf_counter() - start, forward_s=self.runner.last_forward_s)
 
 

@@ -23,7 +23,7 @@ import ray
 from deploy.driver import RayEngine
 from scheduler.actor import SchedulerActor
 from scheduler.cell import CellConfig
-from scheduler.messages import KVImport, KVPiece, StepResult
+from scheduler.messages import KVImport, KVPiece, Samples, StepResult
 from scheduler.plan import StepPlan
 from scheduler.request import Request
 
@@ -43,7 +43,7 @@ class StubWorker:
         start = time.perf_counter()
         sampled = {c.req_id: STUB_TOKEN for c in plan.chunks if c.sample}
         pieces = [KVPiece(req_id, first, end - first, None, 0, 0.0) for req_id, _, first, end in plan.exports]
-        return StepResult(sampled=sampled, kv_pieces=pieces, import_s={i.handoff.req_id: 0.0 for i in imports},
+        return StepResult(Samples(sampled), kv_pieces=pieces, import_s={i.handoff.req_id: 0.0 for i in imports},
                           step_s=time.perf_counter() - start)
 
 

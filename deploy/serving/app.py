@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deploy.config import MODES_ON_RAY, EngineConfig, format_validation_errors
 from deploy.engine_client import EngineClient
+from deploy.params import ParameterError
 from deploy.ray_engine import scheduler_args
 from deploy.serving.openai_api import OpenAIServer, ServedModel, error_response
 from deploy.serving.schemas import (
@@ -25,7 +26,6 @@ from deploy.serving.schemas import (
     ChatBody,
     CompletionBody,
     DetokenizeBody,
-    ParameterError,
     TokenizeBody,
 )
 from scheduler.actor import SchedulerActor

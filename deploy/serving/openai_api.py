@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from deploy.params import parse_logit_bias, structured_format
+from deploy.params import ParameterError, parse_logit_bias, structured_format
 from deploy.prompts import build_request, encode_prompt
 from deploy.serving.logprobs import TokenTexts
 from deploy.serving.responses import Job, Replier, Started, aclose, merge_streams
@@ -84,21 +84,12 @@ class OpenAIServer:
                            f"you requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
                            f"{max_tokens} for the completion).", param="max_tokens",
                            code="context_length_exceeded")
-        if (body.min_tokens or 0) > max_tokens:
-            raise APIError(400, f"min_tokens ({body.min_tokens}) must be <= max_tokens ({max_tokens})",
-                           param="min_tokens")
-        try:
-            logit_bias = parse_logit_bias(body.logit_bias, len(self.model.tokenizer))
-        except ValueError as e:
-            raise APIError(400, str(e), param="logit_bias") from None
-        try:
-            structured = structured_format(body.response_format)
-        except ValueError as e:
-            raise APIError(400, str(e), param="response_format") from None
         resp_id = f"{prefix}-{uuid.uuid4().hex}"
         req_ids = [f"{resp_id}-{i}" for i in range(body.num_choices)]
         seed = body.seed if body.seed is not None else random.getrandbits(62)
         try:
+            logit_bias = parse_logit_bias(body.logit_bias, len(self.model.tokenizer))
+            structured = structured_format(body.response_format)
             return resp_id, [build_request(
                 req_id, prompt_ids, max_tokens=max_tokens, eos_token_ids=self.model.eos_token_ids,
                 temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=seed + i, stop=body.stop,
@@ -108,6 +99,8 @@ class OpenAIServer:
                 min_tokens=body.min_tokens or 0, logit_bias=logit_bias, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, structured=structured, fork_of=req_ids[0] if i else None)
                 for i, req_id in enumerate(req_ids)]
+        except ParameterError as e:
+            raise APIError(400, str(e), param=e.param) from None
         except ValueError as e:
             raise APIError(400, str(e)) from None
 

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from deploy.params import parse_logit_bias
+from deploy.params import ParameterError, parse_logit_bias
 from scheduler.request import MAX_LOGPROBS
 
 MAX_N = 16  # most choices one request may ask for (`n`)
@@ -98,9 +98,6 @@ class CompletionBody(_SamplingBody):
         if self.best_of is not None and self.best_of != self.num_choices:
             raise UnsupportedParameter("best_of", f"`best_of` must equal `n` ({self.num_choices}): pdserve "
                                                   "returns every choice it generates")
-        if self.max_tokens is not None and (self.min_tokens or 0) > self.max_tokens:
-            raise ParameterError("min_tokens", f"`min_tokens` ({self.min_tokens}) must be <= `max_tokens` "
-                                               f"({self.max_tokens})")
         if self.max_tokens == 0 and not self.echo:
             raise ParameterError("max_tokens", "`max_tokens` 0 needs `echo: true` (the prompt is all there is "
                                                "to return)")
@@ -151,16 +148,6 @@ class DetokenizeBody(BaseModel):
 
     model: str | None = None
     tokens: list[int]
-
-
-class ParameterError(ValueError):
-    """A bad value of a request parameter (raised in a validator); `param` names it for the 400."""
-
-    code: str | None = None
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 class UnsupportedParameter(ParameterError):

@@ -2,8 +2,6 @@
 
 import asyncio
 import json
-import sys
-import types
 
 from fastapi.responses import StreamingResponse
 
@@ -96,26 +94,3 @@ def reply(server: OpenAIServer, body: CompletionBody | ChatBody) -> dict | list[
         return [json.loads(e[6:]) for e in events[:-1]]
 
     return asyncio.run(run())
-
-
-def install_grammar(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """workers.grammar as merged, or until then a stand-in with its interface: parse_response_format(format)
-    returns canonical JSON (None for text) or raises ValueError."""
-    try:
-        import workers.grammar  # noqa: F401
-        return
-    except ImportError:
-        pass
-
-    def parse_response_format(response_format: dict) -> str | None:
-        kind = response_format.get("type")
-        if kind == "text":
-            return None
-        if kind == "json_object" or (kind == "json_schema" and "schema" in response_format.get("json_schema", {})):
-            return json.dumps(response_format, sort_keys=True)
-        raise ValueError(f"unsupported response_format type {kind!r}")
-
-    module = types.ModuleType("workers.grammar")
-    module.parse_response_format = parse_response_format  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "workers.grammar", module)
-

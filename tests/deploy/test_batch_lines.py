@@ -8,7 +8,6 @@ import pytest
 from deploy.batch import BatchInputError, read_lines, result_line, to_requests
 from scheduler.outputs import Completion
 from scheduler.request import TokenLogprob
-from tests.deploy.fake_engine import install_grammar
 from tests.factories import tiny_tokenizer
 
 
@@ -45,15 +44,13 @@ def test_bad_values_fail_naming_the_line_and_the_field(tmp_path, fields, message
     ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
     ({"response_format": {"type": "xml"}}, "response_format"),
 ])
-def test_values_checked_with_the_tokenizer_or_grammar_fail_naming_the_request(tmp_path, monkeypatch, fields, message):
-    install_grammar(monkeypatch)
+def test_values_checked_with_the_tokenizer_or_grammar_fail_naming_the_request(tmp_path, fields, message):
     with pytest.raises(BatchInputError) as info:
         requests_of(tmp_path, {"id": "b", "prompt": "hi", **fields})
     assert "request 'b'" in str(info.value) and message in str(info.value)
 
 
-def test_fields_reach_the_request(tmp_path, monkeypatch):
-    install_grammar(monkeypatch)
+def test_fields_reach_the_request(tmp_path):
     (request,) = requests_of(tmp_path, {
         "id": "a", "prompt": "hi", "max_tokens": 8, "presence_penalty": 0.5, "frequency_penalty": 0.25,
         "repetition_penalty": 1.3, "min_tokens": 2, "logit_bias": {"7": -100}, "logprobs": 3, "prompt_logprobs": 1,

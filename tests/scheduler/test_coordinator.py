@@ -12,7 +12,7 @@ import pytest
 
 from scheduler.cell import CellConfig, WorkerStatus
 from scheduler.coordinator import Coordinator
-from scheduler.messages import KVPiece, StepResult
+from scheduler.messages import KVPiece, Samples, StepResult
 from scheduler.metrics import RecordingBackend
 from scheduler.policy import QueueFullError
 from scheduler.request import Request
@@ -44,8 +44,8 @@ def fake_step(coordinator, worker, plan, imports, lose_imports=()):
         length = lambda r: worker.sched.requests[r].num_tokens  # noqa: E731
         pieces = [KVPiece(r, first, end - first, object(), 0 if end < length(r) else 1000, 0.001)
                   for r, _, first, end in plan.exports]
-        return StepResult(sampled=sampled, kv_pieces=pieces, step_s=0.01, forward_s=0.009)
-    return StepResult(sampled=sampled, failed_imports=sorted(lost),
+        return StepResult(Samples(sampled), kv_pieces=pieces, step_s=0.01, forward_s=0.009)
+    return StepResult(Samples(sampled), failed_imports=sorted(lost),
                       import_s={i.handoff.req_id: 0.002 for i in imports if i.handoff.req_id not in lost},
                       step_s=0.01, forward_s=0.009)
 
