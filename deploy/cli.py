@@ -13,13 +13,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from deploy.bench.arguments import add_bench_arguments, add_gpu_bench_arguments
-from deploy.config import EngineConfig
+from deploy.config import EngineConfig, ServiceConfig
 
 
-def _engine_fields() -> dict[str, tuple[str, type, tuple[str, ...] | None]]:
-    """Every EngineConfig field of a plain type as a flag: --flag-name -> (field, type, choices)."""
+def _engine_fields(cls: type[EngineConfig] = EngineConfig) -> dict[str, tuple[str, type, tuple[str, ...] | None]]:
+    """Every field of a plain type of the config class as a flag: --flag-name -> (field, type, choices)."""
     flags = {}
-    for name, field in EngineConfig.model_fields.items():
+    for name, field in cls.model_fields.items():
         kind = field.annotation
         if typing.get_origin(kind) in (typing.Union, types.UnionType):  # `int | None` -> int
             kind = next((k for k in typing.get_args(kind) if k is not type(None)), kind)
@@ -40,10 +40,10 @@ def _truth(text: str) -> bool:
     return value[text.lower()]
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field, described by the config itself; unset flags keep its defaults."""
-    for flag, (name, kind, choices) in _engine_fields().items():
-        field = EngineConfig.model_fields[name]
+def add_engine_args(parser: argparse.ArgumentParser, cls: type[EngineConfig] = EngineConfig) -> None:
+    """One flag per config field, described by the config itself; unset flags keep its defaults."""
+    for flag, (name, kind, choices) in _engine_fields(cls).items():
+        field = cls.model_fields[name]
         default = str(field.default).lower() if kind is _truth else field.default
         parser.add_argument(flag, dest=name, type=kind, default=None, choices=choices,
                             metavar="{true,false}" if kind is _truth else None,
@@ -52,7 +52,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace, cls: type[EngineConfig] = EngineConfig, **overrides: object) -> Any:
     """The config of the flags given; unset flags (None) keep the config class's defaults."""
-    names = [name for name, _, _ in _engine_fields().values()]
+    names = [name for name, _, _ in _engine_fields(cls).values()]
     given = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     return cls(**(given | {k: v for k, v in overrides.items() if v is not None}))
 
@@ -122,11 +122,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from deploy.ray_engine import init_ray
-    from deploy.serving.app import APP_NAME, ServiceConfig, build_app
+    from deploy.serving.app import APP_NAME, build_app
 
     try:
-        config = config_from_args(args, ServiceConfig, served_model_name=args.served_model_name,
-                                  api_key=args.api_key, ingress_replicas=args.ingress_replicas)
+        config = config_from_args(args, ServiceConfig)
     except (ValidationError, ValueError) as e:
         print(f"pdserve serve: error: {e}", file=sys.stderr)
         return 2
@@ -195,12 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     gpu.set_defaults(func=_cmd_gpu_bench)
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API through Ray Serve")
-    add_engine_args(serve)
+    add_engine_args(serve, ServiceConfig)
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --model)")
-    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>`")
-    serve.add_argument("--ingress-replicas", type=int, default=None, help="HTTP ingress replicas (default 1)")
     serve.set_defaults(func=_cmd_serve)
     load = sub.add_parser("load", help="sustained streaming load against a running endpoint")
     load.add_argument("--url", default="http://127.0.0.1:8000/v1")

@@ -1,4 +1,4 @@
-"""The service configuration: one pydantic model shared by the CLI, the batch job and the Serve app."""
+"""The configuration: the engine's (shared by the CLI, the batch job and the Serve app) and the service's."""
 
 from __future__ import annotations
 
@@ -63,6 +63,12 @@ class EngineConfig(BaseModel):
                              f"({self.token_budget}): a chunk larger than a step's budget never runs whole")
         return self
 
+    def num_workers(self) -> int:
+        """Worker actors the engine runs (none in local mode)."""
+        if self.mode == "local":
+            return 0
+        return self.decode_workers + (self.prefill_workers if self.mode == "disaggregated" else 0)
+
     def context_len(self, model_context: int) -> int:
         """Slot capacity: max_model_len if set (never over the model's context), else the model's context
         capped at MAX_DEFAULT_CONTEXT."""
@@ -95,3 +101,55 @@ def format_validation_errors(errors: Sequence[Any], skip: tuple[str, ...] = (), 
         return ".".join(str(p) for p in error.get("loc", ()) if p not in skip)
 
     return "; ".join(f"{where(e) or whole}: {e.get('msg')}" for e in list(errors)[:limit])
+
+
+class ServiceConfig(EngineConfig):
+    """The service: the engine plus what the HTTP edge needs. `serve_config.yaml`'s `args` are these."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: str = Field("disaggregated", description="colocated or disaggregated (local runs without Ray).")
+    served_model_name: str | None = Field(None, description="The `model` clients send; default: --model.")
+    ingress_replicas: int = Field(1, ge=1, description="Replicas of the HTTP ingress deployment.")
+    api_key: str | None = Field(None, description="If set, requests need `Authorization: Bearer <key>`.")
+    max_request_bytes: int = Field(1_000_000, ge=1024, description="Larger request bodies get 413.")
+    cells: int = Field(1, ge=1, description="Cells (a scheduler with its own prefill and decode workers); the "
+                                            "minimum when max_cells is set.")
+    max_cells: int | None = Field(None, ge=1, description="Scale cells with load up to this many (Serve "
+                                                          "autoscaling); unset: a fixed number of cells.")
+    target_requests_per_cell: int | None = Field(None, ge=1, description="Open requests per cell that "
+                                                 "autoscaling aims at (default: the decode slots of a cell).")
+    cells_autoscaling: dict[str, Any] = Field(default_factory=dict, description="More of Serve's "
+                                              "autoscaling_config for the cells (e.g. upscale_delay_s, default "
+                                              "5; downscale_delay_s, default 60).")
+    failover_timeout_s: float = Field(30.0, gt=0, description="How long a stream whose cell died waits for "
+                                                              "another cell before it ends with an error.")
+
+    @model_validator(mode="after")
+    def _serving_mode(self) -> ServiceConfig:
+        if self.mode not in MODES_ON_RAY:
+            raise ValueError(f"mode {self.mode!r} cannot be served: use {' or '.join(MODES_ON_RAY)} "
+                             "(local mode runs in one process, without Ray)")
+        if self.max_cells is not None and self.max_cells < self.cells:
+            raise ValueError(f"max_cells ({self.max_cells}) must be at least cells ({self.cells})")
+        return self
+
+    def num_workers(self) -> int:
+        return super().num_workers() * (self.max_cells or self.cells)
+
+    def cell_options(self) -> dict[str, Any]:
+        """The Cell deployment's replica count, or its autoscaling between cells and max_cells."""
+        if self.max_cells is None or self.max_cells == self.cells:
+            return {"num_replicas": self.cells}
+        target = self.target_requests_per_cell or self.slots * self.decode_workers
+        return {"autoscaling_config": {
+            "upscale_delay_s": 5.0, "downscale_delay_s": 60.0, **self.cells_autoscaling,
+            "min_replicas": self.cells, "max_replicas": self.max_cells, "target_ongoing_requests": target}}
+
+    def engine(self) -> EngineConfig:
+        fields = set(EngineConfig.model_fields)
+        return EngineConfig(**{k: v for k, v in self.model_dump().items() if k in fields})
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model

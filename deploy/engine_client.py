@@ -1,7 +1,8 @@
-"""The consumer side of the scheduler actor: one poll loop per client fans outputs out to each stream.
+"""The consumer side of the scheduler: one poll loop per cell fans outputs out to streams; lost cells fail over.
 
-Works over a plain actor handle (the batch driver, the benchmark) and over a Serve deployment handle
-(each ingress replica): both answer `submit`, `poll` and `abort`, and their calls are awaitable.
+Requests reach a scheduler through `Cells`: `OneScheduler` wraps one scheduler actor (the batch driver,
+the benchmark); `ServeCells` (deploy/serving/cells.py) places each request on a cell of the Serve
+deployment, and when a cell dies its streams continue on another one.
 """
 
 from __future__ import annotations
@@ -11,96 +12,223 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ray.exceptions import ActorUnavailableError
 
 from scheduler.outputs import Completion, RequestOutput
-from scheduler.request import Request
+from scheduler.request import Request, TokenLogprob, continuation
 
 log = logging.getLogger(__name__)
 
 
-class EngineClient:
-    """Streams requests through a scheduler handle under one consumer id.
+@dataclass
+class Placement:
+    """Where a request runs: its cell (the id of the scheduler instance that took it), the scheduler actor
+    to poll and abort there, and (for a cell of the Serve deployment) the call that stays open while the
+    request runs: it fails if the cell dies."""
 
-    `generate(request)` yields the request's outputs as they come. One background task polls the
-    scheduler for every output of this client's requests at once (one message per step, not one per
-    token); it runs while any stream is open. A stream read more slowly than steps come gets the outputs
-    that waited for it merged into one (fewer, larger SSE events when the HTTP edge is the bottleneck).
-    Closing a stream before its last output (a client that
-    disconnected) aborts the request. If the scheduler that took a request is gone (its actor or Serve
-    replica restarted: polls answer from another instance), the request's stream ends with an error
-    instead of waiting forever.
+    cell: str
+    scheduler: Any
+    watch: AsyncIterator[Any] | None = None
+
+
+class Cells(Protocol):
+    failover_timeout_s: float | None  # None: a request whose cell is lost ends with an error
+
+    async def place(self, request: Request, consumer: str, failing_over: bool = False) -> Placement: ...
+
+
+class OneScheduler:
+    """One scheduler actor (a restarted actor is another instance, so another cell)."""
+
+    failover_timeout_s: float | None = None
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    async def place(self, request: Request, consumer: str, failing_over: bool = False) -> Placement:
+        return Placement(await self.handle.submit.remote(request, consumer), self.handle)
+
+
+@dataclass(eq=False)
+class _Stream:
+    request: Request
+    queue: asyncio.Queue[RequestOutput] = field(default_factory=asyncio.Queue)
+    cell: str | None = None
+    moving: bool = False  # its cell was lost: it is being placed again
+    early: list[tuple[str, RequestOutput]] = field(default_factory=list)  # came while it was being placed
+    lost_s: float | None = None  # when it was first lost since its last token (failover gives up after a timeout)
+    # what the client received so far: what a continuation starts from
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    text_len: int = 0
+
+    def receive(self, out: RequestOutput) -> None:
+        if out.token_ids:
+            self.lost_s = None
+        self.token_ids += out.token_ids
+        self.logprobs += out.logprobs
+        self.text_len += len(out.text)
+        self.queue.put_nowait(out)
+
+
+class EngineClient:
+    """Streams requests through schedulers under one consumer id.
+
+    `generate(request)` yields the request's outputs as they come. One background task per cell polls
+    its scheduler for every output of this client's requests there at once (one message per step, not
+    one per token); it runs while any stream is open there. A stream read more slowly than steps come
+    gets the outputs that waited for it merged into one. Closing a stream before its last output (a
+    client that disconnected) aborts the request.
+
+    A cell is lost when its scheduler dies (or restarts: polls answer from another instance). With
+    `cells.failover_timeout_s` set, each of its streams is placed again as a continuation (prompt and
+    the tokens this client received, same seed), so the stream goes on with no token missing or
+    repeated; if no cell takes it within the timeout, it ends with an `unavailable` error. Without
+    it, the streams end with an error at once.
     """
 
-    def __init__(self, handle: Any, poll_timeout_s: float = 1.0) -> None:
-        self.handle, self.poll_timeout_s = handle, poll_timeout_s
+    def __init__(self, cells: Any, poll_timeout_s: float = 1.0) -> None:
+        self.cells: Cells = cells if hasattr(cells, "place") else OneScheduler(cells)
+        self.poll_timeout_s = poll_timeout_s
         self.consumer = f"consumer-{uuid.uuid4().hex[:12]}"
-        self.streams: dict[str, asyncio.Queue[RequestOutput]] = {}
-        self.instances: dict[str, str] = {}  # req_id -> the scheduler instance that took it
-        self._poller: asyncio.Task[None] | None = None
-        self.num_polls = 0  # messages received from the scheduler
+        self.streams: dict[str, _Stream] = {}
+        self.schedulers: dict[str, Any] = {}  # cell -> its scheduler handle
+        self.pollers: dict[str, asyncio.Task[None]] = {}
+        self.num_polls = 0  # messages received from schedulers
+        self.num_failovers = 0  # streams placed again after their cell was lost
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Submit and stream. Raises what admission raises (ValueError, QueueFullError) before any output."""
         if request.req_id in self.streams:
             raise ValueError(f"request id {request.req_id!r} is already in use")
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self.streams[request.req_id] = queue
+        stream = self.streams[request.req_id] = _Stream(request)
         finished = False
         try:
-            self.instances[request.req_id] = await self.handle.submit.remote(request, self.consumer)
-            self._ensure_polling()
+            await self._place(stream, request)
             while True:
-                out = await queue.get()
-                while not out.finished and not queue.empty():  # a slow reader gets what waits as one output
-                    out = _merge(out, queue.get_nowait())
+                out = await stream.queue.get()
+                while not out.finished and not stream.queue.empty():  # a slow reader gets what waits as one
+                    out = _merge(out, stream.queue.get_nowait())
                 finished = out.finished
                 yield out
                 if finished:
                     return
         finally:
             self.streams.pop(request.req_id, None)
-            self.instances.pop(request.req_id, None)
-            if not finished:  # the caller went away (or submit failed): free its slot and KV now
-                self.handle.abort.remote(request.req_id)
+            if not finished and stream.cell is not None:  # the caller went away: free its slot and KV now
+                self.schedulers[stream.cell].abort.remote(request.req_id)
 
     async def abort(self, req_id: str) -> bool:
-        return await self.handle.abort.remote(req_id)
+        stream = self.streams.get(req_id)
+        if stream is None or stream.cell is None:
+            return False
+        return await self.schedulers[stream.cell].abort.remote(req_id)
 
-    def _ensure_polling(self) -> None:
-        loop = asyncio.get_running_loop()
-        if self._poller is None or self._poller.done() or self._poller.get_loop() is not loop:
-            self._poller = loop.create_task(self._poll())
+    async def _place(self, stream: _Stream, request: Request, failing_over: bool = False) -> None:
+        stream.cell, stream.early = None, []
+        placed = await self.cells.place(request, self.consumer, failing_over)
+        if self.streams.get(request.req_id) is not stream:  # the caller went away meanwhile
+            placed.scheduler.abort.remote(request.req_id)
+            return
+        stream.cell, stream.moving = placed.cell, False
+        for cell, out in stream.early:  # outputs its cell sent before the placement's answer came back
+            if cell == placed.cell:
+                self._deliver(cell, stream, out)
+        stream.early = []
+        self.schedulers[placed.cell] = placed.scheduler
+        poller = self.pollers.get(placed.cell)
+        if poller is None or poller.done() or poller.get_loop() is not asyncio.get_running_loop():
+            self.pollers[placed.cell] = asyncio.get_running_loop().create_task(self._poll(placed.cell))
+        if placed.watch is not None:
+            asyncio.get_running_loop().create_task(self._watch(stream, placed))
 
-    async def _poll(self) -> None:
-        while self.streams:
+    async def _watch(self, stream: _Stream, placed: Placement) -> None:
+        """Follow the call that is open while the request runs on its cell; if it fails, the cell is gone."""
+        try:
+            async for _ in placed.watch:  # type: ignore[union-attr]
+                pass
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._lost(placed.cell, f"{type(e).__name__}: {e}", [stream])
+
+    async def _poll(self, cell: str) -> None:
+        scheduler = self.schedulers[cell]
+        while any(s.cell == cell for s in self.streams.values()):
             try:
-                instance, outputs = await self.handle.poll.remote(self.consumer, self.poll_timeout_s)
+                instance, outputs = await scheduler.poll.remote(self.consumer, self.poll_timeout_s)
                 self.num_polls += 1
-            except Exception as e:  # the scheduler is gone: end every open stream with the error
-                log.error("polling the scheduler failed: %s", e)
-                self._end_streams(list(self.streams), f"the scheduler failed: {type(e).__name__}: {e}")
+            except ActorUnavailableError:  # a transient network error: the actor may still be there
+                await asyncio.sleep(0.2)
+                continue
+            except Exception as e:  # the scheduler is gone
+                log.error("polling cell %s failed: %s", cell, e)
+                self._lost(cell, f"{type(e).__name__}: {e}")
                 return
-            lost = [r for r in self.streams if self.instances.get(r, instance) != instance]
-            self._end_streams(lost, "the scheduler restarted and lost this request")
+            if instance != cell:
+                self._lost(cell, "the scheduler restarted and lost this request")
+                return
             for out in outputs:
-                queue = self.streams.get(out.req_id)
-                if queue is not None:
-                    queue.put_nowait(out)
+                stream = self.streams.get(out.req_id)
+                if stream is None:
+                    continue
+                if stream.cell is None:  # being placed (where, its placement has not said yet)
+                    stream.early.append((cell, out))
+                elif stream.cell == cell and not stream.moving:  # (outputs of a cell it left are dropped)
+                    self._deliver(cell, stream, out)
 
+    def _deliver(self, cell: str, stream: _Stream, out: RequestOutput) -> None:
+        if out.unavailable and self.cells.failover_timeout_s is not None:  # this cell cannot serve it
+            self._lost(cell, out.error or "unavailable", [stream])
+        else:
+            stream.receive(out)
 
-    def _end_streams(self, req_ids: list[str], error: str) -> None:
-        """End these streams with an error output (their requests are gone with their scheduler)."""
-        for req_id in req_ids:
-            self.instances.pop(req_id, None)
-            self.streams[req_id].put_nowait(RequestOutput(req_id, finish_reason="error", error=error))
+    def _lost(self, cell: str, error: str, streams: list[_Stream] | None = None) -> None:
+        """A cell is gone: continue its streams elsewhere, or end them with the error."""
+        for stream in streams if streams is not None else list(self.streams.values()):
+            if stream.cell != cell or stream.moving or self.streams.get(stream.request.req_id) is not stream:
+                continue
+            if self.cells.failover_timeout_s is None:
+                stream.cell = None
+                stream.queue.put_nowait(RequestOutput(stream.request.req_id, finish_reason="error", error=error))
+                continue
+            stream.moving = True
+            stream.lost_s = stream.lost_s or time.monotonic()
+            self.schedulers[cell].abort.remote(stream.request.req_id)  # in case that cell is still there
+            asyncio.get_running_loop().create_task(self._fail_over(stream, error))
+
+    async def _fail_over(self, stream: _Stream, error: str) -> None:
+        """Place a lost stream's continuation on a live cell (`cells.place` waits for one up to its
+        timeout). A stream lost again before its next token waits a little longer each time, and gives up
+        once the timeout has passed since it was first lost."""
+        req_id, timeout = stream.request.req_id, self.cells.failover_timeout_s or 0.0
+        log.warning("cell of %s lost (%s): continuing it after %d tokens", req_id, error, len(stream.token_ids))
+        waited = time.monotonic() - (stream.lost_s or time.monotonic())
+        if waited < timeout:
+            await asyncio.sleep(min(1.0, waited / 4))
+            try:
+                await self._place(stream, continuation(stream.request, stream.token_ids, stream.logprobs,
+                                                       stream.text_len), failing_over=True)
+                self.num_failovers += 1
+                return
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+        if self.streams.get(req_id) is stream:
+            stream.cell, stream.moving = None, False
+            stream.queue.put_nowait(RequestOutput(
+                req_id, finish_reason="error", unavailable=True,
+                error=f"its cell was lost and no other could continue it: {error}"))
 
 
 def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
     """Two successive outputs of one request as one: tokens and text joined, the later one's ending."""
     return RequestOutput(first.req_id, first.token_ids + then.token_ids, first.text + then.text,
                          then.finish_reason, then.error, then.metrics or first.metrics, first.logprobs + then.logprobs,
-                         first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs)
+                         first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs,
+                         then.unavailable)
 
 
 async def complete(client: EngineClient, request: Request) -> Completion:

@@ -26,8 +26,7 @@ def init_ray(config: EngineConfig) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
         return
-    workers = config.decode_workers + (config.prefill_workers if config.mode == "disaggregated" else 0)
-    num_cpus = max(os.cpu_count() or 1, int(workers * config.num_cpus_per_worker + 0.999))
+    num_cpus = max(os.cpu_count() or 1, int(config.num_workers() * config.num_cpus_per_worker + 0.999))
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
 
 
@@ -40,13 +39,16 @@ def scheduler_args(config: EngineConfig, info: TokenizerInfo | None = None) -> t
     return config.cell_config(capacity), functools.partial(spawn_worker, config, capacity), info.tokenizer
 
 
+def create_scheduler(config: EngineConfig, info: TokenizerInfo | None = None, **options: Any) -> Any:
+    """Create the scheduler actor (which creates the workers); `options` are Ray actor options (a name)."""
+    options = {"num_cpus": 0, "max_concurrency": 100_000} | options
+    return ray.remote(SchedulerActor).options(**options).remote(*scheduler_args(config, info))
+
+
 def start_scheduler(config: EngineConfig, name: str | None = None, info: TokenizerInfo | None = None) -> Any:
-    """Create the scheduler actor (which creates the workers) and wait until every worker is ready."""
+    """Create the scheduler actor and wait until every worker is ready."""
     init_ray(config)
-    options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 100_000}
-    if name:
-        options |= {"name": name, "get_if_exists": True}
-    handle = ray.remote(SchedulerActor).options(**options).remote(*scheduler_args(config, info))
+    handle = create_scheduler(config, info, **({"name": name, "get_if_exists": True} if name else {}))
     placement = ray.get(handle.ready.remote())
     log.info("scheduler ready: %s", placement)
     return handle

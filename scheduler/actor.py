@@ -13,7 +13,9 @@ is taken for gone and its requests are aborted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -50,6 +52,7 @@ class SchedulerActor:
         self.mailboxes: dict[str, list[RequestOutput]] = {}  # consumer -> outputs not yet polled
         self.mail: dict[str, asyncio.Event] = {}
         self.last_poll_s: dict[str, float] = {}
+        self.ended: dict[str, asyncio.Event] = {}  # requests someone waits on (`wait_finished`)
         self.timeline = StepTimeline()
         self.last_result_s: dict[str, float] = {}  # per worker: when its last step's result arrived
         self.round_trip_s: dict[str, float] = {}  # per worker: a moving average of its steps' round trips
@@ -66,7 +69,8 @@ class SchedulerActor:
             self.tasks = [asyncio.create_task(self._loop(w)) for w in self.coordinator.workers]
             self.tasks.append(asyncio.create_task(self._reap_consumers()))
         return {w.name: w.placement for w in self.coordinator.workers} | {
-            "capacity": self.config.capacity, "scheduler_worker_id": ray.get_runtime_context().get_worker_id()}
+            "capacity": self.config.capacity, "scheduler_worker_id": ray.get_runtime_context().get_worker_id(),
+            "scheduler_pid": os.getpid()}
 
     async def shutdown(self) -> None:
         for task in self.tasks:
@@ -107,10 +111,22 @@ class SchedulerActor:
         self._deliver()
         return aborted
 
+    async def wait_finished(self, req_id: str) -> None:
+        """Return once the request has ended (its last output is published), at once if it is not here.
+        Re-checked every few seconds: a reaped consumer's requests end with no output to signal it."""
+        while req_id in self.coordinator.consumers:
+            event = self.ended.setdefault(req_id, asyncio.Event())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), 5.0)
+        self.ended.pop(req_id, None)
+
     def _deliver(self) -> None:
         for consumer, outputs in self.coordinator.take_outputs().items():
             self.mailboxes.setdefault(consumer, []).extend(outputs)
             self.mail.setdefault(consumer, asyncio.Event()).set()
+            for out in outputs:
+                if out.finished and out.req_id in self.ended:
+                    self.ended.pop(out.req_id).set()
 
     async def _reap_consumers(self) -> None:
         """Abort the requests of consumers that stopped polling (a driver or ingress replica died)."""

@@ -116,7 +116,7 @@ class Coordinator:
         pool = self.decode if local else self.prefill
         worker = sibling_worker(request, pool) or self._pick_for_prompt(request, pool)
         if worker is None:
-            self._fail(request, f"no live {'decode' if local else 'prefill'} worker")
+            self._fail(request, f"no live {'decode' if local else 'prefill'} worker", unavailable=True)
             return
         worker.sched.submit(request)
         self.wake(worker)
@@ -152,13 +152,14 @@ class Coordinator:
             w for w in pool if w.status is WorkerStatus.RESTARTING and w is not exclude]
         return min(candidates, key=WorkerState.load) if candidates else None
 
-    def _fail(self, request: Request, message: str) -> None:
-        """End a request that no scheduler holds with an error on its own stream."""
+    def _fail(self, request: Request, message: str, unavailable: bool = False) -> None:
+        """End a request that no scheduler holds with an error on its own stream (`unavailable`: this
+        cell cannot serve it, another may)."""
         self._drop_kv(request.req_id)
         self._release_forks(request.req_id)
         request.mark_finished(FinishReason.ERROR, message)
         self._publish([RequestOutput(request.req_id, text=self.outputs.close(request), finish_reason="error",
-                                     error=message, metrics=request.metrics())])
+                                     error=message, metrics=request.metrics(), unavailable=unavailable)])
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -230,7 +231,7 @@ class Coordinator:
             return  # finished on its first token, or aborted: the ref is dropped here
         target = self._pick(self.decode)
         if target is None:
-            self._fail(request, "no live decode worker")
+            self._fail(request, "no live decode worker", unavailable=True)
             return
         self.handoffs[request.req_id] = handoff
         self.counts.handoffs += 1
@@ -298,7 +299,7 @@ class Coordinator:
             if target is None or not (target.status is WorkerStatus.UP or gone):
                 if gone:
                     worker.sched.evict(request.req_id)
-                    self._fail(request, f"every {worker.kind} worker is gone")
+                    self._fail(request, f"every {worker.kind} worker is gone", unavailable=True)
                 continue  # stays queued here until the restart
             worker.sched.evict(request.req_id)
             target.sched.submit(request)

@@ -29,6 +29,14 @@ class IncrementalDetokenizer:
         self.stopped = False
         self.num_pushed, self.min_tokens = 0, min_tokens
 
+    def resume(self, output_ids: list[int], num_sent: int) -> None:
+        """Continue a request whose first outputs were detokenized elsewhere and `num_sent` characters of
+        their text reached the client: what was held back then (a possible stop string's start, a broken
+        character) is emitted by the next push or flush, and nothing is emitted twice."""
+        for token_id in output_ids:
+            self.push(token_id)
+        self.num_emitted = min(num_sent, len(self.text))
+
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 

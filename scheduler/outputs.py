@@ -24,6 +24,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token of token_ids, when asked for
     # prompt tokens 1.. (the first has none), on the request's first output, when asked for (echo)
     prompt_logprobs: list[TokenLogprob] | None = None
+    unavailable: bool = False  # an error only: no engine could take the request now (retrying later may work)
 
     @property
     def finished(self) -> bool:
@@ -44,8 +45,11 @@ class OutputProcessor:
     def add(self, request: Request) -> None:
         self.requests[request.req_id] = request
         if self.tokenizer is not None:
-            self.detokenizers[request.req_id] = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_ids, request.stop_strings, request.sampling.min_tokens)
+            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_ids, request.stop_strings,
+                                           request.sampling.min_tokens)
+            if request.output_ids:  # a continuation: its first outputs were streamed by another scheduler
+                detok.resume(request.output_ids, request.text_sent)
+            self.detokenizers[request.req_id] = detok
 
     def apply(self, scheduler: Scheduler, update: StepUpdate) -> list[RequestOutput]:
         """After `scheduler.update`: push each token it took, apply stop strings, close finished requests."""

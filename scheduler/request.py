@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
@@ -148,6 +149,7 @@ class Request:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, if sampling.logprobs is set
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. (echo), as computed
     block_names: list[bytes] = field(default_factory=list, repr=False)  # prefix cache: its full blocks' names
+    text_sent: int = 0  # a continuation (see `continuation`): characters of its text the client already has
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -224,3 +226,15 @@ class Request:
             "decode_s": end - first if first is not None else 0.0,
             "preemptions": self.num_preemptions,
         }
+
+
+def continuation(request: Request, output_ids: list[int], logprobs: list[TokenLogprob], text_sent: int) -> Request:
+    """`request` as it stands after its client received `output_ids` (with their log-probs and `text_sent`
+    characters of text): queued anywhere, it is recomputed from prompt + those tokens like a preempted
+    request and continues exactly where it stopped, since each draw is seeded by (seed, token index).
+    It computes its own prompt (no sibling to copy from) and, once a token was sent, sends no prompt
+    log-probs again (they came with the first output)."""
+    sampling = dataclasses.replace(request.sampling, prompt_logprobs=None) if output_ids else request.sampling
+    return Request(request.req_id, list(request.prompt_ids), request.max_tokens, sampling, request.stop_token_ids,
+                   request.stop_strings, request.priority, output_ids=list(output_ids), logprobs=list(logprobs),
+                   text_sent=text_sent)

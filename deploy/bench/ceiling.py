@@ -1,17 +1,19 @@
-"""The scheduler's own ceiling: one scheduler actor driving stub workers that answer every step at once.
+"""The scheduler's own ceiling: scheduler actors (cells) driving stub workers that answer every step at once.
 
 The stubs are a test double, not a production path: they sample a fixed token, hand off an empty
 reference and import nothing, so every second measured is the control plane's (planning, messages,
 applying results, publishing outputs to the consumer). The steps/s and tokens/s it sustains say how
 many real decode workers one scheduler can drive: a worker whose forward takes F ms wants 1000 / F
-steps/s.
+steps/s. With `--cells N`, N schedulers (each with its own stubs) share the requests round robin
+through one consumer, as the ingress spreads them over cells.
 
-    python -m deploy.bench.ceiling --slots 64 --num-requests 256 --output-len 200
+    python -m deploy.bench.ceiling --slots 64 --num-requests 256 --output-len 200 --cells 1,2
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import json
 import sys
@@ -20,7 +22,7 @@ from typing import Any
 
 import ray
 
-from deploy.driver import RayEngine
+from deploy.engine_client import EngineClient, Placement, complete
 from scheduler.actor import SchedulerActor
 from scheduler.cell import CellConfig
 from scheduler.messages import KVImport, KVPiece, Samples, StepResult
@@ -51,27 +53,53 @@ def spawn_stub(kind: str, index: int, num_slots: int, prefix_blocks: int = 0) ->
     return ray.remote(StubWorker).options(num_cpus=0).remote(kind, index)
 
 
-def measure(mode: str, slots: int, num_requests: int, prompt_len: int, output_len: int) -> dict[str, Any]:
+class RoundRobin:
+    """Places requests on the cells in turn (the `Cells` of deploy.engine_client)."""
+
+    failover_timeout_s = None
+
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles, self.count = handles, 0
+
+    async def place(self, request: Request, consumer: str, failing_over: bool = False) -> Placement:
+        handle = self.handles[self.count % len(self.handles)]
+        self.count += 1
+        return Placement(await handle.submit.remote(request, consumer), handle)
+
+
+def measure(mode: str, slots: int, num_requests: int, prompt_len: int, output_len: int,
+            cells: int = 1) -> dict[str, Any]:
     capacity = prompt_len + output_len
     cell = CellConfig(mode=mode, num_decode_workers=1, num_prefill_workers=1, decode_slots=slots, prefill_slots=slots,
                       capacity=capacity, token_budget=max(256, slots), prefill_chunk=max(128, prompt_len))
-    handle = ray.remote(SchedulerActor).options(num_cpus=0, max_concurrency=100_000).remote(
-        cell, functools.partial(spawn_stub))
-    ray.get(handle.ready.remote())
-    with RayEngine(handle=handle, capacity=capacity) as engine:
-        requests = [Request(req_id=str(i), prompt_ids=[7] * prompt_len, max_tokens=output_len)
-                    for i in range(num_requests)]
-        engine.run(requests[:2])  # warm-up
-        engine.reset_profile()
+    handles = [ray.remote(SchedulerActor).options(num_cpus=0, max_concurrency=100_000).remote(
+        cell, functools.partial(spawn_stub)) for _ in range(cells)]
+    ray.get([h.ready.remote() for h in handles])
+    client = EngineClient(RoundRobin(handles))
+
+    def run(count: int, tag: str) -> list[Any]:
+        async def everything() -> list[Any]:
+            return await asyncio.gather(*(complete(client, Request(req_id=f"{tag}{i}", prompt_ids=[7] * prompt_len,
+                                                                   max_tokens=output_len)) for i in range(count)))
+        return asyncio.run(everything())
+
+    try:
+        run(2 * cells, "warm")
+        ray.get([h.reset_timeline.remote() for h in handles])
         start = time.perf_counter()
-        results = engine.run(requests)
+        results = run(num_requests, "")
         elapsed = time.perf_counter() - start
-        profile = engine.profile()
-    tokens = sum(len(c.token_ids) for c in results.values())
-    return {"mode": mode, "slots": slots, "requests": num_requests, "output_tokens": tokens,
+        timelines = [stats["timeline"] for stats in ray.get([h.stats.remote() for h in handles])]
+    finally:
+        for handle in handles:
+            ray.get(handle.shutdown.remote())
+            ray.kill(handle)
+    tokens = sum(len(c.token_ids) for c in results)
+    decode_steps = sum(t.get("decode", {}).get("steps", 0) for t in timelines)
+    first = {f"{kind}_{key}": round(value, 3) for kind, line in timelines[0].items() for key, value in line.items()}
+    return {"mode": mode, "cells": cells, "slots": slots, "requests": num_requests, "output_tokens": tokens,
             "duration_s": round(elapsed, 3), "tok_s": round(tokens / elapsed, 1),
-            "decode_steps_per_s": round(profile.get("decode_steps", 0) / elapsed, 1),
-            **{k: round(v, 3) for k, v in profile.items() if isinstance(v, int | float)}}
+            "decode_steps_per_s": round(decode_steps / elapsed, 1), "polls": client.num_polls, **first}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,13 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--output-len", type=int, default=200)
+    parser.add_argument("--cells", default="1", help="comma list: scheduler actors sharing the requests")
     args = parser.parse_args(argv)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         for mode in args.modes.split(","):
             for slots in map(int, args.slots.split(",")):
-                print(json.dumps(measure(mode, slots, args.num_requests, args.prompt_len, args.output_len)),
-                      flush=True)
+                for cells in map(int, args.cells.split(",")):
+                    print(json.dumps(measure(mode, slots, args.num_requests, args.prompt_len, args.output_len,
+                                             cells)), flush=True)
     finally:
         ray.shutdown()
     return 0

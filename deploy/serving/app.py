@@ -1,4 +1,4 @@
-"""The Ray Serve application: an OpenAI ingress (N replicas) in front of one scheduler replica.
+"""The Ray Serve application: an OpenAI ingress (N replicas) in front of one or more cells.
 
 `build_app(args)` is the import path for `serve run` / `serve deploy deploy/serve_config.yaml`.
 """
@@ -11,15 +11,15 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deploy.config import MODES_ON_RAY, EngineConfig, format_validation_errors
+from deploy.config import ServiceConfig, format_validation_errors
 from deploy.engine_client import EngineClient
 from deploy.params import ParameterError
-from deploy.ray_engine import scheduler_args
+from deploy.serving.cells import Cell, ServeCells, cell_stats, combine_stats
 from deploy.serving.openai_api import OpenAIServer, ServedModel, error_response
 from deploy.serving.schemas import (
     APIError,
@@ -28,47 +28,9 @@ from deploy.serving.schemas import (
     DetokenizeBody,
     TokenizeBody,
 )
-from scheduler.actor import SchedulerActor
 
 log = logging.getLogger(__name__)
 APP_NAME = "pdserve"
-
-
-class ServiceConfig(EngineConfig):
-    """The service: the engine plus what the HTTP edge needs. `serve_config.yaml`'s `args` are these."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    mode: str = Field("disaggregated", description="colocated or disaggregated (local runs without Ray).")
-    served_model_name: str | None = Field(None, description="The `model` clients send; default: --model.")
-    ingress_replicas: int = Field(1, ge=1, description="Replicas of the HTTP ingress deployment.")
-    api_key: str | None = Field(None, description="If set, requests need `Authorization: Bearer <key>`.")
-    max_request_bytes: int = Field(1_000_000, ge=1024, description="Larger request bodies get 413.")
-
-    @model_validator(mode="after")
-    def _serving_mode(self) -> "ServiceConfig":
-        if self.mode not in MODES_ON_RAY:
-            raise ValueError(f"mode {self.mode!r} cannot be served: use {' or '.join(MODES_ON_RAY)} "
-                             "(local mode runs in one process, without Ray)")
-        return self
-
-    def engine(self) -> EngineConfig:
-        fields = set(EngineConfig.model_fields)
-        return EngineConfig(**{k: v for k, v in self.model_dump().items() if k in fields})
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or self.model
-
-
-@serve.deployment(name="Scheduler", num_replicas=1, max_ongoing_requests=100_000,
-                  ray_actor_options={"num_cpus": 0}, health_check_period_s=10, health_check_timeout_s=60)
-class SchedulerDeployment(SchedulerActor):
-    """The central scheduler as a Serve replica: it creates and owns the worker actors."""
-
-    async def __init__(self, config: dict[str, Any]) -> None:  # type: ignore[misc]
-        super().__init__(*scheduler_args(EngineConfig(**config)))
-        await self.ready()
 
 
 ingress_app = FastAPI(title="pdserve", description="OpenAI-compatible API for pdserve")
@@ -101,17 +63,18 @@ def _from_validation(errors: Any) -> APIError:
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
 @serve.ingress(ingress_app)
 class OpenAIIngress:
-    """Validates, tokenizes and streams; one or more replicas share the one scheduler."""
+    """Validates, tokenizes and streams; each replica places requests on the cells (`ServeCells`)."""
 
-    def __init__(self, scheduler: DeploymentHandle, config: dict[str, Any]) -> None:
+    def __init__(self, cells: DeploymentHandle, config: dict[str, Any]) -> None:
         from workers.loader import load_tokenizer
 
         self.config = ServiceConfig(**config)
         info = load_tokenizer(self.config.model)
         model = ServedModel(self.config.model_name, info.tokenizer, info.eos_token_ids,
                             self.config.context_len(info.max_context))
-        self.scheduler = scheduler
-        self.server = OpenAIServer(EngineClient(scheduler), model)
+        self.cells = cells
+        self.client = EngineClient(ServeCells(cells, self.config.failover_timeout_s))
+        self.server = OpenAIServer(self.client, model)
         self._ready = False
 
     async def _body(self, request: Request, schema: type[BaseModel]) -> Any:
@@ -143,7 +106,7 @@ class OpenAIIngress:
         if self._ready:
             return
         try:
-            await asyncio.wait_for(self.scheduler.check_health.remote(), timeout=10.0)
+            await asyncio.wait_for(self.cells.check_health.remote(), timeout=10.0)
         except Exception as e:
             raise APIError(503, f"The service is starting or unhealthy ({type(e).__name__}); retry shortly.",
                            "service_unavailable", code="not_ready", headers={"Retry-After": "5"}) from None
@@ -174,15 +137,17 @@ class OpenAIIngress:
     @ingress_app.get("/health")
     async def health(self) -> Response:
         try:
-            await asyncio.wait_for(self.scheduler.check_health.remote(), timeout=2.0)
+            await asyncio.wait_for(self.cells.check_health.remote(), timeout=2.0)
         except Exception as e:
             return error_response(APIError(503, f"unhealthy: {type(e).__name__}", "service_unavailable"))
         return JSONResponse({"status": "ok"})
 
     @ingress_app.get("/stats")
     async def stats(self) -> Response:
-        """Scheduler accounting: slots, queues and live handoffs per worker."""
-        return JSONResponse(await self.scheduler.stats.remote())
+        """Scheduler accounting of every cell: slots, queues and live handoffs per worker, and the cells."""
+        stats = combine_stats(await cell_stats(serve.get_replica_context().app_name))
+        client = {"failovers": self.client.num_failovers, "open_streams": len(self.client.streams)}
+        return JSONResponse(stats | {"ingress": client})
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
@@ -191,6 +156,10 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         config = ServiceConfig(**args)
     except ValidationError as e:
         raise ValueError(f"invalid pdserve config: {e}") from None
-    scheduler = SchedulerDeployment.bind(config.engine().model_dump())
+    cells = Cell.options(**config.cell_options()).bind(config.engine().model_dump())
     ingress = OpenAIIngress.options(num_replicas=config.ingress_replicas)
-    return ingress.bind(scheduler, config.model_dump())
+    return ingress.bind(cells, config.model_dump(exclude=_CELL_COUNT))
+
+
+# How many cells there are is the Cell deployment's business: changing it must not restart the ingress.
+_CELL_COUNT = {"cells", "max_cells", "target_requests_per_cell", "cells_autoscaling"}

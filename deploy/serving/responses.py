@@ -82,6 +82,9 @@ async def merge_streams(started: list[Started]) -> AsyncIterator[tuple[int, Requ
 
 
 def _failed(out: RequestOutput) -> APIError:
+    if out.unavailable:  # its cell was lost and no other could take it in time
+        return APIError(503, f"Generation was interrupted: {out.error}. Retry shortly.", "service_unavailable",
+                        code="engine_unavailable", headers={"Retry-After": "5"})
     return APIError(500, f"Generation failed: {out.error}", "server_error", code="engine_error")
 
 

@@ -51,10 +51,10 @@ class FakeEngine:
     """Streams `script(request)` for each request. Records the requests, and those whose stream was closed
     before its end (what the real client turns into an abort). Requests named in `refuse` get a full queue."""
 
-    def __init__(self, fail: set[str] = frozenset(), refuse: set[str] = frozenset()) -> None:
+    def __init__(self, fail: set[str] = frozenset(), refuse: set[str] = frozenset(), unavailable: bool = False) -> None:
         self.requests: dict[str, Request] = {}
         self.aborted: list[str] = []
-        self.fail, self.refuse = fail, refuse
+        self.fail, self.refuse, self.unavailable = fail, refuse, unavailable
 
     async def generate(self, request: Request):  # type: ignore[no-untyped-def]
         if request.req_id.rsplit("-", 1)[1] in self.refuse:
@@ -65,7 +65,8 @@ class FakeEngine:
             for j, out in enumerate(script(request)):
                 await asyncio.sleep(0)
                 if j == 2 and request.req_id.rsplit("-", 1)[1] in self.fail:
-                    out = RequestOutput(request.req_id, [], "", finish_reason="error", error="worker lost")
+                    out = RequestOutput(request.req_id, [], "", finish_reason="error", error="worker lost",
+                                        unavailable=self.unavailable)
                 finished = out.finished
                 yield out
                 if finished:

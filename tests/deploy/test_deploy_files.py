@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy.serving.app import ServiceConfig, build_app
+from deploy.config import ServiceConfig
+from deploy.serving.app import build_app
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -105,3 +105,108 @@ def test_a_slow_reader_gets_waiting_outputs_merged_with_nothing_lost():
     chunks = asyncio.run(scenario())
     assert [t for c in chunks for t in c.token_ids] == list(range(20)) and chunks[-1].finish_reason == "length"
     assert len(chunks) < 21 and [c.finished for c in chunks].count(True) == 1
+
+
+class FakeCell(FakeScheduler):
+    """A cell's scheduler: request i's tokens are 100*i.. (a continuation gets the rest after its outputs);
+    `die()` makes every later call fail as a dead actor's would."""
+
+    def __init__(self, name, tokens_per_request=6):
+        super().__init__(tokens_per_request)
+        self.instance, self.dead, self.taken = name, False, []
+
+    async def _submit(self, request, consumer):
+        self._check()
+        self.taken.append(request)
+        done = len(request.output_ids)
+        self.pending += [RequestOutput(request.req_id, token_ids=[i], text=f"<{i}>") for i in range(done, self.tokens)]
+        self.pending.append(RequestOutput(request.req_id, finish_reason="length"))
+        return self.instance
+
+    async def _poll(self, consumer, timeout_s):
+        self._check()
+        return await super()._poll(consumer, timeout_s)
+
+    def _check(self):
+        if self.dead:
+            raise RuntimeError("the actor died")
+
+    def die(self):
+        self.dead = True
+
+
+class FakeCells:
+    """Places each request on the first live cell, as ServeCells would through Serve's router."""
+
+    def __init__(self, cells, failover_timeout_s=2.0):
+        self.cells, self.failover_timeout_s = cells, failover_timeout_s
+
+    async def place(self, request, consumer, failing_over=False):
+        from deploy.engine_client import Placement
+
+        for cell in self.cells:
+            if not cell.dead:
+                return Placement(await cell.submit.remote(request, consumer), cell)
+        raise RuntimeError("no live cell")
+
+
+def test_a_stream_whose_cell_dies_continues_on_another_with_nothing_missing_or_repeated():
+    a, b = FakeCell("A"), FakeCell("B")
+    client = EngineClient(FakeCells([a, b]))
+
+    async def scenario():
+        stream = client.generate(make_request("x"))
+        got = [await stream.__anext__(), await stream.__anext__()]  # tokens 0 and 1 reached the client
+        a.die()
+        async for out in stream:
+            got.append(out)
+        return got
+
+    got = asyncio.run(scenario())
+    assert [t for o in got for t in o.token_ids] == list(range(6)) and got[-1].finish_reason == "length"
+    assert "".join(o.text for o in got) == "".join(f"<{i}>" for i in range(6))
+    (moved,) = b.taken  # the continuation: same request, with what the client had
+    assert moved.req_id == "x" and moved.output_ids == [0, 1] and moved.text_sent == len("<0><1>")
+    assert client.num_failovers == 1
+
+
+def test_an_unavailable_cell_sends_its_streams_to_another():
+    """A cell that cannot serve a request (its workers are gone) answers `unavailable`: it moves on."""
+    a, b = FakeCell("A"), FakeCell("B")
+    original = a._submit
+
+    async def no_workers(request, consumer):
+        instance = await original(request, consumer)
+        a.pending = [RequestOutput(request.req_id, finish_reason="error", error="no live decode worker",
+                                   unavailable=True)]
+        return instance
+
+    a.submit = Call(no_workers)
+    cells = FakeCells([a, b])
+    client = EngineClient(cells)
+
+    async def scenario():
+        done = asyncio.ensure_future(complete(client, make_request("x")))
+        await asyncio.sleep(0.05)
+        cells.cells = [b]  # Serve's router stops choosing the unhealthy cell
+        return await asyncio.wait_for(done, 5)
+
+    done = asyncio.run(scenario())
+    assert done.token_ids == list(range(6)) and done.finish_reason == "length" and done.error is None
+
+
+def test_a_stream_no_cell_can_take_ends_with_a_retryable_error_not_a_cut():
+    a = FakeCell("A")
+    client = EngineClient(FakeCells([a], failover_timeout_s=0.3))
+
+    async def scenario():
+        stream = client.generate(make_request("x"))
+        got = [await stream.__anext__()]
+        a.die()
+        async for out in stream:
+            got.append(out)
+        return got
+
+    got = asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert got[0].token_ids == [0] and got[-1].finish_reason == "error" and got[-1].unavailable
+    assert "no other could continue it" in got[-1].error

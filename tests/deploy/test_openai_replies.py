@@ -148,6 +148,17 @@ def test_a_failed_choice_fails_the_reply_and_aborts_the_others():
     assert sorted(r.rsplit("-", 1)[1] for r in engine.aborted) == ["0", "2"]
 
 
+def test_a_stream_no_cell_could_continue_answers_503_or_an_error_event_then_done():
+    """Failover gave up (no live cell in time): a whole reply is 503 with Retry-After; a stream ends with an
+    error event and `[DONE]`, never a cut connection."""
+    engine = FakeEngine(fail={"0"}, unavailable=True)
+    with pytest.raises(APIError) as info:
+        reply(make_server(engine), CompletionBody(model="tiny", prompt="hello", max_tokens=8))
+    assert (info.value.status, info.value.code) == (503, "engine_unavailable") and info.value.headers["Retry-After"]
+    chunks = reply(make_server(engine), CompletionBody(model="tiny", prompt="hello", max_tokens=8, stream=True))
+    assert chunks[-1]["error"]["code"] == "engine_unavailable"  # (and `reply` saw [DONE] last)
+
+
 def test_a_refused_choice_aborts_the_admitted_ones_and_answers_429():
     engine = FakeEngine(refuse={"1"})
     with pytest.raises(APIError) as info:

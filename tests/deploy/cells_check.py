@@ -1,0 +1,159 @@
+"""Run by test_cells in its own process: the Serve app with two cells on simulated nodes, under streams.
+
+`python -m tests.deploy.cells_check CHECKPOINT SCENARIO` prints one JSON line of what it saw:
+* failover: a cell's scheduler is SIGKILLed mid-stream; every stream against the same streams unkilled;
+  then a cell whose workers are all gone, and requests sent after.
+* scaling: cells autoscale 1 -> 2 -> 1 under streaming load; every request's text against a run alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import httpx
+import ray
+from ray import serve
+from ray.cluster_utils import Cluster
+
+from deploy.bench.http_client import stream_request
+from deploy.serving.app import build_app
+from deploy.serving.cells import NAMESPACE
+from tests.factories import free_port
+
+ARGS = dict(mode="disaggregated", slots=4, prefill_slots=2, max_model_len=512, token_budget=32, prefill_chunk=16,
+            served_model_name="tiny", failover_timeout_s=60)
+
+
+def prompts(n: int) -> list[str]:
+    words = ["the quick brown fox", "hello world", "paris is in france", "the lazy dog", "héllo wörld"]
+    return [f"{words[i % 5]} {words[(i * 3 + 1) % 5]} {i}" for i in range(n)]
+
+
+async def stream_all(base: str, texts: list[str], max_tokens: int) -> list[Any]:
+    limits = httpx.Limits(max_connections=len(texts) + 8)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as http:
+        return await asyncio.gather(*(stream_request(
+            http, f"{base}/v1/completions", {"model": "tiny", "prompt": text, "max_tokens": max_tokens,
+                                             "temperature": 0, "ignore_eos": True, "stream": True,
+                                             "stream_options": {"include_usage": True}}, str(i))
+            for i, text in enumerate(texts)))
+
+
+def stats(base: str) -> dict[str, Any]:
+    return httpx.get(f"{base}/stats", timeout=30).json()
+
+
+async def wait_for(base: str, condition: Any, timeout_s: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = await asyncio.to_thread(stats, base)
+        if condition(now) or time.monotonic() > deadline:
+            return now
+        await asyncio.sleep(0.1)
+
+
+def outcome(done: list[Any]) -> dict[str, Any]:
+    return {"texts": [d.text for d in done], "errors": [d.error for d in done if d.error],
+            "tokens": [len(d.token_ids) for d in done]}
+
+
+def scheduler_pid(cell_name: str) -> int:
+    return ray.get(ray.get_actor(cell_name, NAMESPACE).ready.remote())["scheduler_pid"]
+
+
+def failover(base: str) -> dict[str, Any]:
+    texts = prompts(16)
+    serve.run(build_app({"model": CHECKPOINT, "cells": 2, "max_worker_restarts": 0, **ARGS}), name="cells",
+              route_prefix="/")
+    reference = asyncio.run(stream_all(base, texts, 120))
+
+    async def killed() -> tuple[list[Any], dict[str, Any]]:
+        run = asyncio.ensure_future(stream_all(base, texts, 120))
+        now = await wait_for(base, lambda s: s["streams"] == len(texts), 60)
+        await asyncio.sleep(0.3)  # every stream has tokens by now
+        cell = max(now["cells"], key=lambda c: now["cells"][c]["streams"])
+        os.kill(scheduler_pid(cell), signal.SIGKILL)
+        return await run, {"killed_cell_streams": now["cells"][cell]["streams"], "killed": cell}
+
+    fault, seen = asyncio.run(killed())
+    after = stats(base)
+    # a cell whose workers are all gone (no restarts left) takes no new requests
+    cells = sorted(after["cells"])
+    broken = cells[0]
+    handles = ray.get(ray.get_actor(broken, NAMESPACE).worker_handles.remote())
+    for handle in handles.values():
+        ray.kill(handle, no_restart=True)
+    later = asyncio.run(stream_all(base, texts[:8], 20))
+    final = stats(base)
+    serve.delete("cells")
+    return {"reference": outcome(reference), "fault": outcome(fault), **seen,
+            "failovers": after["ingress"]["failovers"], "cells_after_kill": sorted(after["cells"]),
+            "broken": broken, "later": outcome(later),
+            "cells_final": sorted(final["cells"])}
+
+
+def scaling(base: str) -> dict[str, Any]:
+    """Clients loop requests while cells scale: 12 of them (2 cells wanted) until the second cell serves
+    streams, then one (1 cell wanted) until a cell has drained and one more request has finished."""
+    texts = prompts(12)
+    autoscale = {"metrics_interval_s": 0.5, "look_back_period_s": 1.0, "upscale_delay_s": 0.0,
+                 "downscale_delay_s": 2.0}
+    serve.run(build_app({"model": CHECKPOINT, "cells": 1, "max_cells": 2, "target_requests_per_cell": 4,
+                         "cells_autoscaling": autoscale, **ARGS}), name="cells", route_prefix="/")
+    reference = outcome(asyncio.run(stream_all(base, texts, 100)))
+
+    async def load() -> dict[str, Any]:
+        seen: dict[str, Any] = {"num_cells": [stats(base)["num_cells"]], "done": []}
+        heavy, light = asyncio.Event(), asyncio.Event()
+
+        async def client(i: int, until: asyncio.Event) -> None:
+            while not until.is_set():
+                (done,) = await stream_all(base, [texts[i]], 100)
+                seen["done"].append((i, done.text, done.error))
+
+        clients = [asyncio.ensure_future(client(i, heavy)) for i in range(12)]
+        up = await wait_for(base, lambda s: s["num_cells"] == 2 and all(c["streams"] for c in s["cells"].values()),
+                            300)
+        seen["num_cells"].append(up["num_cells"])
+        heavy.set()
+        clients.append(asyncio.ensure_future(client(0, light)))
+        down = await wait_for(base, lambda s: s["num_cells"] == 1, 300)
+        seen["num_cells"].append(down["num_cells"])
+        finished = len(seen["done"])
+        while len(seen["done"]) == finished:  # one more request after the drain
+            await asyncio.sleep(0.1)
+        light.set()
+        await asyncio.gather(*clients)
+        seen["failovers"] = stats(base)["ingress"]["failovers"]
+        return seen
+
+    seen = asyncio.run(load())
+    serve.delete("cells")
+    mismatched = [i for i, text, error in seen["done"] if error or text != reference["texts"][i]]
+    return {"reference": reference, "num_cells": seen["num_cells"], "requests": len(seen["done"]),
+            "mismatched": mismatched, "errors": [e for _, _, e in seen["done"] if e][:3],
+            "failovers": seen["failovers"]}
+
+
+if __name__ == "__main__":
+    CHECKPOINT, scenario = sys.argv[1], sys.argv[2]
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        for _ in range(2):
+            cluster.add_node(num_cpus=2)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        result = {"failover": failover, "scaling": scaling}[scenario](f"http://127.0.0.1:{port}")
+        print(json.dumps(result))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
