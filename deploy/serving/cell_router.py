@@ -55,6 +55,9 @@ class CellRouter(RequestRouter):
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
+        self._forget(replica_id)
+
+    def _forget(self, replica_id: ReplicaID) -> None:
         for name in [n for n, owner in self.owners.items() if owner == replica_id]:
             del self.owners[name]
 

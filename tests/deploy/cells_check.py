@@ -59,8 +59,10 @@ async def wait_for(base: str, condition: Any, timeout_s: float) -> dict[str, Any
 
 
 def outcome(done: list[Any]) -> dict[str, Any]:
+    """Each stream's text and token count, the errors, and the longest wait between two of a stream's chunks."""
+    gaps = [max(d.inter_token_s(), default=0.0) for d in done]
     return {"texts": [d.text for d in done], "errors": [d.error for d in done if d.error],
-            "tokens": [len(d.token_ids) for d in done]}
+            "tokens": [len(d.token_ids) for d in done], "max_gap_s": round(max(gaps, default=0.0), 3)}
 
 
 def scheduler_pid(cell_name: str) -> int:
