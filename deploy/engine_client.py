@@ -8,10 +8,11 @@ deployment, and when a cell dies its streams continue on another one.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -32,12 +33,16 @@ class Placement:
     cell: str
     scheduler: Any
     watch: AsyncIterator[Any] | None = None
+    replica: str | None = None  # the Serve replica that holds the cell
 
 
 class Cells(Protocol):
     failover_timeout_s: float | None  # None: a request whose cell is lost ends with an error
 
     async def place(self, request: Request, consumer: str, failing_over: bool = False) -> Placement: ...
+
+    def lost(self, placement: Placement) -> None:
+        """That placement's cell is gone: place nothing there."""
 
 
 class OneScheduler:
@@ -50,6 +55,9 @@ class OneScheduler:
 
     async def place(self, request: Request, consumer: str, failing_over: bool = False) -> Placement:
         return Placement(await self.handle.submit.remote(request, consumer), self.handle)
+
+    def lost(self, placement: Placement) -> None:
+        pass
 
 
 @dataclass(eq=False)
@@ -95,7 +103,7 @@ class EngineClient:
         self.poll_timeout_s = poll_timeout_s
         self.consumer = f"consumer-{uuid.uuid4().hex[:12]}"
         self.streams: dict[str, _Stream] = {}
-        self.schedulers: dict[str, Any] = {}  # cell -> its scheduler handle
+        self.placements: dict[str, Placement] = {}  # cell -> where it is (its scheduler handle)
         self.pollers: dict[str, asyncio.Task[None]] = {}
         self.num_polls = 0  # messages received from schedulers
         self.num_failovers = 0  # streams placed again after their cell was lost
@@ -119,13 +127,13 @@ class EngineClient:
         finally:
             self.streams.pop(request.req_id, None)
             if not finished and stream.cell is not None:  # the caller went away: free its slot and KV now
-                self.schedulers[stream.cell].abort.remote(request.req_id)
+                self.placements[stream.cell].scheduler.abort.remote(request.req_id)
 
     async def abort(self, req_id: str) -> bool:
         stream = self.streams.get(req_id)
         if stream is None or stream.cell is None:
             return False
-        return await self.schedulers[stream.cell].abort.remote(req_id)
+        return await self.placements[stream.cell].scheduler.abort.remote(req_id)
 
     async def _place(self, stream: _Stream, request: Request, failing_over: bool = False) -> None:
         stream.cell, stream.early = None, []
@@ -138,12 +146,12 @@ class EngineClient:
             if cell == placed.cell:
                 self._deliver(cell, stream, out)
         stream.early = []
-        self.schedulers[placed.cell] = placed.scheduler
+        self.placements[placed.cell] = placed
         poller = self.pollers.get(placed.cell)
         if poller is None or poller.done() or poller.get_loop() is not asyncio.get_running_loop():
-            self.pollers[placed.cell] = asyncio.get_running_loop().create_task(self._poll(placed.cell))
+            self.pollers[placed.cell] = _background(self._poll(placed.cell))
         if placed.watch is not None:
-            asyncio.get_running_loop().create_task(self._watch(stream, placed))
+            _background(self._watch(stream, placed))
 
     async def _watch(self, stream: _Stream, placed: Placement) -> None:
         """Follow the call that is open while the request runs on its cell; if it fails, the cell is gone."""
@@ -156,7 +164,7 @@ class EngineClient:
             self._lost(placed.cell, f"{type(e).__name__}: {e}", [stream])
 
     async def _poll(self, cell: str) -> None:
-        scheduler = self.schedulers[cell]
+        scheduler = self.placements[cell].scheduler
         while any(s.cell == cell for s in self.streams.values()):
             try:
                 instance, outputs = await scheduler.poll.remote(self.consumer, self.poll_timeout_s)
@@ -187,7 +195,8 @@ class EngineClient:
             stream.receive(out)
 
     def _lost(self, cell: str, error: str, streams: list[_Stream] | None = None) -> None:
-        """A cell is gone: continue its streams elsewhere, or end them with the error."""
+        """A cell is gone (for these streams, or all of its own): continue them elsewhere, or end them."""
+        self.cells.lost(self.placements[cell])
         for stream in streams if streams is not None else list(self.streams.values()):
             if stream.cell != cell or stream.moving or self.streams.get(stream.request.req_id) is not stream:
                 continue
@@ -197,8 +206,8 @@ class EngineClient:
                 continue
             stream.moving = True
             stream.lost_s = stream.lost_s or time.monotonic()
-            self.schedulers[cell].abort.remote(stream.request.req_id)  # in case that cell is still there
-            asyncio.get_running_loop().create_task(self._fail_over(stream, error))
+            self.placements[cell].scheduler.abort.remote(stream.request.req_id)  # in case it is still there
+            _background(self._fail_over(stream, error))
 
     async def _fail_over(self, stream: _Stream, error: str) -> None:
         """Place a lost stream's continuation on a live cell (`cells.place` waits for one up to its
@@ -221,6 +230,13 @@ class EngineClient:
             stream.queue.put_nowait(RequestOutput(
                 req_id, finish_reason="error", unavailable=True,
                 error=f"its cell was lost and no other could continue it: {error}"))
+
+
+def _background(work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    """A task of the client's own, in a fresh context: not in the context of whichever caller's request
+    started it (in a Serve replica that context carries the request's id, and Serve's router tells
+    concurrent calls apart by it)."""
+    return asyncio.get_running_loop().create_task(work, context=contextvars.Context())
 
 
 def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:

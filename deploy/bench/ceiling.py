@@ -66,6 +66,9 @@ class RoundRobin:
         self.count += 1
         return Placement(await handle.submit.remote(request, consumer), handle)
 
+    def lost(self, placement: Placement) -> None:
+        pass
+
 
 def measure(mode: str, slots: int, num_requests: int, prompt_len: int, output_len: int,
             cells: int = 1) -> dict[str, Any]:

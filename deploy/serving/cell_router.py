@@ -5,7 +5,8 @@ the prefix cache: equal names, equal prefixes), so a conversation's next turn an
 system prompt meet the cell whose workers hold their KV. When that cell has `imbalance` more requests
 open than the least loaded one, or no prefix is known, it falls back to Serve's power of two choices
 (the less loaded of two random cells). A cell's load is its open requests: each request keeps its
-`Cell.run` call open while it runs, so Serve's own queue lengths count exactly that.
+`Cell.run` call open while it runs, so Serve's own queue lengths count exactly that. Cells the ingress
+has seen die (`avoid`) are left out even while Serve still lists them.
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ class CellRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        if not candidate_replicas:
-            return []
         if pending_request is not None:  # retries back off (and wait longer for busy cells' queue lengths)
             pending_request.routing_context.should_backoff = True
+            avoid = set(pending_request.kwargs.get("avoid", ()))  # cells the ingress saw die: Serve may not yet
+            candidate_replicas = [r for r in candidate_replicas if r.replica_id.unique_id not in avoid]
+        if not candidate_replicas:
+            return []
         by_id = {r.replica_id: r for r in candidate_replicas}
         owner = next((by_id[self.owners[n]] for n in reversed(_blocks(pending_request))
                       if n in self.owners and self.owners[n] in by_id), None)

@@ -32,6 +32,7 @@ from scheduler.request import Request
 
 log = logging.getLogger(__name__)
 NAMESPACE = "pdserve-cells"  # the scheduler actors are named "<app>-cell-<replica id>" there
+AVOID_S = 60.0  # how long requests avoid the replica of a lost cell (Serve stops routing there sooner or later)
 
 
 @serve.deployment(name="Cell", max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0},
@@ -43,17 +44,18 @@ class Cell:
 
     async def __init__(self, config: dict[str, Any]) -> None:
         context = serve.get_replica_context()
-        self.name = f"{context.app_name}-cell-{context.replica_id.unique_id}"
+        self.replica = context.replica_id.unique_id
+        self.name = f"{context.app_name}-cell-{self.replica}"
         self.scheduler = create_scheduler(EngineConfig(**config), name=self.name, namespace=NAMESPACE)
         await self.scheduler.ready.remote()
         log.info("cell %s ready", self.name)
 
-    async def run(self, request: Request, consumer: str) -> AsyncIterator[Placement]:
+    async def run(self, request: Request, consumer: str, avoid: tuple[str, ...] = ()) -> AsyncIterator[Placement]:
         """Queue the request (admission errors raise here), say where it runs, then stay open until it ends.
-        Cancelled (the ingress gave up on this call), it aborts the request."""
+        Cancelled (the ingress gave up on this call), it aborts the request. (`avoid` is for the router.)"""
         instance = await self.scheduler.submit.remote(request, consumer)
         try:
-            yield Placement(instance, self.scheduler)
+            yield Placement(instance, self.scheduler, replica=self.replica)
             await self.scheduler.wait_finished.remote(request.req_id)
         except (asyncio.CancelledError, GeneratorExit):
             self.scheduler.abort.remote(request.req_id)
@@ -78,11 +80,17 @@ class ServeCells:
 
     def __init__(self, handle: Any, failover_timeout_s: float = 30.0) -> None:
         self.handle, self.failover_timeout_s = handle, failover_timeout_s
+        self.gone: dict[str, float] = {}  # replicas of lost cells, when lost: the router avoids them a while
+
+    def lost(self, placement: Placement) -> None:
+        if placement.replica is not None:
+            self.gone[placement.replica] = time.monotonic()
 
     async def place(self, request: Request, consumer: str, failing_over: bool = False) -> Placement:
         deadline, delay = time.monotonic() + self.failover_timeout_s, 0.05
         while True:
-            stream = self.handle.options(stream=True).run.remote(request, consumer)
+            self.gone = {r: t for r, t in self.gone.items() if time.monotonic() - t < AVOID_S}
+            stream = self.handle.options(stream=True).run.remote(request, consumer, avoid=tuple(self.gone))
             try:
                 wait_s = min(self.attempt_timeout_s, max(0.1, deadline - time.monotonic()))
                 placed = await asyncio.wait_for(anext(stream), wait_s)

@@ -26,7 +26,7 @@ from deploy.serving.app import build_app
 from deploy.serving.cells import NAMESPACE
 from tests.factories import free_port
 
-ARGS = dict(mode="disaggregated", slots=4, prefill_slots=2, max_model_len=512, token_budget=32, prefill_chunk=16,
+ARGS = dict(mode="disaggregated", slots=16, prefill_slots=4, max_model_len=512, token_budget=32, prefill_chunk=16,
             served_model_name="tiny", failover_timeout_s=60)
 
 
@@ -84,7 +84,7 @@ def failover(base: str) -> dict[str, Any]:
         return await run, {"killed_cell_streams": now["cells"][cell]["streams"], "killed": cell}
 
     fault, seen = asyncio.run(killed())
-    after = stats(base)
+    after = asyncio.run(wait_for(base, lambda s: s["num_cells"] == 2, 120))  # Serve has replaced the cell
     # a cell whose workers are all gone (no restarts left) takes no new requests
     cells = sorted(after["cells"])
     broken = cells[0]
@@ -92,7 +92,7 @@ def failover(base: str) -> dict[str, Any]:
     for handle in handles.values():
         ray.kill(handle, no_restart=True)
     later = asyncio.run(stream_all(base, texts[:8], 20))
-    final = stats(base)
+    final = asyncio.run(wait_for(base, lambda s: broken not in s["cells"] and s["num_cells"] == 2, 120))
     serve.delete("cells")
     return {"reference": outcome(reference), "fault": outcome(fault), **seen,
             "failovers": after["ingress"]["failovers"], "cells_after_kill": sorted(after["cells"]),

@@ -149,6 +149,9 @@ class FakeCells:
                 return Placement(await cell.submit.remote(request, consumer), cell)
         raise RuntimeError("no live cell")
 
+    def lost(self, placement):
+        pass
+
 
 def test_a_stream_whose_cell_dies_continues_on_another_with_nothing_missing_or_repeated():
     a, b = FakeCell("A"), FakeCell("B")
