@@ -107,9 +107,11 @@ class EngineClient:
         self.pollers: dict[str, asyncio.Task[None]] = {}
         self.num_polls = 0  # messages received from schedulers
         self.num_failovers = 0  # streams placed again after their cell was lost
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Submit and stream. Raises what admission raises (ValueError, QueueFullError) before any output."""
+        self._bind_loop()
         if request.req_id in self.streams:
             raise ValueError(f"request id {request.req_id!r} is already in use")
         stream = self.streams[request.req_id] = _Stream(request)
@@ -128,6 +130,16 @@ class EngineClient:
             self.streams.pop(request.req_id, None)
             if not finished and stream.cell is not None:  # the caller went away: free its slot and KV now
                 self.placements[stream.cell].scheduler.abort.remote(request.req_id)
+
+    def _bind_loop(self) -> None:
+        """Used from another event loop than before (one `asyncio.run` per batch): the old loop's pollers
+        are gone, and a poll they left on a scheduler may still take outputs, so start afresh under a
+        new consumer id."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not None and self._loop is not loop:
+            self.consumer = f"consumer-{uuid.uuid4().hex[:12]}"
+            self.streams, self.pollers = {}, {}
+        self._loop = loop
 
     async def abort(self, req_id: str) -> bool:
         stream = self.streams.get(req_id)
@@ -148,7 +160,7 @@ class EngineClient:
         stream.early = []
         self.placements[placed.cell] = placed
         poller = self.pollers.get(placed.cell)
-        if poller is None or poller.done() or poller.get_loop() is not asyncio.get_running_loop():
+        if poller is None or poller.done():
             self.pollers[placed.cell] = _background(self._poll(placed.cell))
         if placed.watch is not None:
             _background(self._watch(stream, placed))
