@@ -52,9 +52,10 @@ class Cell:
 
     async def run(self, request: Request, consumer: str, avoid: tuple[str, ...] = ()) -> AsyncIterator[Placement]:
         """Queue the request (admission errors raise here), say where it runs, then stay open until it ends.
-        Cancelled (the ingress gave up on this call), it aborts the request. (`avoid` is for the router.)"""
-        instance = await self.scheduler.submit.remote(request, consumer)
+        Cancelled (the ingress gave up on this call), it aborts the request, even one whose submission is
+        still on its way (the abort follows it to the same actor). (`avoid` is for the router.)"""
         try:
+            instance = await self.scheduler.submit.remote(request, consumer)
             yield Placement(instance, self.scheduler, replica=self.replica)
             await self.scheduler.wait_finished.remote(request.req_id)
         except (asyncio.CancelledError, GeneratorExit):
