@@ -193,6 +193,7 @@ class SchedulerActor:
                            return_when=asyncio.FIRST_COMPLETED)
         for task in (arrived, done):
             task.cancel()
+        await asyncio.gather(arrived, done, return_exceptions=True)  # (retrieved: no "never retrieved" logs)
 
     async def _finish_step(self, worker: WorkerState, plan: Any, ref: Any, plan_s: float, sent_s: float) -> bool:
         """Wait for a step's result and apply it; False if the worker died (then it has been recovered)."""
