@@ -1,4 +1,4 @@
-"""A ragged decode-attention kernel for CPU, compiled on first use, with SDPA as the fallback.
+"""CPU kernels compiled on first use: ragged decode attention and fused elementwise ops, with torch fallbacks.
 
 Why a kernel: a decode step's attention reads each row's keys up to its own length. Torch offers two
 ways on CPU, both measured slower: one SDPA call per row (a thread-pool fork and join per row per
@@ -26,7 +26,9 @@ import threading
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
+from workers.elementwise_source import ELEMENTWISE
 from workers.kernel_source import SOURCE
 
 log = logging.getLogger(__name__)
@@ -45,7 +47,7 @@ def _machine_tag() -> str:
             flags = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    return hashlib.sha1((flags + torch.__version__ + SOURCE).encode()).hexdigest()[:10]
+    return hashlib.sha1((flags + torch.__version__ + SOURCE + ELEMENTWISE).encode()).hexdigest()[:10]
 
 
 def load_kernels() -> Any:
@@ -58,13 +60,21 @@ def load_kernels() -> Any:
                 try:
                     from torch.utils.cpp_extension import load_inline
 
-                    _module = load_inline(name=f"pdserve_kernels_{_machine_tag()}", cpp_sources=SOURCE,
-                                          functions=["decode_attention"],
-                                          extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    _module = load_inline(name=f"pdserve_kernels_{_machine_tag()}", cpp_sources=[SOURCE, ELEMENTWISE],
+                                          functions=["decode_attention", "add_rms_norm", "rope_and_cache",
+                                                     "silu_mul"],
+                                          extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                                           extra_ldflags=["-fopenmp"])
                 except Exception as error:  # no compiler, no headers, an unknown CPU: SDPA does the work
                     log.warning("decode-attention kernel unavailable (%s); using SDPA", error)
         return _module
+
+
+def _module_for(x: torch.Tensor) -> Any:
+    """The compiled module where it applies to `x` (a CPU tensor in fp32 or bf16), else None."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return load_kernels()
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -72,10 +82,48 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """Attention of `query [B, KVH, G, D]` (a decode row's query heads grouped by KV head) over keys
     0..lengths[b]-1 of cache row slots[b] in `k_cache`/`v_cache [S, KVH, C, D]`. Returns `[B, KVH, G, D]`,
     or None when the kernel does not apply (not CPU, another dtype, no compiler)."""
-    if query.device.type != "cpu" or query.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    module = load_kernels()
+    module = _module_for(query)
     if module is None:
         return None
     return module.decode_attention(query.contiguous(), k_cache, v_cache, slots, lengths,
                                    query.shape[-1] ** -0.5)  # [B, KVH, G, D]
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: Any) -> torch.Tensor:
+    """`norm(x + delta)` for the RMSNorm module `norm`, adding `delta` into `x [N, hidden]` in place (the
+    residual stream); without a delta, `norm(x)`."""
+    module = _module_for(x)
+    if module is None:
+        if delta is not None:
+            x += delta  # [N, hidden]
+        return norm(x)  # [N, hidden]
+    return module.add_rms_norm(x, delta, norm.weight, norm.eps)  # [N, hidden]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotate the q and k heads of `qkv [N, H + 2 KVH, D]` by `cos`, `sin [N, 1, D]`, write k and v into
+    `k_cache`/`v_cache [S, KVH, C, D]` at (slots[n], positions[n]); return the rotated q `[N, H, D]`."""
+    module = _module_for(qkv)
+    if module is not None and k_cache.dtype == qkv.dtype:
+        return module.rope_and_cache(qkv, cos, sin, k_cache, v_cache, slots, positions, num_heads)  # [N, H, D]
+    num_kv_heads = k_cache.shape[1]
+    qk, v = qkv[:, : num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads :]  # [N, H+KVH, D], [N, KVH, D]
+    qk = qk * cos + rotate_half(qk) * sin  # [N, H+KVH, D]: q and k rotate in one pass
+    k_cache[slots, :, positions] = qk[:, num_heads:].to(k_cache.dtype)
+    v_cache[slots, :, positions] = v.to(v_cache.dtype)
+    return qk[:, :num_heads]  # [N, H, D]
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` of `gate_up [N, 2 I]`, the two halves side by side: `[N, I]`."""
+    module = _module_for(gate_up)
+    if module is None:
+        gate, up = gate_up.chunk(2, dim=-1)  # [N, I] each
+        return F.silu(gate) * up  # [N, I]
+    return module.silu_mul(gate_up)  # [N, I]
