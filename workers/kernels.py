@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.elementwise_source import ELEMENTWISE
+from workers.gemm_source import GEMM
 from workers.kernel_source import SOURCE
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ def _machine_tag() -> str:
             flags = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    return hashlib.sha1((flags + torch.__version__ + SOURCE + ELEMENTWISE).encode()).hexdigest()[:10]
+    return hashlib.sha1((flags + torch.__version__ + SOURCE + ELEMENTWISE + GEMM).encode()).hexdigest()[:10]
 
 
 def load_kernels() -> Any:
@@ -60,9 +61,10 @@ def load_kernels() -> Any:
                 try:
                     from torch.utils.cpp_extension import load_inline
 
-                    _module = load_inline(name=f"pdserve_kernels_{_machine_tag()}", cpp_sources=[SOURCE, ELEMENTWISE],
-                                          functions=["decode_attention", "add_rms_norm", "rope_and_cache",
-                                                     "silu_mul"],
+                    functions = ["decode_attention", "add_rms_norm", "rope_and_cache", "silu_mul", "packed_linear",
+                                 "packed_linear_available"]
+                    _module = load_inline(name=f"pdserve_kernels_{_machine_tag()}", functions=functions,
+                                          cpp_sources=[SOURCE, ELEMENTWISE, GEMM],
                                           extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                                           extra_ldflags=["-fopenmp"])
                 except Exception as error:  # no compiler, no headers, an unknown CPU: SDPA does the work
@@ -127,3 +129,21 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)  # [N, I] each
         return F.silu(gate) * up  # [N, I]
     return module.silu_mul(gate_up)  # [N, I]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x [M, K], weight [N, K], bias)`; in fp32 on an AVX-512 CPU, through the packed-weight kernel.
+
+    The packed copy (`[ceil(N / 64), K, 64]`, as much memory again as the weight) is made on first use and
+    kept as an attribute of `weight`, tagged with the weight's version counter: writing into the weight (a
+    state dict loaded into it, or into a view of it) makes the next call pack it again."""
+    module = _module_for(x)
+    if module is None or x.dtype != torch.float32 or x.dim() != 2 or not module.packed_linear_available():
+        return F.linear(x, weight, bias)
+    packed = getattr(weight, "_pdserve_packed", None)
+    if packed is None or packed[0] != weight._version:
+        n, k = weight.shape
+        panels = F.pad(weight.detach(), (0, 0, 0, -n % 64)).view(-1, 64, k)  # [P, 64, K]
+        packed = (weight._version, panels.transpose(1, 2).contiguous())  # [P, K, 64]
+        weight._pdserve_packed = packed
+    return module.packed_linear(x.contiguous(), packed[1], bias, weight.shape[0])  # [M, N]

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.kernels import add_rms_norm, decode_attention, rope_and_cache, silu_mul
+from workers.kernels import add_rms_norm, decode_attention, linear, rope_and_cache, silu_mul
 from workers.kv_cache import SlotKVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -181,7 +181,7 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: BatchLayout, cache: SlotKVCache
     ) -> torch.Tensor:
         n, heads, kv_heads, dim = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(n, heads + 2 * kv_heads, dim)  # [N, H+2KVH, D]
+        qkv = linear(x, self.qkv_weight, self.qkv_bias).view(n, heads + 2 * kv_heads, dim)  # [N, H+2KVH, D]
         if hasattr(self, "q_norm"):
             qkv[:, :heads] = self.q_norm(qkv[:, :heads])  # [N, H, D]
             qkv[:, heads : heads + kv_heads] = self.k_norm(qkv[:, heads : heads + kv_heads])  # [N, KVH, D]
@@ -205,7 +205,7 @@ class Attention(nn.Module):
             attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=mask is None,
                                                   enable_gqa=True)  # [1, H, T, D]
             out[first : first + length] = attn[0].transpose(0, 1)  # [T, H, D]
-        return self.o_proj(out.view(n, heads * dim))  # [N, hidden]
+        return linear(out.view(n, heads * dim), self.o_proj.weight, self.o_proj.bias)  # [N, hidden]
 
 
 class MLP(nn.Module):
@@ -220,7 +220,7 @@ class MLP(nn.Module):
         self.gate_up_weight = fuse_linears([self.gate_proj, self.up_proj], "weight")  # [2 I, hidden]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight)))  # [N, hidden]
+        return linear(silu_mul(linear(x, self.gate_up_weight)), self.down_proj.weight)  # [N, hidden]
 
 
 class DecoderLayer(nn.Module):
@@ -292,4 +292,4 @@ class DecoderLM(nn.Module):
         for layer in self.model.layers:
             x, delta = layer(x, delta, cos, sin, layout, cache)  # [N, hidden] each
         x = self.model.norm(x[logits_indices] + delta[logits_indices])  # [M, hidden]
-        return F.linear(x, self.output_weight()).float()  # [M, vocab]
+        return linear(x, self.output_weight()).float()  # [M, vocab]
