@@ -1,0 +1,58 @@
+"""The compiled CPU kernels against the torch ops they replace: ragged tails, biases, empty batches, bf16 rounding."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers import kernels
+from workers.model import RMSNorm
+
+
+@pytest.fixture(autouse=True)
+def compiled():
+    if kernels.load_kernels() is None:
+        pytest.skip("no C++ compiler here: the kernels cannot be built")
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5, 7, 13, 50])
+@pytest.mark.parametrize(("out_features", "bias"), [(64, False), (100, True), (200, False)])
+def test_packed_linear_matches_f_linear_and_repacks_after_a_write(rows, out_features, bias):
+    if not kernels.load_kernels().packed_linear_available():
+        pytest.skip("no AVX-512 here: F.linear does the work")
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 48, generator=g)  # [M, K]
+    weight = torch.randn(out_features, 48, generator=g)  # [N, K]
+    b = torch.randn(out_features, generator=g) if bias else None  # [N]
+    with torch.inference_mode():
+        torch.testing.assert_close(kernels.linear(x, weight, b), F.linear(x, weight, b), atol=1e-5, rtol=1e-5)
+        weight[3] = 0.0  # a state dict loaded into the weight: the packed copy must follow
+        torch.testing.assert_close(kernels.linear(x, weight, b), F.linear(x, weight, b), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_elementwise_kernels_match_the_eager_ops(dtype, monkeypatch):
+    """bf16 rounds after every op as torch does, so it matches bit for bit; fp32 within a few ulp."""
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, rows = 4, 2, 16, 9
+    norm = RMSNorm(40, eps=1e-6).to(dtype)
+    norm.weight.data = torch.rand(40, generator=g).to(dtype)
+    x, delta = torch.randn(rows, 40, generator=g).to(dtype), torch.randn(rows, 40, generator=g).to(dtype)
+    qkv = torch.randn(rows, heads + 2 * kv_heads, dim, generator=g).to(dtype)
+    angle = torch.rand(rows, 1, dim, generator=g) * 6  # [N, 1, D]
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    slots, positions = torch.arange(rows) % 3, torch.arange(rows) * 2 + 1
+    gate_up = torch.randn(rows, 2 * 24, generator=g).to(dtype) * 4
+
+    def run():
+        caches = torch.zeros(2, 3, kv_heads, 32, dim, dtype=dtype)  # K and V: [S, KVH, C, D] each
+        residual = x.clone()
+        normed = kernels.add_rms_norm(residual, delta, norm)
+        q = kernels.rope_and_cache(qkv, cos, sin, heads, caches[0], caches[1], slots, positions)
+        return residual, normed, q, caches, kernels.silu_mul(gate_up)
+
+    fused = run()
+    monkeypatch.setattr(kernels, "load_kernels", lambda: None)
+    eager = run()
+    exact = dtype == torch.bfloat16
+    for got, want in zip(fused, eager, strict=True):
+        torch.testing.assert_close(got, want, atol=0 if exact else 1e-5, rtol=0 if exact else 1e-5)
