@@ -8,6 +8,7 @@ SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <cmath>
 #include <numeric>
 #include <vector>

@@ -132,18 +132,24 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x [M, K], weight [N, K], bias)`; in fp32 on an AVX-512 CPU, through the packed-weight kernel.
+    """`F.linear(x [M, K], weight [N, K], bias)`, through the packed-weight kernel where this CPU has one for
+    x's dtype (AVX-512 for fp32, AVX512-BF16 for bf16).
 
-    The packed copy (`[ceil(N / 64), K, 64]`, as much memory again as the weight) is made on first use and
-    kept as an attribute of `weight`, tagged with the weight's version counter: writing into the weight (a
-    state dict loaded into it, or into a view of it) makes the next call pack it again."""
+    The packed copy (64-column panels; as much memory again as the weight) is made on first use and kept as
+    an attribute of `weight`, tagged with the weight's version counter: writing into the weight (a state
+    dict loaded into it, or into a view of it) makes the next call pack it again."""
     module = _module_for(x)
-    if module is None or x.dtype != torch.float32 or x.dim() != 2 or not module.packed_linear_available():
+    bf16 = x.dtype == torch.bfloat16
+    if module is None or x.dim() != 2 or not module.packed_linear_available(bf16) or x.shape[1] % 2:
         return F.linear(x, weight, bias)
     packed = getattr(weight, "_pdserve_packed", None)
     if packed is None or packed[0] != weight._version:
         n, k = weight.shape
         panels = F.pad(weight.detach(), (0, 0, 0, -n % 64)).view(-1, 64, k)  # [P, 64, K]
-        packed = (weight._version, panels.transpose(1, 2).contiguous())  # [P, K, 64]
+        if bf16:  # k pairs side by side: [P, K/2, 64, 2]
+            panels = panels.view(-1, 64, k // 2, 2).transpose(1, 2)
+        else:
+            panels = panels.transpose(1, 2)  # [P, K, 64]
+        packed = (weight._version, panels.contiguous())
         weight._pdserve_packed = packed
     return module.packed_linear(x.contiguous(), packed[1], bias, weight.shape[0])  # [M, N]
