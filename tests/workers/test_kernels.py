@@ -4,8 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.factories import prompt_ids, tiny_model
 from workers import kernels
-from workers.model import RMSNorm
+from workers.kv_cache import SlotKVCache
+from workers.model import BatchLayout, RMSNorm
 
 
 @pytest.fixture(autouse=True)
@@ -59,3 +61,24 @@ def test_fused_elementwise_kernels_match_the_eager_ops(dtype, monkeypatch):
     exact = dtype == torch.bfloat16
     for got, want in zip(fused, eager, strict=True):
         torch.testing.assert_close(got, want, atol=0 if exact else 1e-5, rtol=0 if exact else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_rows_logits_do_not_depend_on_its_batch(dtype):
+    """Each kernel computes a row alone, in an order that does not depend on the number of rows (the
+    packed matmul sums k in order for any M), so batched decode rows equal solo ones bit for bit."""
+    if not kernels.load_kernels().packed_linear_available(dtype == torch.bfloat16):
+        pytest.skip("no packed matmul for this dtype on this CPU: the library matmul may block by batch size")
+    model = tiny_model("llama").to(dtype)
+    spec = model.spec
+    cache = SlotKVCache(spec.num_layers, 6, spec.num_kv_heads, 128, spec.head_dim, dtype=dtype)
+    prompts = [prompt_ids(10 + 9 * slot, seed=slot) for slot in range(6)]
+    for slot, prompt in enumerate(prompts):
+        ids, layout = BatchLayout.pack([(slot, prompt[:-1], 0)], 0, "cpu")
+        model(ids, layout, cache, torch.tensor([0]))
+    rows = [(slot, [prompt[-1]], len(prompt) - 1) for slot, prompt in enumerate(prompts)]
+    ids, layout = BatchLayout.pack(rows, len(rows), "cpu")
+    batched = model(ids, layout, cache, torch.arange(len(rows)))  # [6, vocab]
+    for i, row in enumerate(rows):
+        ids, layout = BatchLayout.pack([row], 1, "cpu")
+        assert torch.equal(model(ids, layout, cache, torch.tensor([0]))[0], batched[i])
