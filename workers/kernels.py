@@ -1,20 +1,21 @@
 """CPU kernels compiled on first use: ragged decode attention and fused elementwise ops, with torch fallbacks.
 
-Why a kernel: a decode step's attention reads each row's keys up to its own length. Torch offers two
-ways on CPU, both measured slower: one SDPA call per row (a thread-pool fork and join per row per
-layer) or one call over the slot span padded to the longest row (reads up to twice the keys, and
-torch's flash kernel for three query rows per KV head is compute-bound in bf16: it costs as much as
-in fp32). This kernel runs every (row, KV head) pair in one parallel loop on torch's own thread pool,
-reads exactly each row's keys and values once, and keeps scores in fp32 whatever the cache dtype.
+Why kernels: after the matmuls, a decode step's time went to its attention (each row reads its own
+number of keys: one SDPA call per row forks the thread pool per row per layer, one call over the slot
+span reads up to twice the keys) and to a dozen small eager ops per layer, each a dispatch and a thread
+fork; and MKL's sgemm re-packs the weight on every call, which at decode's few rows costs about as much
+as the multiply. So: a ragged attention kernel over every (row, KV head) pair in one parallel loop, with
+scores in fp32 whatever the cache dtype (`workers.kernel_source`); residual add + RMSNorm, rotary + KV
+cache write, and SiLU-mul as one pass each (`workers.elementwise_source`); and a matmul over weights
+packed once into 64-column panels, fp32 on AVX-512 and bf16 on AVX512-BF16 (`workers.gemm_source`).
+Every kernel computes a row alone, in an order that does not depend on how many rows share the call.
 
-It is built with `torch.utils.cpp_extension.load_inline` (a C++ compiler, as `torch.compile` on CPU
-needs too) into torch's extension cache, once per machine type (about 35 s); where building fails, or
-`PDSERVE_KERNELS=0` is set, `decode_attention` returns None and the caller uses SDPA. It is compiled
-with -fopenmp because `at::parallel_for` is an OpenMP pragma in a header: without it the loop runs on
-one thread. The library it names, libgomp.so.1, is the one torch has already loaded, so there is one
-thread pool. The source (`workers.kernel_source`) uses AVX-512 intrinsics where the machine has them:
-measured at 24 rows of contexts 1-350 (one layer, one thread), 0.2 ms against 1.1 ms for the loops the
-compiler vectorized before in fp32, 0.18 against 0.75 ms in bf16; the span SDPA call costs 3-4 ms at 64 rows.
+They are built with `torch.utils.cpp_extension.load_inline` (a C++ compiler, as `torch.compile` on CPU
+needs too) into torch's extension cache, once per machine type and source (about 40 s); where building
+fails, or `PDSERVE_KERNELS=0` is set, each function here runs its torch ops instead (SDPA for attention).
+The build uses -fopenmp because `at::parallel_for` is an OpenMP pragma in a header: without it the loops
+run on one thread (libgomp.so.1 is the one torch has already loaded, so there is one thread pool), and
+-ffp-contract=off so that fp32 `a*b + c*d` rounds as the eager ops do.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def load_kernels() -> Any:
                                           extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                                           extra_ldflags=["-fopenmp"])
                 except Exception as error:  # no compiler, no headers, an unknown CPU: SDPA does the work
-                    log.warning("decode-attention kernel unavailable (%s); using SDPA", error)
+                    log.warning("CPU kernels unavailable (%s); using torch ops", error)
         return _module
 
 
