@@ -6,10 +6,9 @@ tokens are not compared, since a near tie can flip. Measured on the embedded Smo
 |Δ log p| of the target tokens 0.041, max 0.29 with the packed bf16 matmul of workers/kernels.py (on
 CPUs with AVX512-BF16), 0.021 and 0.13 with oneDNN's; the test allows 0.05 mean and 0.3 max. Both are
 as far from the fp32 model as `transformers` in bf16 is (mean 0.047 packed, 0.050 oneDNN, 0.046
-transformers; max 0.27, 0.29, 0.29): the packed
-matmul is not less exact, it rounds elsewhere than transformers' own matmuls (bit-identical outputs on
-all but ~1e-4 of elements, which 30 layers amplify). (With the rotary frequencies rounded to bf16, as
-before they were kept in fp32, it was 0.05 and 0.34.)
+transformers; max 0.27, 0.29, 0.29): the packed matmul is not less exact, it rounds elsewhere than
+transformers' own matmuls (bit-identical outputs on all but ~1e-4 of elements, which 30 layers
+amplify). (With the rotary frequencies rounded to bf16, as before they were kept in fp32, it was 0.05 and 0.34.)
 """
 
 import pytest
