@@ -3,8 +3,9 @@
 # The weight is packed once into panels of 64 output columns, `[ceil(N / 64), K, 64]` (`kernels.linear`
 # does it in torch and keeps the result beside the weight), so a 6 x 64 tile of the output accumulates in
 # 24 registers while its panel streams through in order: per k, 4 loads and up to 6 broadcasts feed 24
-# FMAs. MKL's sgemm packs the weight again on every call, which at decode's few rows costs as much as the
-# multiply: measured on one thread against F.linear, 1.4-3x faster at 4-32 rows and 1.1-1.2x at 64-256.
+# FMAs. MKL's sgemm, called per step, is far from the FMA peak at decode's few rows (most likely it re-packs
+# the weight each call): measured on one thread against F.linear, 1.4-3x faster at 4-32 rows and 1.1-1.2x
+# at 64-256.
 # Each output is the same K products summed in k order, so fp32 results differ from MKL's only by
 # summation order.
 GEMM = r"""
