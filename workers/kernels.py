@@ -138,19 +138,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     The packed copy (64-column panels; as much memory again as the weight) is made on first use and kept as
     an attribute of `weight`, tagged with the weight's version counter: writing into the weight (a state
-    dict loaded into it, or into a view of it) makes the next call pack it again."""
+    dict loaded into it, or into a view of it) makes the next call pack it again (a weight made in inference
+    mode has no version counter: it is packed once)."""
     module = _module_for(x)
     bf16 = x.dtype == torch.bfloat16
     if module is None or x.dim() != 2 or not module.packed_linear_available(bf16) or x.shape[1] % 2:
         return F.linear(x, weight, bias)
+    version = -1 if weight.is_inference() else weight._version  # inference tensors keep no version counter
     packed = getattr(weight, "_pdserve_packed", None)
-    if packed is None or packed[0] != weight._version:
+    if packed is None or packed[0] != version:
         n, k = weight.shape
         panels = F.pad(weight.detach(), (0, 0, 0, -n % 64)).view(-1, 64, k)  # [P, 64, K]
         if bf16:  # k pairs side by side: [P, K/2, 64, 2]
             panels = panels.view(-1, 64, k // 2, 2).transpose(1, 2)
         else:
             panels = panels.transpose(1, 2)  # [P, K, 64]
-        packed = (weight._version, panels.contiguous())
+        packed = (version, panels.contiguous())
         weight._pdserve_packed = packed
     return module.packed_linear(x.contiguous(), packed[1], bias, weight.shape[0])  # [M, N]

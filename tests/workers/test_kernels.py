@@ -32,6 +32,8 @@ def test_packed_linear_matches_f_linear_and_repacks_after_a_write(rows, out_feat
         torch.testing.assert_close(kernels.linear(x, weight, b), F.linear(x, weight, b), **tolerance)
         weight[3] = 0.0  # a state dict loaded into the weight: the packed copy must follow
         torch.testing.assert_close(kernels.linear(x, weight, b), F.linear(x, weight, b), **tolerance)
+        made_in_inference_mode = weight.clone()  # has no version counter
+        torch.testing.assert_close(kernels.linear(x, made_in_inference_mode, b), F.linear(x, weight, b), **tolerance)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
