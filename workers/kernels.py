@@ -142,7 +142,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     mode has no version counter: it is packed once)."""
     module = _module_for(x)
     bf16 = x.dtype == torch.bfloat16
-    if module is None or x.dim() != 2 or not module.packed_linear_available(bf16) or x.shape[1] % 2:
+    if module is None or x.dim() != 2 or not module.packed_linear_available(bf16) or (bf16 and x.shape[1] % 2):
         return F.linear(x, weight, bias)
     version = -1 if weight.is_inference() else weight._version  # inference tensors keep no version counter
     packed = getattr(weight, "_pdserve_packed", None)
