@@ -18,13 +18,13 @@ def compiled():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [0, 1, 5, 7, 13, 50])
-@pytest.mark.parametrize(("out_features", "bias"), [(64, False), (100, True), (200, False)])
-def test_packed_linear_matches_f_linear_and_repacks_after_a_write(rows, out_features, bias, dtype):
+@pytest.mark.parametrize(("out_features", "in_features", "bias"), [(64, 48, False), (100, 48, True), (200, 37, False)])
+def test_packed_linear_matches_f_linear_and_repacks_after_a_write(rows, out_features, in_features, bias, dtype):
     if not kernels.load_kernels().packed_linear_available(dtype == torch.bfloat16):
         pytest.skip("no packed matmul for this dtype on this CPU: F.linear does the work")
     g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 48, generator=g).to(dtype)  # [M, K]
-    weight = torch.randn(out_features, 48, generator=g).to(dtype)  # [N, K]
+    x = torch.randn(rows, in_features, generator=g).to(dtype)  # [M, K]
+    weight = torch.randn(out_features, in_features, generator=g).to(dtype)  # [N, K]
     b = torch.randn(out_features, generator=g).to(dtype) if bias else None  # [N]
     # bf16: the same fp32 sums in another order, rounded once to bf16: at most an ulp of bf16 apart
     tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.01}
