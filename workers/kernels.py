@@ -68,7 +68,7 @@ def load_kernels() -> Any:
                                           cpp_sources=[SOURCE, ELEMENTWISE, GEMM],
                                           extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                                           extra_ldflags=["-fopenmp"])
-                except Exception as error:  # no compiler, no headers, an unknown CPU: SDPA does the work
+                except Exception as error:  # no compiler, no headers, an unknown CPU: torch ops do the work
                     log.warning("CPU kernels unavailable (%s); using torch ops", error)
         return _module
 
