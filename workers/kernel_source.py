@@ -1,8 +1,9 @@
-"""C++ source of the CPU kernels that `workers.kernels` builds: ragged decode attention, with AVX-512."""
+"""C++ source of the ragged decode-attention kernel, and the helpers the other kernel sources share."""
 
-# Two paths per kernel: AVX-512 intrinsics where the build machine has them (-march=native) and the head
-# dim is 16, 32, 64 or 128, and plain loops otherwise (other CPUs, other head dims). Both keep scores and
-# sums in fp32 whatever the cache dtype.
+# Built by `workers.kernels` with `elementwise_source` and `gemm_source` appended. Two paths: AVX-512
+# intrinsics where the build machine has them (-march=native) and the head dim is 16, 32, 64 or 128, and
+# plain loops otherwise (other CPUs, other head dims). Both keep scores and sums in fp32 whatever the
+# cache dtype.
 SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
