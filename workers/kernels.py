@@ -1,19 +1,21 @@
-"""A ragged decode-attention kernel for CPU, compiled on first use, with SDPA as the fallback.
+"""CPU kernels compiled on first use: ragged decode attention and fused elementwise ops, with torch fallbacks.
 
-Why a kernel: a decode step's attention reads each row's keys up to its own length. Torch offers two
-ways on CPU, both measured slower: one SDPA call per row (a thread-pool fork and join per row per
-layer) or one call over the slot span padded to the longest row (reads up to twice the keys, and
-torch's flash kernel for three query rows per KV head is compute-bound in bf16: it costs as much as
-in fp32). This kernel runs every (row, KV head) pair in one parallel loop on torch's own thread pool,
-reads exactly each row's keys and values once, and keeps scores in fp32 whatever the cache dtype.
+Why kernels: after the matmuls, a decode step's time went to its attention (each row reads its own
+number of keys: one SDPA call per row forks the thread pool per row per layer, one call over the slot
+span reads up to twice the keys) and to a dozen small eager ops per layer, each a dispatch and a thread
+fork; and MKL's sgemm re-packs the weight on every call, which at decode's few rows costs about as much
+as the multiply. So: a ragged attention kernel over every (row, KV head) pair in one parallel loop, with
+scores in fp32 whatever the cache dtype (`workers.kernel_source`); residual add + RMSNorm, rotary + KV
+cache write, and SiLU-mul as one pass each (`workers.elementwise_source`); and a matmul over weights
+packed once into 64-column panels, fp32 on AVX-512 and bf16 on AVX512-BF16 (`workers.gemm_source`).
+Every kernel computes a row alone, in an order that does not depend on how many rows share the call.
 
-It is built with `torch.utils.cpp_extension.load_inline` (a C++ compiler, as `torch.compile` on CPU
-needs too) into torch's extension cache, once per machine type (about 35 s); where building fails, or
-`PDSERVE_KERNELS=0` is set, `decode_attention` returns None and the caller uses SDPA. It is compiled
-with -fopenmp because `at::parallel_for` is an OpenMP pragma in a header: without it the loop runs on
-one thread. The library it names, libgomp.so.1, is the one torch has already loaded, so there is one
-thread pool. Measured at 64 rows of contexts 16-380 (one layer): 1.6-1.9 ms against 3.1-3.6 ms for the
-span SDPA call in fp32, and 1.6 against 3.6 ms in bf16.
+They are built with `torch.utils.cpp_extension.load_inline` (a C++ compiler, as `torch.compile` on CPU
+needs too) into torch's extension cache, once per machine type and source (about 40 s); where building
+fails, or `PDSERVE_KERNELS=0` is set, each function here runs its torch ops instead (SDPA for attention).
+The build uses -fopenmp because `at::parallel_for` is an OpenMP pragma in a header: without it the loops
+run on one thread (libgomp.so.1 is the one torch has already loaded, so there is one thread pool), and
+-ffp-contract=off so that fp32 `a*b + c*d` rounds as the eager ops do.
 """
 
 from __future__ import annotations
@@ -25,116 +27,14 @@ import threading
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+
+from workers.elementwise_source import ELEMENTWISE
+from workers.gemm_source import GEMM
+from workers.kernel_source import SOURCE
 
 log = logging.getLogger(__name__)
 
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <cmath>
-#include <vector>
-
-static inline float load(const float* p, int64_t i) { return p[i]; }
-static inline float load(const uint16_t* p, int64_t i) {
-    return __builtin_bit_cast(float, uint32_t(p[i]) << 16);  // bfloat16 is the top half of a float
-}
-static inline void store(float* p, int64_t i, float x) { p[i] = x; }
-static inline void store(uint16_t* p, int64_t i, float x) {
-    uint32_t bits = __builtin_bit_cast(uint32_t, x);
-    bits += 0x7FFF + ((bits >> 16) & 1);  // round to nearest even, as torch's conversion does
-    p[i] = uint16_t(bits >> 16);
-}
-
-// exp(x) for x <= 0 (scores minus their max), written so that the compiler vectorizes it (a libm call
-// per score would not be): x = n ln2 + r, exp(r) by Cephes' degree-6 polynomial, 2^n in the exponent
-// bits. About 1 ulp; below -87 it returns about 1e-38, which the softmax's sum cannot tell from 0.
-static inline float exp_nonpositive(float x) {
-    x = x < -87.f ? -87.f : x;
-    const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    return p * __builtin_bit_cast(float, (int32_t(n) + 127) << 23);
-}
-
-// q, out: [B, KVH, G, D]; k, v: [S, KVH, C, D] contiguous; slots, lengths: [B] int64
-template <typename T>
-static void run(const T* q, const T* k, const T* v, const int64_t* slots, const int64_t* lengths, T* out,
-                int64_t B, int64_t KVH, int64_t G, int64_t C, int64_t D, float scale) {
-    at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> qf(G * D), acc(G * D), row(D), scores;
-        for (int64_t item = begin; item < end; ++item) {
-            const int64_t b = item / KVH, h = item % KVH, len = lengths[b];
-            const int64_t base = (slots[b] * KVH + h) * C * D;
-            const T* qp = q + item * G * D;
-            for (int64_t i = 0; i < G * D; ++i) qf[i] = load(qp, i) * scale;
-            scores.resize(G * len);
-            for (int64_t t = 0; t < len; ++t) {
-                const T* kp = k + base + t * D;
-#pragma omp simd
-                for (int64_t d = 0; d < D; ++d) row[d] = load(kp, d);
-                for (int64_t g = 0; g < G; ++g) {
-                    const float* qg = qf.data() + g * D;
-                    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-                    for (int64_t d = 0; d < D; ++d) s += qg[d] * row[d];
-                    scores[g * len + t] = s;
-                }
-            }
-            for (int64_t g = 0; g < G; ++g) {
-                float* sg = scores.data() + g * len;
-                float mx = -INFINITY, sum = 0.f;
-#pragma omp simd reduction(max : mx)
-                for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sg[t]);
-#pragma omp simd reduction(+ : sum)
-                for (int64_t t = 0; t < len; ++t) { sg[t] = exp_nonpositive(sg[t] - mx); sum += sg[t]; }
-                const float inv = 1.f / sum;
-#pragma omp simd
-                for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
-            }
-            std::fill(acc.begin(), acc.end(), 0.f);
-            for (int64_t t = 0; t < len; ++t) {
-                const T* vp = v + base + t * D;
-#pragma omp simd
-                for (int64_t d = 0; d < D; ++d) row[d] = load(vp, d);
-                for (int64_t g = 0; g < G; ++g) {
-                    const float p = scores[g * len + t];
-                    float* ag = acc.data() + g * D;
-#pragma omp simd
-                    for (int64_t d = 0; d < D; ++d) ag[d] += p * row[d];
-                }
-            }
-            T* op = out + item * G * D;
-            for (int64_t i = 0; i < G * D; ++i) store(op, i, acc[i]);
-        }
-    });
-}
-
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor slots,
-                               torch::Tensor lengths, double scale) {
-    TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "contiguous tensors expected");
-    TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "one dtype expected");
-    auto out = torch::empty_like(q);
-    const int64_t B = q.size(0), KVH = q.size(1), G = q.size(2), D = q.size(3), C = k.size(2);
-    const int64_t* s = slots.data_ptr<int64_t>();
-    const int64_t* l = lengths.data_ptr<int64_t>();
-    if (q.scalar_type() == torch::kFloat) {
-        run<float>(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), s, l, out.data_ptr<float>(),
-                   B, KVH, G, C, D, float(scale));
-    } else {
-        TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "float32 or bfloat16 expected");
-        auto bits = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
-        run<uint16_t>(bits(q), bits(k), bits(v), s, l, bits(out), B, KVH, G, C, D, float(scale));
-    }
-    return out;
-}
-"""
 
 _lock = threading.Lock()
 _module: Any = None
@@ -142,13 +42,14 @@ _tried = False
 
 
 def _machine_tag() -> str:
-    """Built with -march=native, so one build per CPU type (a shared home directory must not mix them)."""
+    """Built with -march=native, so one build per CPU type (a shared home directory must not mix them),
+    torch version and source."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    return hashlib.sha1((flags + torch.__version__).encode()).hexdigest()[:10]
+    return hashlib.sha1((flags + torch.__version__ + SOURCE + ELEMENTWISE + GEMM).encode()).hexdigest()[:10]
 
 
 def load_kernels() -> Any:
@@ -161,13 +62,22 @@ def load_kernels() -> Any:
                 try:
                     from torch.utils.cpp_extension import load_inline
 
-                    _module = load_inline(name=f"pdserve_kernels_{_machine_tag()}", cpp_sources=_SOURCE,
-                                          functions=["decode_attention"],
-                                          extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    functions = ["decode_attention", "add_rms_norm", "rope_and_cache", "silu_mul", "packed_linear",
+                                 "packed_linear_available"]
+                    _module = load_inline(name=f"pdserve_kernels_{_machine_tag()}", functions=functions,
+                                          cpp_sources=[SOURCE, ELEMENTWISE, GEMM],
+                                          extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                                           extra_ldflags=["-fopenmp"])
-                except Exception as error:  # no compiler, no headers, an unknown CPU: SDPA does the work
-                    log.warning("decode-attention kernel unavailable (%s); using SDPA", error)
+                except Exception as error:  # no compiler, no headers, an unknown CPU: torch ops do the work
+                    log.warning("CPU kernels unavailable (%s); using torch ops", error)
         return _module
+
+
+def _module_for(x: torch.Tensor) -> Any:
+    """The compiled module where it applies to `x` (a CPU tensor in fp32 or bf16), else None."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return load_kernels()
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -175,10 +85,74 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """Attention of `query [B, KVH, G, D]` (a decode row's query heads grouped by KV head) over keys
     0..lengths[b]-1 of cache row slots[b] in `k_cache`/`v_cache [S, KVH, C, D]`. Returns `[B, KVH, G, D]`,
     or None when the kernel does not apply (not CPU, another dtype, no compiler)."""
-    if query.device.type != "cpu" or query.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    module = load_kernels()
+    module = _module_for(query)
     if module is None:
         return None
     return module.decode_attention(query.contiguous(), k_cache, v_cache, slots, lengths,
                                    query.shape[-1] ** -0.5)  # [B, KVH, G, D]
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: Any) -> torch.Tensor:
+    """`norm(x + delta)` for the RMSNorm module `norm`, adding `delta` into `x [N, hidden]` in place (the
+    residual stream); without a delta, `norm(x)`."""
+    module = _module_for(x)
+    if module is None:
+        if delta is not None:
+            x += delta  # [N, hidden]
+        return norm(x)  # [N, hidden]
+    return module.add_rms_norm(x, delta, norm.weight, norm.eps)  # [N, hidden]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotate the q and k heads of `qkv [N, H + 2 KVH, D]` by `cos`, `sin [N, 1, D]`, write k and v into
+    `k_cache`/`v_cache [S, KVH, C, D]` at (slots[n], positions[n]); return the rotated q `[N, H, D]`."""
+    module = _module_for(qkv)
+    if module is not None and k_cache.dtype == qkv.dtype:
+        return module.rope_and_cache(qkv, cos, sin, k_cache, v_cache, slots, positions, num_heads)  # [N, H, D]
+    num_kv_heads = k_cache.shape[1]
+    qk, v = qkv[:, : num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads :]  # [N, H+KVH, D], [N, KVH, D]
+    qk = qk * cos + rotate_half(qk) * sin  # [N, H+KVH, D]: q and k rotate in one pass
+    k_cache[slots, :, positions] = qk[:, num_heads:].to(k_cache.dtype)
+    v_cache[slots, :, positions] = v.to(v_cache.dtype)
+    return qk[:, :num_heads]  # [N, H, D]
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` of `gate_up [N, 2 I]`, the two halves side by side: `[N, I]`."""
+    module = _module_for(gate_up)
+    if module is None:
+        gate, up = gate_up.chunk(2, dim=-1)  # [N, I] each
+        return F.silu(gate) * up  # [N, I]
+    return module.silu_mul(gate_up)  # [N, I]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x [M, K], weight [N, K], bias)`, through the packed-weight kernel where this CPU has one for
+    x's dtype (AVX-512 for fp32, AVX512-BF16 for bf16).
+
+    The packed copy (64-column panels; as much memory again as the weight) is made on first use and kept as
+    an attribute of `weight`, tagged with the weight's version counter: writing into the weight (a state
+    dict loaded into it, or into a view of it) makes the next call pack it again (a weight made in inference
+    mode has no version counter: it is packed once)."""
+    module = _module_for(x)
+    bf16 = x.dtype == torch.bfloat16
+    if module is None or x.dim() != 2 or not module.packed_linear_available(bf16) or (bf16 and x.shape[1] % 2):
+        return F.linear(x, weight, bias)
+    version = -1 if weight.is_inference() else weight._version  # inference tensors keep no version counter
+    packed = getattr(weight, "_pdserve_packed", None)
+    if packed is None or packed[0] != version:
+        n, k = weight.shape
+        panels = F.pad(weight.detach(), (0, 0, 0, -n % 64)).view(-1, 64, k)  # [P, 64, K]
+        if bf16:  # k pairs side by side: [P, K/2, 64, 2]
+            panels = panels.view(-1, 64, k // 2, 2).transpose(1, 2)
+        else:
+            panels = panels.transpose(1, 2)  # [P, K, 64]
+        packed = (version, panels.contiguous())
+        weight._pdserve_packed = packed
+    return module.packed_linear(x.contiguous(), packed[1], bias, weight.shape[0])  # [M, N]

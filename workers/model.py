@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.kernels import decode_attention
+from workers.kernels import add_rms_norm, decode_attention, linear, rope_and_cache, silu_mul
 from workers.kv_cache import SlotKVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -120,11 +120,6 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def fuse_linears(linears: list[nn.Linear], name: str) -> torch.Tensor | None:
     """Concatenate the linears' `name` tensors (weight or bias) along the output dim, then make each
     parameter a view of its rows in the result.
@@ -186,16 +181,12 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: BatchLayout, cache: SlotKVCache
     ) -> torch.Tensor:
         n, heads, kv_heads, dim = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(n, heads + 2 * kv_heads, dim)  # [N, H+2KVH, D]
-        qk, v = qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :]  # [N, H+KVH, D], [N, KVH, D]
+        qkv = linear(x, self.qkv_weight, self.qkv_bias).view(n, heads + 2 * kv_heads, dim)  # [N, H+2KVH, D]
         if hasattr(self, "q_norm"):
-            qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)  # [N, H+KVH, D]
-        qk = qk * cos + rotate_half(qk) * sin  # [N, H+KVH, D]: q and k rotate in one pass
-        q, k = qk[:, :heads], qk[:, heads:]  # [N, H, D], [N, KVH, D]
-
+            qkv[:, :heads] = self.q_norm(qkv[:, :heads])  # [N, H, D]
+            qkv[:, heads : heads + kv_heads] = self.k_norm(qkv[:, heads : heads + kv_heads])  # [N, KVH, D]
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]  # [S, KVH, C, D]
-        k_cache[layout.slots, :, layout.positions] = k.to(k_cache.dtype)
-        v_cache[layout.slots, :, layout.positions] = v.to(v_cache.dtype)
+        q = rope_and_cache(qkv, cos, sin, heads, k_cache, v_cache, layout.slots, layout.positions)  # [N, H, D]
 
         out = torch.empty(n, heads, dim, dtype=q.dtype, device=q.device)  # [N, H, D]
         if layout.num_decode:
@@ -214,7 +205,7 @@ class Attention(nn.Module):
             attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=mask is None,
                                                   enable_gqa=True)  # [1, H, T, D]
             out[first : first + length] = attn[0].transpose(0, 1)  # [T, H, D]
-        return self.o_proj(out.view(n, heads * dim))  # [N, hidden]
+        return linear(out.view(n, heads * dim), self.o_proj.weight, self.o_proj.bias)  # [N, hidden]
 
 
 class MLP(nn.Module):
@@ -229,8 +220,7 @@ class MLP(nn.Module):
         self.gate_up_weight = fuse_linears([self.gate_proj, self.up_proj], "weight")  # [2 I, hidden]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)  # [N, I] each
-        return self.down_proj(F.silu(gate) * up)  # [N, hidden]
+        return linear(silu_mul(linear(x, self.gate_up_weight)), self.down_proj.weight)  # [N, hidden]
 
 
 class DecoderLayer(nn.Module):
@@ -241,9 +231,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, cos, sin, layout, cache):  # type: ignore[no-untyped-def]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layout, cache)  # [N, hidden]
-        return x + self.mlp(self.post_attention_layernorm(x))  # [N, hidden]
+    def forward(self, x, delta, cos, sin, layout, cache):  # type: ignore[no-untyped-def]
+        """`x + delta` (the previous layer's output, added here in place into `x`, the residual stream, so
+        that the add and the norm run as one kernel) is this layer's input. Returns the residual stream
+        after attention and this layer's MLP output, which the next layer adds."""
+        h = add_rms_norm(x, delta, self.input_layernorm)  # [N, hidden]; x is now x + delta
+        h = add_rms_norm(x, self.self_attn(h, cos, sin, layout, cache), self.post_attention_layernorm)  # [N, hidden]
+        return x, self.mlp(h)  # [N, hidden] each
 
 
 class Backbone(nn.Module):
@@ -290,12 +284,12 @@ class DecoderLM(nn.Module):
         self, input_ids: torch.Tensor, layout: BatchLayout, cache: SlotKVCache, logits_indices: torch.Tensor
     ) -> torch.Tensor:
         """Compute the tokens, write their K/V into the cache, return logits at `logits_indices`."""
-        x = self.model.embed_tokens(input_ids)  # [N, hidden]
+        x, delta = self.model.embed_tokens(input_ids), None  # [N, hidden]
         freqs = layout.positions[:, None].float() * self.inv_freq[None, :]  # [N, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [N, D]
         cos = (emb.cos() * self.rope_scale).to(x.dtype)[:, None, :]  # [N, 1, D]
         sin = (emb.sin() * self.rope_scale).to(x.dtype)[:, None, :]  # [N, 1, D]
         for layer in self.model.layers:
-            x = layer(x, cos, sin, layout, cache)  # [N, hidden]
-        x = self.model.norm(x[logits_indices])  # [M, hidden]
-        return F.linear(x, self.output_weight()).float()  # [M, vocab]
+            x, delta = layer(x, delta, cos, sin, layout, cache)  # [N, hidden] each
+        x = self.model.norm(x[logits_indices] + delta[logits_indices])  # [M, hidden]
+        return linear(x, self.output_weight()).float()  # [M, vocab]

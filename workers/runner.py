@@ -37,7 +37,7 @@ class ModelRunner:
         self.cache = SlotKVCache(spec.num_layers, num_slots, spec.num_kv_heads, capacity, spec.head_dim,
                                  dtype=self.dtype, device=self.device, num_blocks=prefix_blocks, block_size=BLOCK_SIZE)
         if self.device.type == "cpu":
-            load_kernels()  # build the decode-attention kernel (once per machine) now, not inside a step
+            load_kernels()  # build the CPU kernels (once per machine) now, not inside a step
         self.last_forward_s = 0.0  # seconds inside the model in the last execute(), for profiling
         self.last_sampled: dict[str, int] = {}  # what the last execute() sampled: fed in for PENDING tokens
         grammars = None if tokenizer is None else lambda: _grammar_compiler(tokenizer, spec.vocab_size)

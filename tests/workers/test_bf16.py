@@ -3,15 +3,18 @@
 bf16 keeps 8 bits of mantissa, so two correct implementations that round in a different order (fused
 projections, another attention kernel) drift apart by a few tenths of a nat at worst on real text;
 tokens are not compared, since a near tie can flip. Measured on the embedded SmolLM2-135M: mean
-|Δ log p| of the target tokens about 0.02, max about 0.11; the test allows 0.05 mean and 0.3 max.
-(With the rotary frequencies rounded to bf16, as before they were kept in fp32, it was 0.05 and 0.34.)
+|Δ log p| of the target tokens 0.041, max 0.29 with the packed bf16 matmul of workers/kernels.py (on
+CPUs with AVX512-BF16), 0.021 and 0.13 with oneDNN's; the test allows 0.05 mean and 0.3 max. Both are
+as far from the fp32 model as `transformers` in bf16 is (mean 0.047 packed, 0.050 oneDNN, 0.046
+transformers; max 0.27, 0.29, 0.29): the packed matmul is not less exact, it rounds elsewhere than
+transformers' own matmuls (bit-identical outputs on all but ~1e-4 of elements, which 30 layers
+amplify). (With the rotary frequencies rounded to bf16, as before they were kept in fp32, it was 0.05 and 0.34.)
 """
 
 import pytest
 import torch
 
 from workers import kernels
-from workers import model as model_module
 from workers.kv_cache import SlotKVCache
 from workers.loader import _alias_gguf, _gguf_cache_dir, from_hf_model, load_model
 from workers.model import BatchLayout
@@ -42,11 +45,11 @@ def _step(model, cache, rows: list[tuple[int, list[int], int]], num_decode: int)
     return model(input_ids, layout, cache, torch.arange(len(input_ids)))  # [N, vocab]
 
 
-@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "sdpa"])
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernels", "torch"])
 def test_bf16_teacher_forced_logprobs_match_transformers_bf16(models, kernel, monkeypatch):
     hf, ours, tokenizer = models
     if not kernel:
-        monkeypatch.setattr(model_module, "decode_attention", lambda *args: None)
+        monkeypatch.setattr(kernels, "load_kernels", lambda: None)
     elif kernels.load_kernels() is None:
         pytest.skip("no C++ compiler here: the kernel cannot be built")
     prompt = _ids(tokenizer, "Why is the sky blue? Answer in two sentences.")
