@@ -17,8 +17,9 @@ os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
 
 @pytest.fixture(scope="session", autouse=True)
 def decode_kernel():
-    """Build the CPU decode-attention kernel once, up front (about 30 s on a fresh machine), instead of
-    inside whichever test, worker actor or Serve replica first needs it."""
+    """Build the CPU kernels (decode attention, packed matmuls, fused elementwise ops) once, up front
+    (about 40 s on a fresh machine), instead of inside whichever test, worker actor or Serve replica
+    first needs them."""
     from workers.kernels import load_kernels
 
     return load_kernels()
