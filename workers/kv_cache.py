@@ -91,13 +91,14 @@ def available_bytes(device: torch.device) -> int | None:
 
 
 def check_fits(num_slots: int, capacity: int, num_blocks: int, block_size: int, per_token: int,
-               device: torch.device) -> None:
-    """Raise MemoryError, with the numbers, if the slots and the prefix-cache pool do not fit in memory."""
+               device: torch.device, packed_weights: int = 0) -> None:
+    """Raise MemoryError, with the numbers, if the slots, the prefix-cache pool and the CPU kernels' packed
+    weight copies (`packed_weights` bytes, made at the first forward) do not fit in memory."""
     slots, pool = num_slots * capacity * per_token, num_blocks * block_size * per_token
     free = available_bytes(device)
-    if free is not None and slots + pool > free:
+    if free is not None and slots + pool + packed_weights > free:
         raise MemoryError(
             f"the KV cache needs {(slots + pool) / 2**30:.2f} GiB ({num_slots} slots x {capacity} tokens = "
             f"{slots / 2**30:.2f} GiB, prefix cache {num_blocks * block_size} tokens = {pool / 2**30:.2f} GiB, "
-            f"{per_token} bytes per token) but {device} has {free / 2**30:.2f} GiB available: lower slots, "
-            "max_model_len or prefix_cache_tokens")
+            f"{per_token} bytes per token) and the packed weights {packed_weights / 2**30:.2f} GiB, but "
+            f"{device} has {free / 2**30:.2f} GiB available: lower slots, max_model_len or prefix_cache_tokens")

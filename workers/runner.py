@@ -33,11 +33,13 @@ class ModelRunner:
         self.device, self.dtype = weight.device, weight.dtype
         spec = model.spec
         per_token = SlotKVCache.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype)
-        check_fits(num_slots, capacity, prefix_blocks, BLOCK_SIZE, per_token, self.device)
+        # build the CPU kernels (once per machine) now, not inside a step; their matmul packs a copy of every
+        # matrix on first use (counted here as every 2-D parameter: the embedding too, when it is not the head)
+        kernels = load_kernels() if self.device.type == "cpu" else None
+        packed = 0 if kernels is None else sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 2)
+        check_fits(num_slots, capacity, prefix_blocks, BLOCK_SIZE, per_token, self.device, packed)
         self.cache = SlotKVCache(spec.num_layers, num_slots, spec.num_kv_heads, capacity, spec.head_dim,
                                  dtype=self.dtype, device=self.device, num_blocks=prefix_blocks, block_size=BLOCK_SIZE)
-        if self.device.type == "cpu":
-            load_kernels()  # build the CPU kernels (once per machine) now, not inside a step
         self.last_forward_s = 0.0  # seconds inside the model in the last execute(), for profiling
         self.last_sampled: dict[str, int] = {}  # what the last execute() sampled: fed in for PENDING tokens
         grammars = None if tokenizer is None else lambda: _grammar_compiler(tokenizer, spec.vocab_size)
