@@ -244,6 +244,13 @@ class EngineClient:
                 error=f"its cell was lost and no other could continue it: {error}"))
 
 
+def unwrap(exc: BaseException) -> BaseException:
+    """What the engine raised, under Ray's and Serve's wrappers (each keeps the exception it wraps as `cause`)."""
+    while isinstance(getattr(exc, "cause", None), BaseException) and exc.cause is not exc:  # type: ignore[attr-defined]
+        exc = exc.cause  # type: ignore[attr-defined]
+    return exc
+
+
 def _background(work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
     """A task of the client's own, in a fresh context: not in the context of whichever caller's request
     started it (in a Serve replica that context carries the request's id, and Serve's router tells

@@ -25,7 +25,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from deploy.config import EngineConfig
-from deploy.engine_client import Placement
+from deploy.engine_client import Placement, unwrap
 from deploy.ray_engine import create_scheduler
 from scheduler.policy import QueueFullError
 from scheduler.request import Request
@@ -107,13 +107,6 @@ class ServeCells:
                 log.warning("no cell took %s (%s: %s); trying again", request.req_id, type(cause).__name__, cause)
             await asyncio.sleep(delay)
             delay = min(1.0, delay * 2)
-
-
-def unwrap(exc: BaseException) -> BaseException:
-    """What the engine raised, under Ray's and Serve's wrappers."""
-    while isinstance(getattr(exc, "cause", None), BaseException) and exc.cause is not exc:  # type: ignore[attr-defined]
-        exc = exc.cause  # type: ignore[attr-defined]
-    return exc
 
 
 async def cell_stats(app_name: str) -> dict[str, dict[str, Any]]:

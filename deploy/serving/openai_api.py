@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from deploy.engine_client import unwrap
 from deploy.params import ParameterError, parse_logit_bias, structured_format
 from deploy.prompts import build_request, encode_prompt
 from deploy.serving.logprobs import TokenTexts
@@ -49,12 +50,6 @@ class ServedModel:
 
 def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-
-def _unwrap(exc: BaseException) -> BaseException:
-    """Ray wraps a remote exception; its cause is what the engine raised."""
-    cause = getattr(exc, "cause", None)
-    return cause if isinstance(cause, BaseException) else exc
 
 
 class OpenAIServer:
@@ -183,7 +178,7 @@ class OpenAIServer:
         try:
             first = await anext(stream)
         except Exception as exc:
-            cause = _unwrap(exc)
+            cause = unwrap(exc)
             if isinstance(cause, QueueFullError):
                 raise APIError(429, f"The server is busy: {cause}. Retry shortly.", "rate_limit_error",
                                code="queue_full", headers={"Retry-After": "1"}) from None
