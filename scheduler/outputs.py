@@ -115,7 +115,13 @@ class Completion:
                    OPENAI_FINISH_REASON[request.finish_reason], request.error, request.metrics(),
                    list(request.token_times_s), list(request.logprobs), prompt_logprobs)
 
+    def arrival_gaps_s(self) -> list[tuple[float, float]]:
+        """(arrival time, gap since the previous arrival) as a client sees them: tokens that arrive in one
+        output (a reader that fell behind gets them merged) are one arrival, and its gap holds the whole
+        wait (vLLM's benchmark counts inter-token latency per chunk received the same way)."""
+        arrivals = [t for i, t in enumerate(self.token_times_s) if i == 0 or t != self.token_times_s[i - 1]]
+        return [(b, b - a) for a, b in zip(arrivals, arrivals[1:], strict=False)]
+
     def inter_token_s(self) -> list[float]:
-        """Gaps between successive tokens' arrivals (tokens that arrive together count as 0)."""
-        times = self.token_times_s
-        return [b - a for a, b in zip(times, times[1:], strict=False)]
+        """The inter-token latencies a client sees: the gaps between successive arrivals."""
+        return [gap for _, gap in self.arrival_gaps_s()]

@@ -235,8 +235,8 @@ def _run_one(run: Run, config: EngineConfig, args: argparse.Namespace, loaded: A
             if work.steady:  # the points of the interference figure
                 start = extra.pop("start_perf_s")
                 series[run.label()] = {
-                    "itl": [(b - start, 1000 * (b - a)) for rid, c in results.items() if work.steady[int(rid)]
-                            for a, b in zip(c.token_times_s, c.token_times_s[1:], strict=False)],
+                    "itl": [(end - start, 1000 * gap) for rid, c in results.items() if work.steady[int(rid)]
+                            for end, gap in c.arrival_gaps_s()],
                     "arrivals": [t for t, s in zip(work.arrival_s, work.steady, strict=True) if not s]}
                 # the same gaps, only those that end while long prompts arrive (the streams' ramp-up left out)
                 during = [ms for t, ms in series[run.label()]["itl"] if t >= work.long_start_s]

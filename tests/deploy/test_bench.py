@@ -96,7 +96,7 @@ def test_prompts_file_workload(tmp_path):
 
 def test_inter_token_gaps():
     done = Completion("x", 3, token_ids=[1, 2, 3, 4], token_times_s=[1.0, 1.5, 1.5, 2.25])
-    assert done.inter_token_s() == [0.5, 0.0, 0.75]
+    assert done.inter_token_s() == [0.5, 0.75]  # tokens 2 and 3 came in one output: one arrival
     assert Completion("y", 3, token_ids=[1], token_times_s=[1.0]).inter_token_s() == []
 
 
