@@ -55,6 +55,10 @@ class EngineConfig(BaseModel):
                                      "this many prompt tokens (blocks of 16) kept for reuse; 0 turns it off.")
     cache_routing: bool = Field(True, description="Send each prompt to the worker where the most of its prefix "
                                 "is cached, weighed against queued work; false: by load only.")
+    max_burst_ms: float = Field(20.0, ge=0, description="Ray modes: while a decode worker only decodes, one "
+                                "call to it carries several steps, up to this many milliseconds of them, so "
+                                "Ray's per-call cost (about a millisecond) is paid once for several tokens; "
+                                "0: one step per call.")
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
@@ -86,7 +90,8 @@ class EngineConfig(BaseModel):
                           prefill_chunk=self.prefill_chunk, max_waiting=self.max_waiting,
                           max_preemptions=self.max_preemptions, max_recomputes=self.max_recomputes,
                           local_prefill_max_tokens=self.local_prefill_max_tokens,
-                          prefix_cache_blocks=self.prefix_blocks, cache_routing=self.cache_routing)
+                          prefix_cache_blocks=self.prefix_blocks, cache_routing=self.cache_routing,
+                          max_burst_ms=self.max_burst_ms)
 
     @property
     def prefix_blocks(self) -> int:

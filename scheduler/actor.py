@@ -25,6 +25,7 @@ import ray
 import ray.util.metrics
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+from scheduler.bursts import BurstSizer, plan_call
 from scheduler.cell import CellConfig, WorkerState
 from scheduler.coordinator import Coordinator
 from scheduler.outputs import RequestOutput
@@ -59,6 +60,7 @@ class SchedulerActor:
         self.finishing: dict[str, float] = {}  # prefill workers with a prompt's last chunk in flight: sent at
         self.handoff_applied = asyncio.Event()  # set (then replaced) when such a step's results are applied
         self.tasks: list[asyncio.Task[None]] = []
+        self.bursts = BurstSizer(config.max_burst_ms / 1000)
 
     # ---- lifecycle --------------------------------------------------------------------------------
     async def ready(self) -> dict[str, Any]:
@@ -147,24 +149,25 @@ class SchedulerActor:
         self.wakeups[worker.name].set()
 
     async def _loop(self, worker: WorkerState) -> None:
-        """Keep one step in flight ahead: step N+1 is planned and sent before step N's results are
+        """Keep one call in flight ahead: call N+1 is planned and sent before call N's results are
         applied, so planning, applying and publishing overlap the worker's forward. The policy plans
         N+1 as if N's tokens were known (the worker feeds them in), never past max_tokens, and drops
         what N+1 samples for a request that stopped in N. A decode worker plans N+1 late when a handoff
-        is due before N ends (`_await_handoff`), so the handed-off request joins N+1, not N+2."""
+        is due before N ends (`_await_handoff`), so the handed-off request joins N+1, not N+2. A call
+        carries several decode steps (a burst, `scheduler/bursts.py`) when the worker only decodes."""
         handle, wakeup = self.handles[worker.name], self.wakeups[worker.name]
-        in_flight: tuple[Any, ...] | None = None  # (plan, result ref, planning seconds, send time)
+        in_flight: tuple[Any, ...] | None = None  # (plans, result ref, planning seconds, send time)
         while True:
             if worker.kind == "decode" and in_flight is not None:
                 await self._await_handoff(worker, in_flight[1], in_flight[3])
             t0 = time.perf_counter()
-            step = self.coordinator.next_step(worker)
+            call = plan_call(self.coordinator, worker, self.bursts.length(worker.name))
             sent = None
-            if step is not None:
-                plan, imports = step
+            if call is not None:
+                plans, imports = call
                 t1 = time.perf_counter()
-                sent = (plan, handle.step.remote(plan, imports), t1 - t0, t1)
-                if worker.kind == "prefill" and any(c.sample for c in plan.prefill):
+                sent = (plans, handle.step.remote(plans, imports), t1 - t0, t1)
+                if worker.kind == "prefill" and any(c.sample for c in plans[0].prefill):
                     self.finishing[worker.name] = t1
             elif in_flight is None:
                 self._deliver()  # a preempted request's reroute may have failed it
@@ -173,7 +176,7 @@ class SchedulerActor:
                 continue
             if in_flight is not None:
                 if not await self._finish_step(worker, *in_flight):
-                    if sent is not None:  # the worker died: the step sent after it is lost too
+                    if sent is not None:  # the worker died: the call sent after it is lost too
                         await asyncio.gather(sent[1], return_exceptions=True)
                     sent = None
             in_flight = sent
@@ -195,10 +198,12 @@ class SchedulerActor:
             task.cancel()
         await asyncio.gather(arrived, done, return_exceptions=True)  # (retrieved: no "never retrieved" logs)
 
-    async def _finish_step(self, worker: WorkerState, plan: Any, ref: Any, plan_s: float, sent_s: float) -> bool:
-        """Wait for a step's result and apply it; False if the worker died (then it has been recovered)."""
+    async def _finish_step(self, worker: WorkerState, plans: list[Any], ref: Any, plan_s: float,
+                           sent_s: float) -> bool:
+        """Wait for a call's results and apply them step by step; False if the worker died (then it has
+        been recovered)."""
         try:
-            result = await ref
+            results = await ref
         except _WORKER_ERRORS as e:
             self.finishing.pop(worker.name, None)
             await self._recover(worker, e)
@@ -212,12 +217,13 @@ class SchedulerActor:
         t2 = time.perf_counter()
         self.round_trip_s[worker.name] = 0.8 * self.round_trip_s.get(worker.name, t2 - sent_s) + 0.2 * (t2 - sent_s)
         try:
-            self.coordinator.apply(worker, plan, result)
+            for plan, result in zip(plans, results, strict=True):
+                self.coordinator.apply(worker, plan, result)
         except Exception as e:  # a bug: say so loudly, end this worker's requests, keep the loop alive
             log.exception("applying a step of %s failed", worker.name)
             self.coordinator.fail_worker_requests(worker, f"internal error on {worker.name}: {type(e).__name__}: {e}")
         t3 = time.perf_counter()
-        if worker.kind == "prefill" and any(c.sample for c in plan.prefill):  # handoffs are queued: wake waiters
+        if worker.kind == "prefill" and any(c.sample for c in plans[0].prefill):  # handoffs are queued: wake
             self.handoff_applied.set()
             self.handoff_applied = asyncio.Event()
         if self.finishing.get(worker.name) == sent_s:
@@ -225,9 +231,11 @@ class SchedulerActor:
         self._deliver()
         period = t2 - max(sent_s, self.last_result_s.get(worker.name, 0.0))
         self.last_result_s[worker.name] = t2
-        self.timeline.record(worker.kind, period=period, plan=plan_s, round_trip=t2 - sent_s,
-                             worker_step=result.step_s, forward=result.forward_s, apply=t3 - t2,
-                             publish=time.perf_counter() - t3, tokens=plan.num_tokens)
+        worker_s = sum(r.step_s for r in results)
+        self.bursts.observe(worker.name, len(plans), period, worker_s)
+        self.timeline.record(worker.kind, steps=len(plans), period=period, plan=plan_s, round_trip=t2 - sent_s,
+                             worker_step=worker_s, forward=sum(r.forward_s for r in results), apply=t3 - t2,
+                             publish=time.perf_counter() - t3, tokens=sum(p.num_tokens for p in plans))
         return True
 
     async def _recover(self, worker: WorkerState, error: Exception) -> None:

@@ -29,6 +29,7 @@ class CellConfig:
     local_prefill_max_tokens: int = 0  # shorter prompts are prefilled on the decode worker
     prefix_cache_blocks: int = 0  # per worker that prefills (prefill pool; decode pool when it prefills)
     cache_routing: bool = True  # send a prompt where its prefix is cached (weighed against queued work)
+    max_burst_ms: float = 20.0  # decode steps one worker call may carry, in time (scheduler/bursts.py); 0: one
 
     def __post_init__(self) -> None:
         if self.mode not in MODES_ON_RAY:

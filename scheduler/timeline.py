@@ -6,20 +6,22 @@ import statistics
 from collections import deque
 from typing import Any
 
-PHASES = ("period", "plan", "round_trip", "worker_step", "forward", "apply", "publish", "tokens")
+PHASES = ("period", "plan", "round_trip", "worker_step", "forward", "apply", "publish", "tokens", "steps")
 
 
 class StepTimeline:
-    """The last `window` steps of each worker kind, phase by phase, in seconds.
+    """The last `window` calls to workers of each kind, phase by phase, in seconds.
 
-    `period` is what a step costs the worker's loop: from the previous step's result (or from sending,
-    if the worker was idle) to this one's. `round_trip` is from sending the step to having its result;
-    with one step in flight ahead it includes waiting behind the previous one. It contains `worker_step`
-    (the step on the worker), which contains `forward` (the model). `plan`, `apply` and `publish` run
-    in the scheduler while the next step is in flight. `summary()` gives per kind the median of each
-    phase, the share of the period spent outside the model's forward, and `tok_s_busy`: tokens the
-    steps computed per second of their periods, the rate one worker of the kind sustains while busy
-    (prefill and decode rates side by side give the ratio of prefill to decode workers a workload needs).
+    `period` is what a call costs the worker's loop: from the previous call's result (or from sending,
+    if the worker was idle) to this one's. `round_trip` is from sending the call to having its result;
+    with one call in flight ahead it includes waiting behind the previous one. It contains `worker_step`
+    (the steps on the worker), which contains `forward` (the model). `plan`, `apply` and `publish` run
+    in the scheduler while the next call is in flight. A call carries `steps` steps (more than one in a
+    decode burst). `summary()` gives per kind the median of each phase per step (a call's seconds
+    divided by its steps), the mean steps per call, the share of the period spent outside the model's
+    forward, and `tok_s_busy`: tokens the steps computed per second of their periods, the rate one
+    worker of the kind sustains while busy (prefill and decode rates side by side give the ratio of
+    prefill to decode workers a workload needs).
     """
 
     def __init__(self, window: int = 20_000) -> None:
@@ -36,9 +38,11 @@ class StepTimeline:
         out: dict[str, Any] = {}
         for kind, steps in self.steps.items():
             columns = dict(zip(PHASES, zip(*steps, strict=True), strict=True))
-            line: dict[str, Any] = {"steps": len(steps)}
-            line |= {f"{phase}_ms_p50": 1000 * statistics.median(values) for phase, values in columns.items()
-                     if phase != "tokens"}
+            line: dict[str, Any] = {"steps": int(sum(columns["steps"])), "calls": len(steps),
+                                    "steps_per_call": sum(columns["steps"]) / len(steps)}
+            line |= {f"{phase}_ms_p50": 1000 * statistics.median(v / n for v, n in zip(values, columns["steps"],
+                                                                                      strict=True))
+                     for phase, values in columns.items() if phase not in ("tokens", "steps")}
             total = sum(columns["period"])
             line["outside_forward_fraction"] = 1 - sum(columns["forward"]) / total if total else 0.0
             line["tok_s_busy"] = sum(columns["tokens"]) / total if total else 0.0

@@ -38,7 +38,11 @@ class PrefillWorker(_ModelWorker):
     """Runs prompt chunks, and puts each chunk's KV rows into the object store as soon as it is computed
     (the plan's exports): when a prompt's last chunk is done, only that piece is left to send."""
 
-    def step(self, plan: StepPlan, imports: list[KVImport]) -> StepResult:
+    def step(self, plans: list[StepPlan], imports: list[KVImport]) -> list[StepResult]:
+        """Each plan in order (the scheduler sends one at a time here); a result per plan."""
+        return [self._step(plan) for plan in plans]
+
+    def _step(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
         samples = self.runner.execute(plan)
         pieces = []
@@ -52,9 +56,12 @@ class PrefillWorker(_ModelWorker):
 
 
 class DecodeWorker(_ModelWorker):
-    """Imports handed-off KV rows into its slots and runs decode steps (and short or colocated prompts)."""
+    """Imports handed-off KV rows into its slots and runs decode steps (and short or colocated prompts).
+    A call may carry several plans (a decode burst): each step is fed the tokens the one before sampled."""
 
-    def step(self, plan: StepPlan, imports: list[KVImport]) -> StepResult:
+    def step(self, plans: list[StepPlan], imports: list[KVImport]) -> list[StepResult]:
+        """Import the handoffs, then run each plan in order; a result per plan (the first one reports the
+        imports)."""
         start = time.perf_counter()
         failed: list[str] = []
         import_s: dict[str, float] = {}
@@ -71,13 +78,18 @@ class DecodeWorker(_ModelWorker):
                 for piece, rows in zip(item.handoff.pieces, pieces, strict=True):
                     self.runner.cache.import_rows(item.slot, rows, piece.start)
             import_s[item.handoff.req_id] = time.perf_counter() - t0
-        if failed:
-            lost = set(failed)
-            plan = dataclasses.replace(plan, decode=[c for c in plan.decode if c.req_id not in lost],
-                                       prefill=[c for c in plan.prefill if c.req_id not in lost])
-        samples = self.runner.execute(plan)
-        return StepResult(samples=samples, failed_imports=failed, import_s=import_s,
-                          step_s=time.perf_counter() - start, forward_s=self.runner.last_forward_s)
+        results = []
+        for plan in plans:
+            if failed:
+                lost = set(failed)
+                plan = dataclasses.replace(plan, decode=[c for c in plan.decode if c.req_id not in lost],
+                                           prefill=[c for c in plan.prefill if c.req_id not in lost])
+            samples = self.runner.execute(plan)
+            results.append(StepResult(samples=samples, step_s=time.perf_counter() - start,
+                                      forward_s=self.runner.last_forward_s))
+            start = time.perf_counter()
+        results[0].failed_imports, results[0].import_s = failed, import_s
+        return results
 
 
 def spawn_worker(config: Any, capacity: int, kind: str, index: int, num_slots: int, prefix_blocks: int = 0) -> Any:

@@ -41,12 +41,15 @@ class StubWorker:
     def ready(self) -> dict[str, Any]:
         return {"index": self.index, "stub": True}
 
-    def step(self, plan: StepPlan, imports: list[KVImport]) -> StepResult:
-        start = time.perf_counter()
-        sampled = {c.req_id: STUB_TOKEN for c in plan.chunks if c.sample}
-        pieces = [KVPiece(req_id, first, end - first, None, 0, 0.0) for req_id, _, first, end in plan.exports]
-        return StepResult(Samples(sampled), kv_pieces=pieces, import_s={i.handoff.req_id: 0.0 for i in imports},
-                          step_s=time.perf_counter() - start)
+    def step(self, plans: list[StepPlan], imports: list[KVImport]) -> list[StepResult]:
+        results = []
+        for plan in plans:
+            start = time.perf_counter()
+            sampled = {c.req_id: STUB_TOKEN for c in plan.chunks if c.sample}
+            pieces = [KVPiece(req_id, first, end - first, None, 0, 0.0) for req_id, _, first, end in plan.exports]
+            results.append(StepResult(Samples(sampled), kv_pieces=pieces, step_s=time.perf_counter() - start))
+        results[0].import_s = {i.handoff.req_id: 0.0 for i in imports}
+        return results
 
 
 def spawn_stub(kind: str, index: int, num_slots: int, prefix_blocks: int = 0) -> Any:

@@ -28,6 +28,7 @@ from tests.factories import free_port
 
 ARGS = dict(mode="disaggregated", slots=16, prefill_slots=4, max_model_len=512, token_budget=32, prefill_chunk=16,
             served_model_name="tiny", failover_timeout_s=60)
+MAX_TOKENS = 400  # long enough that streams are still running when the failover scenario kills a scheduler
 
 
 def prompts(n: int) -> list[str]:
@@ -65,23 +66,22 @@ def outcome(done: list[Any]) -> dict[str, Any]:
             "tokens": [len(d.token_ids) for d in done], "max_gap_s": round(max(gaps, default=0.0), 3)}
 
 
-def scheduler_pid(cell_name: str) -> int:
-    return ray.get(ray.get_actor(cell_name, NAMESPACE).ready.remote())["scheduler_pid"]
-
-
 def failover(base: str) -> dict[str, Any]:
     texts = prompts(16)
     serve.run(build_app({"model": CHECKPOINT, "cells": 2, "max_worker_restarts": 0, **ARGS}), name="cells",
               route_prefix="/")
-    reference = asyncio.run(stream_all(base, texts, 120))
+    reference = asyncio.run(stream_all(base, texts, MAX_TOKENS))
 
     async def killed() -> tuple[list[Any], dict[str, Any]]:
-        run = asyncio.ensure_future(stream_all(base, texts, 120))
+        run = asyncio.ensure_future(stream_all(base, texts, MAX_TOKENS))
         now = await wait_for(base, lambda s: s["streams"] == len(texts), 60)
         await asyncio.sleep(0.3)  # every stream has tokens by now
         cell = max(now["cells"], key=lambda c: now["cells"][c]["streams"])
-        os.kill(scheduler_pid(cell), signal.SIGKILL)
-        return await run, {"killed_cell_streams": now["cells"][cell]["streams"], "killed": cell}
+        scheduler = ray.get_actor(cell, NAMESPACE)
+        pid = ray.get(scheduler.ready.remote())["scheduler_pid"]
+        open_streams = ray.get(scheduler.stats.remote())["streams"]  # still running there, just before the kill
+        os.kill(pid, signal.SIGKILL)
+        return await run, {"killed_cell_streams": open_streams, "killed": cell}
 
     fault, seen = asyncio.run(killed())
     after = asyncio.run(wait_for(base, lambda s: s["num_cells"] == 2, 120))  # Serve has replaced the cell

@@ -36,7 +36,8 @@ def run_mode(checkpoint, sampling=None, **overrides):
     dict(mode="disaggregated", prefill_workers=2, decode_workers=2),
     dict(mode="colocated", decode_workers=2),
     dict(mode="disaggregated", local_prefill_max_tokens=16),  # short prompts skip the handoff
-], ids=["1P1D", "2P2D", "colocated", "conditional"])
+    dict(mode="colocated", max_burst_ms=0),  # one decode step per call to a worker
+], ids=["1P1D", "2P2D", "colocated", "conditional", "no-bursts"])
 def test_greedy_outputs_equal_local_mode(ray_session, tiny_checkpoint, overrides):
     local = run_local(tiny_checkpoint)
     results, stats = run_mode(tiny_checkpoint, **overrides)
@@ -58,6 +59,9 @@ def test_greedy_outputs_equal_local_mode(ray_session, tiny_checkpoint, overrides
         assert all(c.metrics["kv_handoff_s"] > 0 for c in results.values())
     if overrides.get("decode_workers") == 2:  # load was spread over both pools
         assert {c.metrics["decode_worker"] for c in results.values()} == {0, 1}
+    # a step of the tiny model costs less than a Ray call: once only decoding is left, calls carry bursts
+    bursts = stats["timeline"]["decode"]["steps_per_call"]
+    assert bursts == 1 if overrides.get("max_burst_ms") == 0 else bursts > 1
 
 
 def test_seeded_sampling_equals_local_mode_in_every_mode(ray_session, tiny_checkpoint):
