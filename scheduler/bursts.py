@@ -48,11 +48,17 @@ def plan_call(coordinator: Coordinator, worker: WorkerState, max_steps: int) -> 
 
 
 def may_burst(worker: WorkerState, prefill_pool: list[WorkerState]) -> bool:
-    """The worker's next plans would all be decode steps, and no new work for it can come meanwhile."""
+    """The worker's next plan would be a decode step, and no new work for it can come meanwhile: none waits,
+    or what waits cannot start before a running request ends (no slot is free, none can be preempted for
+    it, and no running request has planned its last token: its slot frees when that step is applied)."""
     sched = worker.sched
-    return (worker.kind == "decode" and not sched.num_waiting and bool(sched.running)
-            and all(r.is_decoding for r in sched.running)
-            and all(p.sched.idle for p in prefill_pool))
+    if worker.kind != "decode" or not sched.running or not all(r.is_decoding for r in sched.running) \
+            or not all(p.sched.idle for p in prefill_pool):
+        return False
+    if not sched.num_waiting:
+        return True
+    return not sched.free_slots and not sched.can_preempt_for_waiting() \
+        and all(r.num_outputs_planned < r.max_tokens for r in sched.running)
 
 
 class BurstSizer:

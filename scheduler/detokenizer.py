@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 _PROMPT_CONTEXT = 4  # prompt tokens decoded with the output so a leading space survives
+# transformers' fast tokenizer classes whose decode (without clean-up) is their backend's decode
+_PLAIN_FAST = {"TokenizersBackend._decode", "PreTrainedTokenizerFast._decode"}
+
+
+def decoder(tokenizer: Any) -> Any:
+    """ids -> text, skipping special tokens, no clean-up of spaces. For a plain fast tokenizer it calls the
+    `tokenizers` backend directly, the same result without transformers' per-call argument handling (most
+    of the cost at a decode step's rate); any other tokenizer goes through its own `decode`."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    cls = type(tokenizer)
+    if backend is not None and getattr(cls._decode, "__qualname__", "") in _PLAIN_FAST \
+            and cls.decode.__qualname__ == "PreTrainedTokenizerBase.decode":
+        return functools.partial(backend.decode, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
 class IncrementalDetokenizer:
@@ -19,7 +34,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Any, prompt_ids: list[int], stop_strings: tuple[str, ...] = (),
                  min_tokens: int = 0) -> None:
-        self.tokenizer = tokenizer
+        self._decode = decoder(tokenizer)
         self.ids = list(prompt_ids[-_PROMPT_CONTEXT:])
         self.prefix_offset, self.read_offset = 0, len(self.ids)
         self.stop_strings = tuple(s for s in stop_strings if s)
@@ -36,9 +51,6 @@ class IncrementalDetokenizer:
         for token_id in output_ids:
             self.push(token_id)
         self.num_emitted = min(num_sent, len(self.text))
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def push(self, token_id: int) -> str:
         if self.stopped:

@@ -9,7 +9,7 @@ from typing import NamedTuple
 from scheduler.request import Request, SamplingParams
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Chunk:
     """Tokens of one request to compute in this step, at consecutive positions of its cache row."""
 

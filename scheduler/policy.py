@@ -169,6 +169,10 @@ class Scheduler:
         sibling = self.requests.get(request.fork_of)
         return sibling if sibling is not None and sibling.prompt_ids == request.prompt_ids else None
 
+    def can_preempt_for_waiting(self) -> bool:
+        """A waiting request could evict a running one: the most urgent one can whenever any can."""
+        return bool(self.waiting) and self._victim(self.waiting[0].request) is not None
+
     def _victim(self, candidate: Request) -> Request | None:
         """The running request to evict for `candidate`: strictly less urgent, evicted fewer than
         `max_preemptions` times (so a stream of urgent requests cannot starve it), the least urgent

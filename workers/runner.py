@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -60,13 +59,14 @@ class ModelRunner:
             self.cache.copy_rows(src, dst, length)
         for block, slot, start in plan.loads:
             self.cache.load_block(block, slot, start)
-        decode = [c for c in map(self._feed, plan.decode) if c is not None]
-        chunks = decode + [c for c in map(self._feed, plan.prefill) if c is not None]
-        if not chunks:
+        decode = [(c, ids) for c in plan.decode if (ids := self._fed(c)) is not None]
+        fed = decode + [(c, ids) for c in plan.prefill if (ids := self._fed(c)) is not None]
+        if not fed:
             self._save_blocks(plan)
             self.last_sampled = {}
             return Samples()
-        input_ids, layout = BatchLayout.pack([(c.slot, c.token_ids, c.start_pos) for c in chunks], len(decode),
+        chunks = [c for c, _ in fed]
+        input_ids, layout = BatchLayout.pack([(c.slot, ids, c.start_pos) for c, ids in fed], len(decode),
                                              self.device)
         starts = list(itertools.accumulate((c.num_tokens for c in chunks), initial=0))  # flat index of each chunk
         sampling = [c for c in chunks if c.sample]
@@ -115,13 +115,14 @@ class ModelRunner:
             samples.logprobs = {chunks[i].req_id: lp for i, lp in zip(asked, lps, strict=True)}
         return {c.req_id: t for c, t in zip(chunks, tokens, strict=True)}
 
-    def _feed(self, chunk: Chunk) -> Chunk | None:
+    def _fed(self, chunk: Chunk) -> list[int] | None:
+        """The chunk's tokens with its PENDING one fed in; None if this runner never sampled it."""
         if PENDING not in chunk.token_ids:
-            return chunk
-        if chunk.req_id not in self.last_sampled:
+            return chunk.token_ids
+        token = self.last_sampled.get(chunk.req_id)
+        if token is None:
             return None
-        token = self.last_sampled[chunk.req_id]
-        return dataclasses.replace(chunk, token_ids=[token if t == PENDING else t for t in chunk.token_ids])
+        return [token if t == PENDING else t for t in chunk.token_ids]
 
 
 def _grammar_compiler(tokenizer: Any, vocab_size: int) -> Any:

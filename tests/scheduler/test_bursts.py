@@ -2,7 +2,7 @@
 
 import pytest
 
-from scheduler.bursts import BurstSizer, plan_call
+from scheduler.bursts import BurstSizer, may_burst, plan_call
 from scheduler.request import Request
 from tests.scheduler.test_coordinator import Streams, assert_idle, cell, expected_tokens, fake_step, req, token
 
@@ -22,7 +22,9 @@ def run_calls(coordinator, streams, max_steps, calls=None, before_call=None):
                 plans, imports = call
                 calls.append((worker.kind, plans, imports))
                 if len(plans) > 1:  # only while nothing else could use the worker sooner
-                    assert not worker.sched.num_waiting and all(p.sched.idle for p in coordinator.prefill)
+                    sched = worker.sched
+                    assert all(p.sched.idle for p in coordinator.prefill)
+                    assert not sched.num_waiting or not sched.free_slots and not sched.can_preempt_for_waiting()
                 sent = [(plan, fake_step(coordinator, worker, plan, imports if i == 0 else []))
                         for i, plan in enumerate(plans)]
             for plan, result in in_flight.pop(worker.name, []):
@@ -73,6 +75,31 @@ def test_no_burst_while_work_waits_or_a_prompt_is_on_the_prefill_pool():
     assert any(len(plans) > 1 for _, plans, _ in calls)
     assert all(len(plans) == 1 for kind, plans, _ in calls if kind == "prefill")
     assert_idle(coordinator)
+
+
+def test_bursts_with_requests_waiting_for_a_slot_end_where_a_slot_frees():
+    """One slot, three requests: the ones waiting cannot start before the running one ends, so calls burst,
+    but a burst ends with the step that plans the running request's last token: the next one starts at once."""
+    coordinator, streams = cell(mode="colocated", decode_slots=1), Streams()
+    requests = [req(f"r{i}", max_tokens=20) for i in range(3)]
+    for request in requests:
+        coordinator.admit(request, consumer="c")
+    calls = run_calls(coordinator, streams, max_steps=8)
+    assert streams.tokens == {r.req_id: expected_tokens(r.req_id, 20) for r in requests}
+    bursts = [plans for _, plans, _ in calls if len(plans) > 1]
+    assert bursts
+    for plans in bursts:
+        last_tokens = [i for i, plan in enumerate(plans) for c in plan.decode if c.output_index == 19]
+        assert last_tokens in ([], [len(plans) - 1])
+    coordinator = cell(mode="colocated", decode_slots=1)  # a waiting request that may preempt: no burst
+    coordinator.admit(req("slow", max_tokens=20, priority=1), consumer="c")
+    worker = coordinator.decode[0]
+    while not worker.sched.running or not all(r.is_decoding for r in worker.sched.running):
+        plan_call(coordinator, worker, 1)  # the prompt's chunks (results never applied: none needed here)
+    coordinator.admit(req("same", max_tokens=3, priority=1), consumer="c")
+    assert may_burst(worker, [])
+    coordinator.admit(req("urgent", max_tokens=3, priority=0), consumer="c")
+    assert not may_burst(worker, [])
 
 
 def test_an_abort_during_a_burst_ends_the_stream_once():

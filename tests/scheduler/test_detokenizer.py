@@ -32,3 +32,27 @@ def test_stop_string_cuts_the_text_and_is_never_emitted():
 def test_no_stop_string_no_holdback():
     detok, deltas = stream("the fox", stop=())
     assert not detok.stopped and "".join(deltas[:-1]) == "the fox"
+
+
+def test_the_fast_path_decodes_as_the_tokenizer_does():
+    """A plain fast tokenizer is decoded through its backend directly: the same text for any ids, special
+    tokens, broken characters and the embedded model's tokenizer included; any other goes through `decode`."""
+    import random
+
+    from scheduler.detokenizer import decoder
+    from workers.catalog import DEFAULT_MODEL
+    from workers.loader import load_tokenizer
+
+    class Custom:
+        def decode(self, ids, **kw):
+            return f"custom {ids}"
+
+    assert decoder(Custom())([1, 2]) == "custom [1, 2]"
+    rng = random.Random(0)
+    for tok in (tiny_tokenizer(), load_tokenizer(DEFAULT_MODEL).tokenizer):
+        fast = decoder(tok)
+        assert fast.func == tok.backend_tokenizer.decode  # the fast path was taken
+        vocab = len(tok)
+        for _ in range(200):
+            ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 6))]
+            assert fast(ids) == tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
