@@ -327,13 +327,13 @@ def test_the_timeline_summarizes_phases_and_busy_rate():
     from scheduler.timeline import StepTimeline
 
     timeline = StepTimeline()
-    # a burst of 4 steps counts as 4 steps of a quarter of its call's time each
+    # a burst of 4 steps counts as 4 steps of a quarter of its call's time each: the median step is one of them
     for period, forward, tokens, steps in ((0.010, 0.008, 64, 1), (0.020, 0.015, 64, 1), (0.120, 0.108, 256, 4)):
         timeline.record("decode", period=period, plan=0.001, round_trip=period, worker_step=forward,
                         forward=forward, apply=0.002, publish=0.0, tokens=tokens, steps=steps)
     line = timeline.summary()["decode"]
     assert line["steps"] == 6 and line["calls"] == 3 and line["steps_per_call"] == pytest.approx(2.0)
-    assert line["period_ms_p50"] == pytest.approx(20.0) and line["forward_ms_p50"] == pytest.approx(15.0)
+    assert line["period_ms_p50"] == pytest.approx(30.0) and line["forward_ms_p50"] == pytest.approx(27.0)
     assert line["outside_forward_fraction"] == pytest.approx(1 - 0.131 / 0.150)
     assert line["tok_s_busy"] == pytest.approx(384 / 0.150)
 
