@@ -1,7 +1,9 @@
 """The scheduler actor's lifecycle: abort in every state, lost handoffs, dead workers, a full queue."""
 
 import asyncio
+import json
 import re
+import shutil
 import threading
 import time
 
@@ -40,9 +42,10 @@ def req(req_id, prompt_len, max_tokens, seed=0):
 
 
 def crowded_config(checkpoint, **kw):
-    """Two decode slots and one prefill row, four-token steps: easy to hold requests in each state."""
-    return EngineConfig(model=checkpoint, mode="disaggregated", slots=2, prefill_slots=1, max_model_len=640,
-                        token_budget=4, prefill_chunk=4, **kw)
+    """Two decode slots and one prefill row, four-token steps, one decode step per call (no bursts): easy
+    to hold requests in each state long enough."""
+    return EngineConfig(**dict(model=checkpoint, mode="disaggregated", slots=2, prefill_slots=1, max_model_len=640,
+                               token_budget=4, prefill_chunk=4, max_burst_ms=0) | kw)
 
 
 def test_abort_in_every_state_frees_slots_and_handoff_objects(ray_session, tiny_checkpoint):
@@ -144,17 +147,27 @@ def test_full_queue_and_oversized_requests_are_rejected_at_once(ray_session, tin
         ray.get(handle.shutdown.remote())
 
 
-def test_lost_handoff_is_prefilled_again(ray_session, tiny_checkpoint):
+def long_context(checkpoint, tmp_path, context=8192):
+    """The same checkpoint with a longer context (its rotary embedding does not depend on it)."""
+    path = tmp_path / "long-context"
+    shutil.copytree(checkpoint, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"max_position_embeddings": context}))
+    return str(path)
+
+
+def test_lost_handoff_is_prefilled_again(ray_session, tiny_checkpoint, tmp_path):
     """Kill the prefill worker while a handoff waits for a decode slot: its bytes die with their owner,
-    the import fails, the request is prefilled again and still produces local mode's tokens."""
-    config = crowded_config(tiny_checkpoint)
+    the import fails, the request is prefilled again and still produces local mode's tokens. The two
+    requests holding the slots must outlast the kill and the second it waits."""
+    config = crowded_config(long_context(tiny_checkpoint, tmp_path), max_model_len=8192)
     expected = local_outputs(config, [req("C", 6, 12, 3)])["C"]
     handle = start_scheduler(config)
     stream = streamer(handle)
     waiting = req("C", 6, 12, 3)
 
     async def scenario():
-        hogs = [asyncio.create_task(stream(req(n, 4, 600, i))) for i, n in enumerate("AB")]
+        hogs = [asyncio.create_task(stream(req(n, 4, 8000, i))) for i, n in enumerate("AB")]
         await wait_for_stats(handle, lambda s: s["workers"]["decode-0"]["running"] == 2)
         task = asyncio.create_task(stream(waiting))
         await wait_for_stats(handle, lambda s: s["live_handoffs"] == 1)
