@@ -28,6 +28,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from scheduler.bursts import BurstSizer, plan_call
 from scheduler.cell import CellConfig, WorkerState
 from scheduler.coordinator import Coordinator
+from scheduler.gc_pauses import freeze_startup_objects
 from scheduler.outputs import RequestOutput
 from scheduler.request import Request
 from scheduler.timeline import StepTimeline
@@ -68,6 +69,7 @@ class SchedulerActor:
         for worker in self.coordinator.workers:
             worker.placement = await self.handles[worker.name].ready.remote()
         if not self.tasks:
+            freeze_startup_objects()
             self.tasks = [asyncio.create_task(self._loop(w)) for w in self.coordinator.workers]
             self.tasks.append(asyncio.create_task(self._reap_consumers()))
         return {w.name: w.placement for w in self.coordinator.workers} | {

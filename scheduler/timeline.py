@@ -17,10 +17,10 @@ class StepTimeline:
     (the steps on the worker), which contains `forward` (the model). `plan`, `apply` and `publish` run
     in the scheduler while the next call is in flight. A call carries `steps` steps (more than one in a
     decode burst). `summary()` gives per kind the median of each phase per step (a call's seconds
-    divided by its steps, counted once per step), the mean steps per call, the share of the period spent outside the model's
-    forward, and `tok_s_busy`: tokens the steps computed per second of their periods, the rate one
-    worker of the kind sustains while busy (prefill and decode rates side by side give the ratio of
-    prefill to decode workers a workload needs).
+    divided by its steps, counted once per step), the mean steps per call, the share of the period spent
+    outside the model's forward, and `tok_s_busy`: tokens the steps computed per second of their
+    periods, the rate one worker of the kind sustains while busy (prefill and decode rates side by side
+    give the ratio of prefill to decode workers a workload needs).
     """
 
     def __init__(self, window: int = 20_000) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import ray
 import torch
 
+from scheduler.gc_pauses import freeze_startup_objects
 from scheduler.messages import KVImport, KVPiece, StepResult
 from scheduler.plan import StepPlan
 from workers.loader import load_model, resolve_device
@@ -27,6 +28,7 @@ class _ModelWorker:
         loaded = load_model(model, dtype, resolve_device(device))
         self.runner = ModelRunner(loaded.model, num_slots=num_slots, capacity=capacity, tokenizer=loaded.tokenizer,
                                   prefix_blocks=prefix_blocks)
+        freeze_startup_objects()
 
     def ready(self) -> dict[str, Any]:
         """Where this worker runs: answered once the model is loaded."""

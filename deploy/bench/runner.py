@@ -35,6 +35,7 @@ from deploy.bench.workload import (
 )
 from deploy.config import MODES, EngineConfig
 from deploy.driver import open_engine
+from scheduler.gc_pauses import startup_frozen
 from scheduler.outputs import Completion
 
 
@@ -50,10 +51,11 @@ def run_engine(config: EngineConfig, loaded: Any, work: Workload, sequential: bo
     with open_engine(config, loaded) as engine:
         engine.run([warmup_request(work)])
         engine.reset_profile()
-        start = time.perf_counter()
-        for batch in batches:
-            results |= engine.run(batch, arrival_s=arrivals, on_finish=on_finish)
-        elapsed = time.perf_counter() - start
+        with startup_frozen():  # no full collection walks the loaded model mid-run (scheduler/gc_pauses.py)
+            start = time.perf_counter()
+            for batch in batches:
+                results |= engine.run(batch, arrival_s=arrivals, on_finish=on_finish)
+            elapsed = time.perf_counter() - start
         extra = engine.profile() | {"start_perf_s": start}
     handoff_bytes = sum(c.metrics.get("kv_handoff_bytes", 0) for c in results.values())
     handoff_s = sum(c.metrics.get("kv_handoff_s", 0.0) for c in results.values())

@@ -166,6 +166,8 @@ def engine_requests(work: Workload, priorities: bool) -> list[Request]:
 
 
 def warmup_request(work: Workload) -> Request:
-    """A short request run before the clock starts: first calls into torch (and fresh worker processes)
-    are slower than every later one."""
-    return Request(req_id="warmup", prompt_ids=work.prompts[0][:16][::-1], max_tokens=2)  # shares no prefix
+    """A request run before the clock starts, as long as the workload's longest prompt: first calls into
+    torch, fresh worker processes and the first large buffers (a long prompt's attention, its KV handoff
+    in the object store) are slower than every later one, and a server in steady state has paid for them."""
+    longest = max(work.prompts, key=len)
+    return Request(req_id="warmup", prompt_ids=longest[::-1], max_tokens=2)  # reversed: shares no prefix

@@ -28,6 +28,7 @@ from deploy.serving.schemas import (
     DetokenizeBody,
     TokenizeBody,
 )
+from scheduler.gc_pauses import freeze_startup_objects
 
 log = logging.getLogger(__name__)
 APP_NAME = "pdserve"
@@ -76,6 +77,7 @@ class OpenAIIngress:
         self.client = EngineClient(ServeCells(cells, self.config.failover_timeout_s))
         self.server = OpenAIServer(self.client, model)
         self._ready = False
+        freeze_startup_objects()
 
     async def _body(self, request: Request, schema: type[BaseModel]) -> Any:
         """Auth, then size, then JSON: each failure with its own status."""
