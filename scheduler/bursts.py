@@ -10,7 +10,8 @@ planned ahead, a request that stops in one of them (a stop token, max_tokens, a 
 the later ones sample for it, and every step's sampling is seeded by the token's index, not the step.
 
 A burst only forms while nothing else could use the worker sooner: every request on it is decoding,
-none waits, and (disaggregated) no prefill worker holds a prompt whose handoff could join. Its length
+nothing waiting could start before a running request ends, and (disaggregated) no prefill worker holds a
+prompt whose handoff could join. Its length
 keeps the measured per-call overhead near `overhead_share` of the burst's compute, and never lets a
 burst run past `max_burst_s`, so a request arriving meanwhile waits at most about that long and a
 stream's tokens come at least that often.
@@ -40,10 +41,11 @@ def plan_call(coordinator: Coordinator, worker: WorkerState, max_steps: int) -> 
     plans, imports = [step[0]], step[1]
     while len(plans) < max_steps and not plans[0].prefill and not imports \
             and may_burst(worker, coordinator.prefill):
-        more = coordinator.next_step(worker)  # nothing waits here, so it imports nothing
+        more = coordinator.next_step(worker)
         if more is None:
             break
         plans.append(more[0])
+        imports += more[1]  # none while may_burst holds; if any, importing before the first plan is as good
     return plans, imports
 
 
