@@ -121,7 +121,7 @@ class EngineClient:
             while True:
                 out = await stream.queue.get()
                 while not out.finished and not stream.queue.empty():  # a slow reader gets what waits as one
-                    out = _merge(out, stream.queue.get_nowait())
+                    out = out.then(stream.queue.get_nowait())
                 finished = out.finished
                 yield out
                 if finished:
@@ -256,14 +256,6 @@ def _background(work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
     started it (in a Serve replica that context carries the request's id, and Serve's router tells
     concurrent calls apart by it)."""
     return asyncio.get_running_loop().create_task(work, context=contextvars.Context())
-
-
-def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
-    """Two successive outputs of one request as one: tokens and text joined, the later one's ending."""
-    return RequestOutput(first.req_id, first.token_ids + then.token_ids, first.text + then.text,
-                         then.finish_reason, then.error, then.metrics or first.metrics, first.logprobs + then.logprobs,
-                         first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs,
-                         then.unavailable)
 
 
 async def complete(client: EngineClient, request: Request) -> Completion:

@@ -29,7 +29,7 @@ from scheduler.bursts import BurstSizer, plan_call
 from scheduler.cell import CellConfig, WorkerState
 from scheduler.coordinator import Coordinator
 from scheduler.gc_pauses import freeze_startup_objects
-from scheduler.outputs import RequestOutput
+from scheduler.outputs import RequestOutput, coalesce
 from scheduler.request import Request
 from scheduler.timeline import StepTimeline
 
@@ -97,8 +97,9 @@ class SchedulerActor:
         return self.instance
 
     async def poll(self, consumer: str, timeout_s: float = 1.0) -> tuple[str, list[RequestOutput]]:
-        """This scheduler's instance id and every output for the consumer's requests since its last poll;
-        waits up to `timeout_s` for one (an empty list means none came)."""
+        """This scheduler's instance id and every output for the consumer's requests since its last poll,
+        each request's successive outputs joined into one; waits up to `timeout_s` for one (an empty list
+        means none came)."""
         self.last_poll_s[consumer] = time.monotonic()
         event = self.mail.setdefault(consumer, asyncio.Event())
         if not self.mailboxes.get(consumer):
@@ -108,7 +109,7 @@ class SchedulerActor:
             except TimeoutError:
                 pass
         self.last_poll_s[consumer] = time.monotonic()
-        return self.instance, self.mailboxes.pop(consumer, [])
+        return self.instance, coalesce(self.mailboxes.pop(consumer, []))
 
     async def abort(self, req_id: str) -> bool:
         aborted = self.coordinator.abort(req_id)

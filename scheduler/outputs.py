@@ -30,6 +30,32 @@ class RequestOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """This output and the request's next one as one: tokens and text joined, the later one's ending."""
+        return RequestOutput(self.req_id, self.token_ids + later.token_ids, self.text + later.text,
+                             later.finish_reason, later.error, later.metrics or self.metrics,
+                             self.logprobs + later.logprobs,
+                             self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
+                             later.unavailable)
+
+
+def coalesce(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """Successive outputs of each request as one (a consumer that polls once per decode burst gets one
+    output per request, not one per step); never across a request's final output, since its id may
+    already be in use again."""
+    merged: list[RequestOutput] = []
+    open_at: dict[str, int] = {}  # req_id -> index in merged of its unfinished output
+    for out in outputs:
+        at = open_at.pop(out.req_id, None)
+        if at is None:
+            at = len(merged)
+            merged.append(out)
+        else:
+            merged[at] = merged[at].then(out)
+        if not out.finished:
+            open_at[out.req_id] = at
+    return merged
+
 
 class OutputProcessor:
     """Keeps each request's detokenizer; finishes requests whose text reaches a stop string.

@@ -376,3 +376,15 @@ def test_aborting_a_choice_before_the_handoff(aborted):
     assert coordinator.counts.handoffs == (1 if aborted == "x-1" else 2)
     assert_idle(coordinator)
     assert not coordinator.forks
+
+
+def test_a_poll_joins_each_requests_successive_outputs_but_never_across_its_end():
+    from scheduler.outputs import RequestOutput, coalesce
+
+    outs = [RequestOutput("a", [1], "x"), RequestOutput("b", [7], "p"), RequestOutput("a", [2], "y"),
+            RequestOutput("a", [3], "z", finish_reason="stop", metrics={"e2e_s": 1.0}),
+            RequestOutput("a", [9], "again")]  # the id in use again by a new request after the first ended
+    joined = coalesce(outs)
+    assert [(o.req_id, o.token_ids, o.text, o.finish_reason) for o in joined] == [
+        ("a", [1, 2, 3], "xyz", "stop"), ("b", [7], "p", None), ("a", [9], "again", None)]
+    assert joined[0].metrics == {"e2e_s": 1.0}
