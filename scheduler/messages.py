@@ -15,14 +15,15 @@ from scheduler.request import TokenLogprob
 @dataclass(frozen=True)
 class KVPiece:
     """KV rows of one request, positions start..start+num_tokens-1, that a prefill worker put into Ray's
-    object store after the step that computed them."""
+    object store after the step that computed them: one object per step, each request's rows at `offset`."""
 
     req_id: str
     start: int
     num_tokens: int
     ref: Any  # ray.ObjectRef of a numpy array [layers, 2, kv_heads, num_tokens, head_dim]
     num_bytes: int
-    export_s: float  # time the prefill worker spent on it (copy out and put)
+    export_s: float  # time the prefill worker spent on it (copy out and put; its step's, when shared)
+    offset: int = 0  # where its rows start along the token axis of the object (a step's pieces share one)
 
 
 @dataclass(frozen=True)

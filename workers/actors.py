@@ -48,11 +48,15 @@ class PrefillWorker(_ModelWorker):
         start = time.perf_counter()
         samples = self.runner.execute(plan)
         pieces = []
-        for req_id, slot, first, end in plan.exports:
+        if plan.exports:  # one object for all the step's rows: a put costs about a millisecond however small
             export_start = time.perf_counter()
-            rows = self.runner.cache.export_rows(slot, first, end)
-            pieces.append(KVPiece(req_id, first, end - first, ray.put(rows), rows.nbytes,
-                                  time.perf_counter() - export_start))
+            rows = self.runner.cache.export_spans([(slot, first, end) for _, slot, first, end in plan.exports])
+            ref, per_token = ray.put(rows), rows.nbytes // max(1, rows.shape[3])
+            export_s = time.perf_counter() - export_start
+            offset = 0
+            for req_id, _, first, end in plan.exports:
+                pieces.append(KVPiece(req_id, first, end - first, ref, per_token * (end - first), export_s, offset))
+                offset += end - first
         return StepResult(samples=samples, kv_pieces=pieces, step_s=time.perf_counter() - start,
                           forward_s=self.runner.last_forward_s)
 
@@ -78,6 +82,7 @@ class DecodeWorker(_ModelWorker):
             with warnings.catch_warnings():  # the shared buffer is read-only; we only read it
                 warnings.simplefilter("ignore", UserWarning)
                 for piece, rows in zip(item.handoff.pieces, pieces, strict=True):
+                    rows = rows[:, :, :, piece.offset : piece.offset + piece.num_tokens]
                     self.runner.cache.import_rows(item.slot, rows, piece.start)
             import_s[item.handoff.req_id] = time.perf_counter() - t0
         results = []

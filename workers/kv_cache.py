@@ -49,12 +49,25 @@ class SlotKVCache:
         self.pool_v[:, block] = self.v[:, slot, :, start:end]
 
     def export_rows(self, slot: int, start: int, end: int) -> np.ndarray:
-        """Copy positions start..end-1 of a slot out as `[layers, 2, kv_heads, end - start, head_dim]`.
+        """Copy positions start..end-1 of a slot out as `[layers, 2, kv_heads, end - start, head_dim]`."""
+        return self.export_spans([(slot, start, end)])
+
+    def export_spans(self, spans: list[tuple[int, int, int]]) -> np.ndarray:
+        """Copy each (slot, start, end) span out, one after another along the token axis of one
+        `[layers, 2, kv_heads, tokens, head_dim]` array (one copy, one object for the store however many
+        requests a step exported).
 
         A numpy array, so Ray's object store can hand it to another process without pickling; bf16 rows
         travel as their raw 16-bit words.
         """
-        rows = torch.stack((self.k[:, slot, :, start:end], self.v[:, slot, :, start:end]), dim=1)
+        total = sum(end - start for _, start, end in spans)
+        layers, _, heads, _, dim = self.k.shape
+        rows = torch.empty((layers, 2, heads, total, dim), dtype=self.k.dtype, device=self.k.device)
+        at = 0
+        for slot, start, end in spans:
+            rows[:, 0, :, at : at + end - start] = self.k[:, slot, :, start:end]
+            rows[:, 1, :, at : at + end - start] = self.v[:, slot, :, start:end]
+            at += end - start
         if rows.dtype == torch.bfloat16:  # numpy has no bfloat16: ship the raw 16-bit words
             rows = rows.view(torch.int16)
         return rows.cpu().numpy()

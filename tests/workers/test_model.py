@@ -1,5 +1,6 @@
 """Our forward equals transformers' logits on the same weights, for prompt chunks and decode steps."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -58,6 +59,24 @@ def test_cache_rows_round_trip_through_export_and_import_piece_by_piece():
     assert dst.import_rows(2, pieces[0]) == 16 and dst.import_rows(2, pieces[1], 16) == 13
     a = _run(model, src, [(1, [seq[29]], 29)], 1)
     b = _run(model, dst, [(2, [seq[29]], 29)], 1)
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_one_steps_rows_of_several_requests_travel_as_one_array():
+    """A prefill step exports every request's new rows into one array (one object in the store); each
+    request's piece is its span of it, at its offset."""
+    model = tiny_model("llama")
+    spec = model.spec
+    src = SlotKVCache(spec.num_layers, 2, spec.num_kv_heads, 64, spec.head_dim)
+    seqs = [prompt_ids(20, seed=4), prompt_ids(12, seed=5)]
+    _run(model, src, [(0, seqs[0][:19], 0), (1, seqs[1][:11], 0)], 0)
+    rows = src.export_spans([(0, 0, 19), (1, 3, 11)])
+    assert rows.shape == (spec.num_layers, 2, spec.num_kv_heads, 19 + 8, spec.head_dim)
+    np.testing.assert_array_equal(rows[:, :, :, 19:], src.export_rows(1, 3, 11))
+    dst = SlotKVCache(spec.num_layers, 2, spec.num_kv_heads, 64, spec.head_dim)
+    dst.import_rows(1, rows[:, :, :, :19])
+    a = _run(model, src, [(0, [seqs[0][19]], 19)], 1)
+    b = _run(model, dst, [(1, [seqs[0][19]], 19)], 1)
     torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
