@@ -85,10 +85,10 @@ class DecodeWorker(_ModelWorker):
                     rows = rows[:, :, :, piece.offset : piece.offset + piece.num_tokens]
                     self.runner.cache.import_rows(item.slot, rows, piece.start)
             import_s[item.handoff.req_id] = time.perf_counter() - t0
+        lost = set(failed)
         results = []
         for plan in plans:
-            if failed:
-                lost = set(failed)
+            if lost:
                 plan = dataclasses.replace(plan, decode=[c for c in plan.decode if c.req_id not in lost],
                                            prefill=[c for c in plan.prefill if c.req_id not in lost])
             samples = self.runner.execute(plan)
