@@ -47,7 +47,9 @@ async def stream_all(base: str, texts: list[str], max_tokens: int) -> list[Any]:
 
 
 def stats(base: str) -> dict[str, Any]:
-    return httpx.get(f"{base}/stats", timeout=30).json()
+    reply = httpx.get(f"{base}/stats", timeout=30)
+    assert reply.status_code == 200, f"/stats answered {reply.status_code}: {reply.text[:500]}"
+    return reply.json()
 
 
 async def wait_for(base: str, condition: Any, timeout_s: float) -> dict[str, Any]:
@@ -152,7 +154,9 @@ if __name__ == "__main__":
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
         port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        # One proxy: the simulated nodes share this host, and a proxy per node would bind the same port
+        # (SO_REUSEPORT), so a request could land on one still starting (404) or draining.
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         result = {"failover": failover, "scaling": scaling}[scenario](f"http://127.0.0.1:{port}")
         print(json.dumps(result))
     finally:
