@@ -38,8 +38,9 @@ class EngineConfig(BaseModel):
     decode_workers: int = Field(1, ge=1, description="Decode worker actors (disaggregated and colocated).")
     local_prefill_max_tokens: int = Field(0, ge=0, description="Prompts shorter than this are prefilled on "
                                           "the decode worker, skipping the handoff; 0 always hands off.")
-    prefill_slots: int = Field(4, ge=1, description="Cache rows per prefill worker: prompts it can hold "
-                               "partly prefilled at once.")
+    prefill_slots: int = Field(16, ge=1, description="Cache rows per prefill worker: prompts it can hold "
+                               "partly prefilled at once. Short prompts need many (a step takes up to "
+                               "token_budget tokens of them); long ones are bounded by the token budget.")
     prefill_resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources each "
                                                 "prefill worker needs, e.g. {\"prefill_node\": 1} (cluster.yaml).")
     decode_resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources each "
