@@ -9,9 +9,10 @@ returns K results that are applied in order. Outputs are the same tokens: each p
 planned ahead, a request that stops in one of them (a stop token, max_tokens, a stop string) drops what
 the later ones sample for it, and every step's sampling is seeded by the token's index, not the step.
 
-A burst only forms while nothing else could use the worker sooner: every request on it is decoding,
-nothing waiting could start before a running request ends, and (disaggregated) no prefill worker holds a
-prompt whose handoff could join. Its length
+A burst only forms while nothing else could use the worker sooner: every request on it is decoding, and
+either nothing waits for it here or on the prefill pool (whose handoffs could join), or it is full: no slot
+is free, none can be preempted for what waits, and no running request has planned its last token, so
+nothing, here or still to come from the prefill pool, could start before a running request ends. Its length
 keeps the measured per-call overhead near `overhead_share` of the burst's compute, and never lets a
 burst run past `max_burst_s`, so a request arriving meanwhile waits at most about that long and a
 stream's tokens come at least that often.
@@ -50,14 +51,15 @@ def plan_call(coordinator: Coordinator, worker: WorkerState, max_steps: int) -> 
 
 
 def may_burst(worker: WorkerState, prefill_pool: list[WorkerState]) -> bool:
-    """The worker's next plan would be a decode step, and no new work for it can come meanwhile: none waits,
-    or what waits cannot start before a running request ends (no slot is free, none can be preempted for
-    it, and no running request has planned its last token: its slot frees when that step is applied)."""
+    """The worker's next plan would be a decode step, and no new work for it can come meanwhile: none waits
+    here or on the prefill pool, or nothing can start before a running request ends (no slot is free, none
+    can be preempted for what waits, and no running request has planned its last token: its slot frees
+    when that step is applied). A more urgent handoff that could preempt waits at most one burst, as a new
+    request does."""
     sched = worker.sched
-    if worker.kind != "decode" or not sched.running or not all(r.is_decoding for r in sched.running) \
-            or not all(p.sched.idle for p in prefill_pool):
+    if worker.kind != "decode" or not sched.running or not all(r.is_decoding for r in sched.running):
         return False
-    if not sched.num_waiting:
+    if not sched.num_waiting and all(p.sched.idle for p in prefill_pool):
         return True
     return not sched.free_slots and not sched.can_preempt_for_waiting() \
         and all(r.num_outputs_planned < r.max_tokens for r in sched.running)

@@ -1,4 +1,4 @@
-"""What a cell is made of, as plain data: its config, its workers' states, per-request placement, counts."""
+"""A cell as plain data (config, workers' states, placements, counts), and how many prompts its prefill pool starts."""
 
 from __future__ import annotations
 
@@ -99,3 +99,13 @@ class CellCounts:
     handoff_bytes: int = 0
     recomputes: int = 0
     worker_failures: int = 0
+
+
+def prefill_room(prefill: list[WorkerState], decode: list[WorkerState], prefill_slots: int) -> int:
+    """Prompts the prefill pool may start now. A prompt's KV waits (in the object store) from its handoff
+    until a decode worker has a slot for it: those prompts and the ones still prefilling are held to the
+    decode pool's free slots plus one round of the prefill pool's slots, so an overload queues prompts,
+    not KV."""
+    free = sum(len(w.sched.free_slots) for w in decode if w.status is not WorkerStatus.GONE)
+    queued = sum(w.sched.num_waiting for w in decode) + sum(len(w.sched.running) for w in prefill)
+    return free + prefill_slots * sum(w.status is not WorkerStatus.GONE for w in prefill) - queued

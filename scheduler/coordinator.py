@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from scheduler.cell import CellConfig, CellCounts, RequestPlacement, WorkerState, WorkerStatus
+from scheduler.cell import CellConfig, CellCounts, RequestPlacement, WorkerState, WorkerStatus, prefill_room
 from scheduler.forks import WaitingForks, sibling_worker
 from scheduler.messages import KVHandoff, KVImport, KVPiece, StepResult
 from scheduler.metrics import RecordingBackend, SchedulerMetrics
@@ -144,7 +144,6 @@ class Coordinator:
         return min(live, key=lambda w: (routing_cost(request, w.sched.prefix_cache, w.sched.requests.values()),
                                         w.load()))
 
-
     @staticmethod
     def _pick(pool: list[WorkerState], exclude: WorkerState | None = None) -> WorkerState | None:
         """The least loaded worker that is up; else one being restarted (its queue waits); else None."""
@@ -171,12 +170,17 @@ class Coordinator:
                 out.metrics |= self.placements.pop(out.req_id).as_metrics()
                 del self.consumers[out.req_id]
             self.outbox.setdefault(consumer, []).append(out)
+        if any(out.finished for out in outputs):  # a slot or a place in a queue freed: `prefill_room` grew
+            for worker in self.prefill:
+                if worker.sched.num_waiting:
+                    self.wake(worker)
 
     # ---- stepping ---------------------------------------------------------------------------------
     def next_step(self, worker: WorkerState) -> tuple[StepPlan, list[KVImport]] | None:
-        """Plan the worker's next step and the handoffs it must import first; None when it has no work.
-        A request preempted on a decode worker in disaggregated mode is recomputed on the prefill pool."""
-        plan = worker.sched.plan()
+        """Plan the worker's next step and the handoffs it imports first (None: no work). A prefill worker
+        starts at most `prefill_room` prompts; one preempted on a decode worker is recomputed on the prefill pool."""
+        room = prefill_room(self.prefill, self.decode, self.config.prefill_slots) if worker.kind == "prefill" else None
+        plan = worker.sched.plan(room)
         for req_id in plan.preempted:  # its pieces are void: it exports again from its first row
             self.pieces.pop(req_id, None)
         if plan.preempted and worker.kind == "decode" and self.prefill:
@@ -221,7 +225,7 @@ class Coordinator:
                 setattr(placement, f"{worker.kind}_worker", worker.index)
         for handoff in handoffs:
             self._hand_off(sched, handoff)
-        self._count_states()
+        self.metrics.on_states([w.sched for w in self.workers])
         self._publish(outputs)
 
     def _hand_off(self, sched: Scheduler, handoff: KVHandoff) -> None:
@@ -240,11 +244,6 @@ class Coordinator:
         target.sched.submit(request)
         self._release_forks(request.req_id, target)
         self.wake(target)
-
-    def _count_states(self) -> None:
-        waiting = sum(w.sched.num_waiting for w in self.workers)
-        decoding = sum(1 for w in self.workers for r in w.sched.running if r.is_decoding)
-        self.metrics.on_states(waiting, sum(len(w.sched.running) for w in self.workers) - decoding, decoding)
 
     def _recompute(self, request: Request, why: str) -> None:
         request.reset_cache()

@@ -63,8 +63,12 @@ class SchedulerMetrics:
         if num_preempted:
             self.preemptions.inc(num_preempted, tags=self.tags)
 
-    def on_states(self, waiting: int, prefilling: int, decoding: int) -> None:
-        for state, value in (("waiting", waiting), ("prefilling", prefilling), ("decoding", decoding)):
+    def on_states(self, scheds: list[Any]) -> None:
+        """Requests waiting, prefilling and decoding on the cell's workers (their `Scheduler`s)."""
+        running = [r for sched in scheds for r in sched.running]
+        decoding = sum(r.is_decoding for r in running)
+        waiting = sum(sched.num_waiting for sched in scheds)
+        for state, value in (("waiting", waiting), ("prefilling", len(running) - decoding), ("decoding", decoding)):
             self.requests.set(value, tags=self.tags | {"state": state})
 
     def on_handoff(self, num_bytes: int, seconds: float) -> None:

@@ -93,14 +93,14 @@ class Scheduler:
         bisect.insort(self.waiting, entry, key=lambda e: (e.priority, e.arrival_s, e.order))
 
     # ---- planning ---------------------------------------------------------------------------------
-    def plan(self) -> StepPlan:
-        """Admit what fits (preempting for more urgent requests), then plan one step (see the class
-        docstring)."""
+    def plan(self, max_admit: int | None = None) -> StepPlan:
+        """Admit what fits, at most `max_admit` requests (preempting for more urgent ones), then plan one
+        step (see the class docstring)."""
         preempted: list[str] = []
         copies: list[tuple[int, int, int]] = []
         loads: list[tuple[int, int, int]] = []
-        index = 0
-        while index < len(self.waiting):
+        index, admit = 0, len(self.waiting) if max_admit is None else max_admit
+        while index < len(self.waiting) and admit > 0:
             request = self.waiting[index].request
             sibling = self._fork_source(request)
             if sibling is not None and (sibling.slot is None or sibling.num_computed < len(request.prompt_ids) - 1) \
@@ -115,6 +115,7 @@ class Scheduler:
                 self._preempt(victim)
                 preempted.append(victim.req_id)
             self.waiting.pop(index)
+            admit -= 1
             if request.scheduled_s is None:
                 request.scheduled_s = time.perf_counter()
             request.slot = self.free_slots.pop(0)

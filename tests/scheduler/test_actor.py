@@ -49,7 +49,7 @@ def crowded_config(checkpoint, **kw):
 
 
 def test_abort_in_every_state_frees_slots_and_handoff_objects(ray_session, tiny_checkpoint):
-    handle = start_scheduler(crowded_config(tiny_checkpoint))
+    handle = start_scheduler(crowded_config(tiny_checkpoint, prefill_slots=2))
     stream = streamer(handle)
     decode, prefill = "decode-0", "prefill-0"
 
@@ -61,7 +61,7 @@ def test_abort_in_every_state_frees_slots_and_handoff_objects(ray_session, tiny_
         await wait_for_stats(handle, lambda s: s["live_handoffs"] == 1)
         assert plasma_objects() >= 1
         tasks["D"] = asyncio.create_task(stream(req("D", 500, 5, 4)))  # 125 four-token chunks
-        tasks["E"] = asyncio.create_task(stream(req("E", 10, 5, 5)))  # waits for the prefill row
+        tasks["E"] = asyncio.create_task(stream(req("E", 10, 5, 5)))  # waits: C and D fill `prefill_room`
         stats = await wait_for_stats(handle, lambda s: s["workers"][prefill]["running"] == 1
                                and s["workers"][prefill]["waiting"] == 1)
         assert stats["workers"][decode] == {"alive": True, "slots_used": 2, "running": 2, "waiting": 1}

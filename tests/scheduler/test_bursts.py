@@ -6,6 +6,8 @@ from scheduler.bursts import BurstSizer, may_burst, plan_call
 from scheduler.request import Request
 from tests.scheduler.test_coordinator import Streams, assert_idle, cell, expected_tokens, fake_step, req, token
 
+bursts_while_prompts_wait: list[bool] = []  # per burst run_calls saw: whether the prefill pool held prompts
+
 
 def run_calls(coordinator, streams, max_steps, calls=None, before_call=None):
     """The actor's loop by hand: each worker keeps one call in flight ahead, a call is `plan_call`'s plans
@@ -23,8 +25,9 @@ def run_calls(coordinator, streams, max_steps, calls=None, before_call=None):
                 calls.append((worker.kind, plans, imports))
                 if len(plans) > 1:  # only while nothing else could use the worker sooner
                     sched = worker.sched
-                    assert all(p.sched.idle for p in coordinator.prefill)
-                    assert not sched.num_waiting or not sched.free_slots and not sched.can_preempt_for_waiting()
+                    full = not sched.free_slots and not sched.can_preempt_for_waiting()
+                    assert full or not sched.num_waiting and all(p.sched.idle for p in coordinator.prefill)
+                    bursts_while_prompts_wait.append(not all(p.sched.idle for p in coordinator.prefill))
                 sent = [(plan, fake_step(coordinator, worker, plan, imports if i == 0 else []))
                         for i, plan in enumerate(plans)]
             for plan, result in in_flight.pop(worker.name, []):
@@ -61,9 +64,10 @@ def test_bursts_change_no_output_and_never_run_past_a_stop(mode):
                for kind, plans, imports in calls if len(plans) > 1)
 
 
-def test_no_burst_while_work_waits_or_a_prompt_is_on_the_prefill_pool():
-    """Prompts keep arriving: a burst never forms while one waits or is prefilled (it would keep it, or its
-    handoff, out of the worker's next steps), and forms once they are all decoding."""
+def test_no_burst_while_a_waiting_or_prefilling_prompt_could_take_a_free_slot():
+    """Prompts keep arriving: while the decode worker has a free slot, a burst never forms while one waits
+    or is prefilled (it would keep it, or its handoff, out of the worker's next steps); it forms once they
+    are all decoding, or once the worker is full."""
     coordinator, streams = cell(decode_slots=4, prefill_slots=1), Streams()
 
     def arrive(n):
@@ -136,3 +140,30 @@ def test_burst_length_keeps_the_call_overhead_a_small_share():
     assert off.length("decode-0") == 1
     with pytest.raises(ValueError):
         BurstSizer(max_burst_s=-1)
+
+
+def test_a_full_decode_worker_bursts_while_prompts_wait_on_the_prefill_pool():
+    """Under overload nothing the prefill pool holds can start before a running request ends, so the decode
+    worker keeps bursting (it used to wait for the prefill pool to empty); every stream is unchanged."""
+    coordinator, streams = cell(decode_slots=2, prefill_slots=1), Streams()
+    for i in range(8):
+        coordinator.admit(req(f"r{i}", max_tokens=25), consumer="c")
+    bursts_while_prompts_wait.clear()
+    run_calls(coordinator, streams, max_steps=4)
+    assert streams.tokens == {f"r{i}": expected_tokens(f"r{i}", 25) for i in range(8)}
+    assert any(bursts_while_prompts_wait)
+    assert_idle(coordinator)
+    worker = coordinator.decode[0]  # a free slot and a prompt on the prefill pool: no burst
+    coordinator.admit(req("a", max_tokens=25), consumer="c")
+    while not worker.sched.running or not all(r.is_decoding for r in worker.sched.running):
+        run_calls_once(coordinator)
+    coordinator.admit(req("b", max_tokens=25), consumer="c")
+    assert worker.sched.free_slots and not may_burst(worker, coordinator.prefill)
+
+
+def run_calls_once(coordinator):
+    for worker in coordinator.workers:
+        step = coordinator.next_step(worker)
+        if step is not None:
+            coordinator.apply(worker, step[0], fake_step(coordinator, worker, *step))
+            coordinator.take_outputs()

@@ -388,3 +388,41 @@ def test_a_poll_joins_each_requests_successive_outputs_but_never_across_its_end(
     assert [(o.req_id, o.token_ids, o.text, o.finish_reason) for o in joined] == [
         ("a", [1, 2, 3], "xyz", "stop"), ("b", [7], "p", None), ("a", [9], "again", None)]
     assert joined[0].metrics == {"e2e_s": 1.0}
+
+
+def run_woken(coordinator, streams, check=lambda: None):
+    """As the actor's loops step workers: one plans again after its own step or when the coordinator
+    wakes it; with nothing to do it sleeps. Fails if work is left with every worker asleep."""
+    awake = {w.name for w in coordinator.workers}
+    coordinator.wake = lambda worker: awake.add(worker.name)
+    while awake:
+        for worker in coordinator.workers:
+            step = coordinator.next_step(worker) if worker.name in awake else None
+            if step is None:
+                awake.discard(worker.name)
+                continue
+            coordinator.apply(worker, step[0], fake_step(coordinator, worker, *step))
+            streams.take(coordinator)
+            check()
+
+
+def test_the_prefill_pool_runs_at_most_one_round_ahead_of_the_decode_pool():
+    """An overload queues prompts, not KV: handed-off prompts waiting for a decode slot and prompts still
+    prefilling never outnumber the decode pool's free slots plus the prefill pool's slots (without that
+    bound, all 12 prompts would be prefilled into the object store at once). A prefill worker holding
+    prompts back is woken when a decode slot frees; no stream changes."""
+    coordinator, streams = cell(decode_slots=2, prefill_slots=1), Streams()
+    for i in range(12):
+        coordinator.admit(req(f"r{i}", max_tokens=15), consumer="c")
+    most_waiting = 0
+
+    def bounded():
+        (prefill,), (decode,) = coordinator.prefill, coordinator.decode
+        assert decode.sched.num_waiting + len(prefill.sched.running) <= len(decode.sched.free_slots) + 1
+        nonlocal most_waiting
+        most_waiting = max(most_waiting, len(coordinator.handoffs))
+
+    run_woken(coordinator, streams, bounded)
+    assert streams.tokens == {f"r{i}": expected_tokens(f"r{i}", 15) for i in range(12)}
+    assert most_waiting == 1  # one prompt ready for the next free decode slot, no more
+    assert_idle(coordinator)
