@@ -101,11 +101,16 @@ class CellCounts:
     worker_failures: int = 0
 
 
-def prefill_room(prefill: list[WorkerState], decode: list[WorkerState], prefill_slots: int) -> int:
-    """Prompts the prefill pool may start now. A prompt's KV waits (in the object store) from its handoff
+def prefill_room(worker: WorkerState, prefill: list[WorkerState], decode: list[WorkerState], prefill_slots: int) -> int:
+    """Prompts a prefill worker may start now. A prompt's KV waits (in the object store) from its handoff
     until a decode worker has a slot for it: those prompts and the ones still prefilling are held to the
     decode pool's free slots plus one round of the prefill pool's slots, so an overload queues prompts,
-    not KV."""
+    not KV. The worker's most urgent waiting prompt may always start if it would preempt a running
+    request on a decode worker: the bound never delays a priority."""
     free = sum(len(w.sched.free_slots) for w in decode if w.status is not WorkerStatus.GONE)
     queued = sum(w.sched.num_waiting for w in decode) + sum(len(w.sched.running) for w in prefill)
-    return free + prefill_slots * sum(w.status is not WorkerStatus.GONE for w in prefill) - queued
+    room = free + prefill_slots * sum(w.status is not WorkerStatus.GONE for w in prefill) - queued
+    urgent = worker.sched.waiting[0].request if worker.sched.waiting else None
+    if room < 1 and urgent is not None and any(w.sched.victim(urgent) for w in decode if w.status is WorkerStatus.UP):
+        return 1
+    return room

@@ -179,7 +179,8 @@ class Coordinator:
     def next_step(self, worker: WorkerState) -> tuple[StepPlan, list[KVImport]] | None:
         """Plan the worker's next step and the handoffs it imports first (None: no work). A prefill worker
         starts at most `prefill_room` prompts; one preempted on a decode worker is recomputed on the prefill pool."""
-        room = prefill_room(self.prefill, self.decode, self.config.prefill_slots) if worker.kind == "prefill" else None
+        prefill = worker.kind == "prefill"
+        room = prefill_room(worker, self.prefill, self.decode, self.config.prefill_slots) if prefill else None
         plan = worker.sched.plan(room)
         for req_id in plan.preempted:  # its pieces are void: it exports again from its first row
             self.pieces.pop(req_id, None)

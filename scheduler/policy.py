@@ -109,7 +109,7 @@ class Scheduler:
                 index += 1  # its prefix is being computed here: copying it soon beats computing it again
                 continue
             if not self.free_slots:
-                victim = self._victim(request)
+                victim = self.victim(request)
                 if victim is None:
                     break
                 self._preempt(victim)
@@ -172,9 +172,9 @@ class Scheduler:
 
     def can_preempt_for_waiting(self) -> bool:
         """A waiting request could evict a running one: the most urgent one can whenever any can."""
-        return bool(self.waiting) and self._victim(self.waiting[0].request) is not None
+        return bool(self.waiting) and self.victim(self.waiting[0].request) is not None
 
-    def _victim(self, candidate: Request) -> Request | None:
+    def victim(self, candidate: Request) -> Request | None:
         """The running request to evict for `candidate`: strictly less urgent, evicted fewer than
         `max_preemptions` times (so a stream of urgent requests cannot starve it), the least urgent
         of those, then the one with the most work left."""

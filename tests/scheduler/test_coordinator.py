@@ -426,3 +426,24 @@ def test_the_prefill_pool_runs_at_most_one_round_ahead_of_the_decode_pool():
     assert streams.tokens == {f"r{i}": expected_tokens(f"r{i}", 15) for i in range(12)}
     assert most_waiting == 1  # one prompt ready for the next free decode slot, no more
     assert_idle(coordinator)
+
+
+def test_an_urgent_prompt_passes_the_bound_to_preempt_at_once():
+    """The backlog is full and every decode slot is held by long, less urgent streams: an urgent prompt
+    still starts on the prefill pool, is handed off and preempts; it does not wait for a stream to end."""
+    coordinator, streams = cell(decode_slots=2, prefill_slots=1), Streams()
+    for i in range(6):
+        coordinator.admit(req(f"low{i}", max_tokens=40, priority=1), consumer="c")
+    arrived = []
+
+    def urgent_after_backlog():
+        if not arrived and len(coordinator.handoffs) == 1 and not coordinator.decode[0].sched.free_slots:
+            coordinator.admit(req("urgent", max_tokens=3, priority=0), consumer="c")
+            arrived.append(len(streams.finish))
+
+    run_woken(coordinator, streams, urgent_after_backlog)
+    assert arrived == [0]
+    assert list(streams.finish)[0] == "urgent"  # before any of the streams it preempted ends
+    assert streams.tokens == {"urgent": expected_tokens("urgent", 3)} | {
+        f"low{i}": expected_tokens(f"low{i}", 40) for i in range(6)}
+    assert_idle(coordinator)
