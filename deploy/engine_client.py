@@ -68,6 +68,7 @@ class _Stream:
     moving: bool = False  # its cell was lost: it is being placed again
     early: list[tuple[str, RequestOutput]] = field(default_factory=list)  # came while it was being placed
     lost_s: float | None = None  # when it was first lost since its last token (failover gives up after a timeout)
+    aborted: bool = False  # the client asked to abort it (`EngineClient.abort`)
     # what the client received so far: what a continuation starts from
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -91,7 +92,8 @@ class EngineClient:
     gets the outputs that waited for it merged into one. Closing a stream before its last output (a
     client that disconnected) aborts the request.
 
-    A cell is lost when its scheduler dies (or restarts: polls answer from another instance). With
+    A cell is lost when its scheduler dies (or restarts: polls answer from another instance); it is lost
+    for one stream when it ends it unasked (`unavailable`, or an abort the client did not ask for). With
     `cells.failover_timeout_s` set, each of its streams is placed again as a continuation (prompt and
     the tokens this client received, same seed), so the stream goes on with no token missing or
     repeated; if no cell takes it within the timeout, it ends with an `unavailable` error. Without
@@ -145,6 +147,7 @@ class EngineClient:
         stream = self.streams.get(req_id)
         if stream is None or stream.cell is None:
             return False
+        stream.aborted = True
         return await self.placements[stream.cell].scheduler.abort.remote(req_id)
 
     async def _place(self, stream: _Stream, request: Request, failing_over: bool = False) -> None:
@@ -203,6 +206,8 @@ class EngineClient:
     def _deliver(self, cell: str, stream: _Stream, out: RequestOutput) -> None:
         if out.unavailable and self.cells.failover_timeout_s is not None:  # this cell cannot serve it
             self._lost(cell, out.error or "unavailable", [stream])
+        elif out.finish_reason == "abort" and not stream.aborted:  # the cell gave it up, not the client: a
+            self._lost(cell, "its cell aborted it", [stream])  # placement attempt cancelled there, a replica stopping
         else:
             stream.receive(out)
 

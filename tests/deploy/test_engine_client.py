@@ -213,3 +213,44 @@ def test_a_stream_no_cell_can_take_ends_with_a_retryable_error_not_a_cut():
     got = asyncio.run(asyncio.wait_for(scenario(), 10))
     assert got[0].token_ids == [0] and got[-1].finish_reason == "error" and got[-1].unavailable
     assert "no other could continue it" in got[-1].error
+
+
+def test_an_abort_the_client_did_not_ask_for_moves_the_stream_instead_of_ending_it():
+    """A cell that aborts a request on its own (a placement attempt cancelled there, a replica being
+    stopped) must not end the client's stream with an empty `abort`: the stream continues on another
+    cell. An abort the client asked for still ends it."""
+    a, b = FakeCell("A"), FakeCell("B")
+    original = a._submit
+
+    async def aborts_after_two(request, consumer):
+        instance = await original(request, consumer)
+        a.pending = a.pending[:2] + [RequestOutput(request.req_id, finish_reason="abort")]
+        a.submit = Call(original)  # once
+        return instance
+
+    a.submit = Call(aborts_after_two)
+    client = EngineClient(FakeCells([a, b]))
+    done = asyncio.run(asyncio.wait_for(complete(client, make_request("x")), 5))
+    assert done.token_ids == list(range(6)) and done.finish_reason == "length" and done.error is None
+    assert [r.output_ids for r in a.taken] == [[], [0, 1]] and client.num_failovers == 1
+
+    slow = FakeCell("C", tokens_per_request=200)
+    client = EngineClient(FakeCells([slow]))
+    original_slow = slow._abort
+
+    async def abort_publishes(req_id):  # as the scheduler does: a final `abort` output
+        slow.pending = [RequestOutput(req_id, finish_reason="abort")]
+        return await original_slow(req_id)
+
+    slow.abort = Call(abort_publishes)
+
+    async def asked():
+        stream = client.generate(make_request("y"))
+        got = [await stream.__anext__()]
+        assert await client.abort("y")
+        async for out in stream:
+            got.append(out)
+        return got
+
+    got = asyncio.run(asyncio.wait_for(asked(), 5))
+    assert got[-1].finish_reason == "abort" and client.num_failovers == 0
