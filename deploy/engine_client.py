@@ -92,8 +92,9 @@ class EngineClient:
     gets the outputs that waited for it merged into one. Closing a stream before its last output (a
     client that disconnected) aborts the request.
 
-    A cell is lost when its scheduler dies (or restarts: polls answer from another instance); it is lost
-    for one stream when it ends it unasked (`unavailable`, or an abort the client did not ask for). With
+    A cell is lost when its scheduler dies (or restarts: polls answer from another instance); with
+    failover, it is lost for one stream when it ends it unasked (`unavailable`, or an abort the client
+    did not ask for: a placement attempt cancelled there, a replica being stopped). With
     `cells.failover_timeout_s` set, each of its streams is placed again as a continuation (prompt and
     the tokens this client received, same seed), so the stream goes on with no token missing or
     repeated; if no cell takes it within the timeout, it ends with an `unavailable` error. Without
@@ -204,10 +205,11 @@ class EngineClient:
                     self._deliver(cell, stream, out)
 
     def _deliver(self, cell: str, stream: _Stream, out: RequestOutput) -> None:
-        if out.unavailable and self.cells.failover_timeout_s is not None:  # this cell cannot serve it
-            self._lost(cell, out.error or "unavailable", [stream])
-        elif out.finish_reason == "abort" and not stream.aborted:  # the cell gave it up, not the client: a
-            self._lost(cell, "its cell aborted it", [stream])  # placement attempt cancelled there, a replica stopping
+        # with failover: a cell that cannot serve it, or gave it up unasked (a placement attempt cancelled
+        # there, a replica stopping), loses the stream to another cell
+        if self.cells.failover_timeout_s is not None and (
+                out.unavailable or out.finish_reason == "abort" and not stream.aborted):
+            self._lost(cell, out.error or "its cell aborted it", [stream])
         else:
             stream.receive(out)
 
