@@ -209,7 +209,7 @@ class EngineClient:
         # there, a replica stopping), loses the stream to another cell
         if self.cells.failover_timeout_s is not None and (
                 out.unavailable or out.finish_reason == "abort" and not stream.aborted):
-            self._lost(cell, out.error or "its cell aborted it", [stream])
+            self._lost(cell, out.error or ("unavailable" if out.unavailable else "its cell aborted it"), [stream])
         else:
             stream.receive(out)
 

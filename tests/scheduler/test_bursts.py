@@ -4,7 +4,16 @@ import pytest
 
 from scheduler.bursts import BurstSizer, may_burst, plan_call
 from scheduler.request import Request
-from tests.scheduler.test_coordinator import Streams, assert_idle, cell, expected_tokens, fake_step, req, token
+from tests.scheduler.test_coordinator import (
+    Streams,
+    assert_idle,
+    cell,
+    expected_tokens,
+    fake_step,
+    req,
+    step_all,
+    token,
+)
 
 bursts_while_prompts_wait: list[bool] = []  # per burst run_calls saw: whether the prefill pool held prompts
 
@@ -156,14 +165,7 @@ def test_a_full_decode_worker_bursts_while_prompts_wait_on_the_prefill_pool():
     worker = coordinator.decode[0]  # a free slot and a prompt on the prefill pool: no burst
     coordinator.admit(req("a", max_tokens=25), consumer="c")
     while not worker.sched.running or not all(r.is_decoding for r in worker.sched.running):
-        run_calls_once(coordinator)
+        step_all(coordinator, streams, steps=1)
     coordinator.admit(req("b", max_tokens=25), consumer="c")
     assert worker.sched.free_slots and not may_burst(worker, coordinator.prefill)
 
-
-def run_calls_once(coordinator):
-    for worker in coordinator.workers:
-        step = coordinator.next_step(worker)
-        if step is not None:
-            coordinator.apply(worker, step[0], fake_step(coordinator, worker, *step))
-            coordinator.take_outputs()
