@@ -99,6 +99,7 @@ class CellCounts:
     handoff_bytes: int = 0
     recomputes: int = 0
     worker_failures: int = 0
+    aborts: int = 0  # requests ended by abort (a client's disconnect or cancel)
 
 
 def prefill_room(worker: WorkerState, prefill: list[WorkerState], decode: list[WorkerState], prefill_slots: int) -> int:

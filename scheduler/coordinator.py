@@ -79,8 +79,8 @@ class Coordinator:
         self._route(request)
 
     def abort(self, req_id: str) -> bool:
-        """End a request in any state (waiting, prefilling, handed off, decoding): its slot, prefill
-        row and handoff are freed at once, and its stream gets a final `abort` output."""
+        """End a request in any state (waiting, prefilling, handed off, decoding): its slot, prefill row
+        and handoff are freed at once, its stream gets a final `abort` output, and `aborts` counts it."""
         request = next((r for w in self.workers if (r := w.sched.abort(req_id)) is not None), None) \
             or self.forks.take(req_id)
         if request is None:
@@ -89,17 +89,16 @@ class Coordinator:
             request.mark_finished(FinishReason.ABORT)
         self._drop_kv(req_id)
         self._release_forks(req_id)
+        self.counts.aborts += 1
         self._publish([RequestOutput(req_id, text=self.outputs.close(request), finish_reason="abort",
                                      metrics=request.metrics())])
         return True
 
     def abort_consumer(self, consumer: str) -> int:
         """Abort every request of a consumer that went away; returns how many."""
-        req_ids = [r for r, c in self.consumers.items() if c == consumer]
-        for req_id in req_ids:
-            self.abort(req_id)
+        aborted = sum(self.abort(r) for r in [r for r, c in self.consumers.items() if c == consumer])
         self.outbox.pop(consumer, None)
-        return len(req_ids)
+        return aborted
 
     def take_outputs(self) -> dict[str, list[RequestOutput]]:
         """Every output published since the last call, grouped by consumer."""

@@ -266,9 +266,11 @@ def test_a_consumer_that_went_away_has_its_requests_aborted():
     coordinator.admit(req("b", max_tokens=30), consumer="gone")
     coordinator.admit(req("c", max_tokens=3), consumer="alive")
     step_all(coordinator, streams, steps=5)
-    assert coordinator.abort_consumer("gone") == 2
+    assert coordinator.abort_consumer("gone") == 2 and coordinator.counts.aborts == 2
+    assert coordinator.abort_consumer("gone") == 0 and not coordinator.abort("a")
     step_all(coordinator, streams)
     assert streams.finish["c"] == "length" and "gone" not in coordinator.take_outputs()
+    assert coordinator.stats()["counters"]["aborts"] == 2
     assert_idle(coordinator)
 
 

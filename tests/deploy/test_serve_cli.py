@@ -1,0 +1,96 @@
+"""`pdserve serve` as a user runs it: its own Ray, the ingress replica serving HTTP on --port itself."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from deploy.cli import main
+from deploy.config import EngineConfig
+from deploy.driver import open_engine
+from deploy.prompts import build_request
+from tests.factories import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _local_text(checkpoint: str, prompt: list[int], max_tokens: int) -> str:
+    with open_engine(EngineConfig(model=checkpoint, max_model_len=256)) as engine:
+        request = build_request("x", prompt, max_tokens=max_tokens, eos_token_ids=engine.eos_token_ids,
+                                temperature=0)
+        done = engine.run([request])["x"]
+    return done.text
+
+
+def _wait_ready(proc: subprocess.Popen, base: str, log: Path, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"pdserve serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+        if "Ctrl-C stops it." in log.read_text():  # printed once the app is up
+            assert httpx.get(f"{base}/v1/models", timeout=10).status_code == 200
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"pdserve serve not ready in {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.mark.slow
+def test_pdserve_serve_streams_on_its_port_frees_a_dropped_stream_and_stops_on_sigterm(tiny_checkpoint, tmp_path):
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = tmp_path / "serve.log"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a Ray of its own, as `make serve`
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "serve", "--model", tiny_checkpoint,
+                                 "--served-model-name", "tiny", "--mode", "colocated", "--slots", "4",
+                                 "--max-model-len", "1024", "--port", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    try:
+        _wait_ready(proc, base, log)
+        assert f"(colocated, direct ingress) at {base}/v1" in log.read_text()
+
+        prompt, want = [5, 6, 7, 8], _local_text(tiny_checkpoint, [5, 6, 7, 8], 16)
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0}
+        assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"] == want
+        with httpx.stream("POST", f"{base}/v1/completions", json=body | {"stream": True}, timeout=60) as r:
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1] if json.loads(e)["choices"]) == want
+
+        def stats() -> dict:
+            return httpx.get(f"{base}/stats", timeout=10).json()
+
+        with httpx.stream("POST", f"{base}/v1/completions", timeout=60, json={  # dropped after one event
+                "model": "tiny", "prompt": prompt, "max_tokens": 1000, "ignore_eos": True, "stream": True}) as r:
+            next(r.iter_lines())
+        deadline = time.monotonic() + 30
+        while stats()["counters"]["aborts"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert stats()["counters"]["aborts"] == 1
+        assert sum(w["slots_used"] for w in stats()["workers"].values()) == 0
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0
+        with socket.socket() as s:  # the port is free again
+            s.bind(("127.0.0.1", port))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("argv, env, says", [
+    (["--ingress", "direct", "--ingress-replicas", "2"], {}, "use --ingress proxy"),
+    (["--ingress", "direct"], {"RAY_ADDRESS": "127.0.0.1:1"}, "needs the Ray this command starts"),
+])
+def test_direct_ingress_it_cannot_give_is_refused_before_anything_starts(argv, env, says, monkeypatch, capsys):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert main(["serve", "--model", "unused", *argv]) == 2
+    assert says in capsys.readouterr().err
