@@ -61,6 +61,7 @@ class SchedulerActor:
         self.finishing: dict[str, float] = {}  # prefill workers with a prompt's last chunk in flight: sent at
         self.handoff_applied = asyncio.Event()  # set (then replaced) when such a step's results are applied
         self.tasks: list[asyncio.Task[None]] = []
+        self.prefetching: set[asyncio.Future[Any]] = set()  # prefetch calls in flight (held until answered)
         self.bursts = BurstSizer(config.max_burst_ms / 1000)
 
     # ---- lifecycle --------------------------------------------------------------------------------
@@ -225,6 +226,8 @@ class SchedulerActor:
         except Exception as e:  # a bug: say so loudly, end this worker's requests, keep the loop alive
             log.exception("applying a step of %s failed", worker.name)
             self.coordinator.fail_worker_requests(worker, f"internal error on {worker.name}: {type(e).__name__}: {e}")
+        for name, refs in self.coordinator.kv.take_prefetches().items():  # pieces for a decode worker's node
+            self._send_prefetch(name, refs)
         t3 = time.perf_counter()
         if worker.kind == "prefill" and any(c.sample for c in plans[0].prefill):  # handoffs are queued: wake
             self.handoff_applied.set()
@@ -240,6 +243,12 @@ class SchedulerActor:
                              worker_step=worker_s, forward=sum(r.forward_s for r in results), apply=t3 - t2,
                              publish=time.perf_counter() - t3, tokens=sum(p.num_tokens for p in plans))
         return True
+
+    def _send_prefetch(self, name: str, refs: list[Any]) -> None:
+        """Name pieces to the decode worker that will import them; a failed call only costs the head start."""
+        task = asyncio.ensure_future(asyncio.gather(self.handles[name].prefetch.remote(refs), return_exceptions=True))
+        self.prefetching.add(task)
+        task.add_done_callback(self.prefetching.discard)
 
     async def _recover(self, worker: WorkerState, error: Exception) -> None:
         """A worker died: the coordinator moves its requests; wait for Ray to restart it. Once its

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +76,16 @@ class WorkerState:
     def load(self) -> tuple[int, int]:
         """Lower is less loaded: (requests here beyond free slots, requests running)."""
         return (len(self.sched.running) + self.sched.num_waiting - self.sched.num_slots, len(self.sched.running))
+
+    @staticmethod
+    def least_loaded(pool: list[WorkerState], exclude: WorkerState | None = None,
+                     coming: Mapping[str, int] | None = None) -> WorkerState | None:
+        """The least loaded worker that is up; else one being restarted (its queue waits); else None.
+        `coming`: requests on their way to a worker (by name), counted as queued there."""
+        candidates = [w for w in pool if w.status is WorkerStatus.UP and w is not exclude] or [
+            w for w in pool if w.status is WorkerStatus.RESTARTING and w is not exclude]
+        coming = coming or {}
+        return min(candidates, key=lambda w: (w.load()[0] + coming.get(w.name, 0), w.load()[1]), default=None)
 
 
 @dataclass

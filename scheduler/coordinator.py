@@ -12,7 +12,8 @@ from typing import Any
 
 from scheduler.cell import CellConfig, CellCounts, RequestPlacement, WorkerState, WorkerStatus, prefill_room
 from scheduler.forks import WaitingForks, sibling_worker
-from scheduler.messages import KVHandoff, KVImport, KVPiece, StepResult
+from scheduler.handoffs import HandoffBook
+from scheduler.messages import KVHandoff, KVImport, StepResult
 from scheduler.metrics import RecordingBackend, SchedulerMetrics
 from scheduler.outputs import OutputProcessor, RequestOutput
 from scheduler.plan import StepPlan
@@ -55,8 +56,7 @@ class Coordinator:
         self.prefill = [] if config.mode == "colocated" else pool("prefill", config.num_prefill_workers,
                                                                    config.prefill_slots, True)
         self.workers = self.prefill + self.decode
-        self.handoffs: dict[str, KVHandoff] = {}  # handed off, not yet imported: the only refs held
-        self.pieces: dict[str, list[KVPiece]] = {}  # prompts on prefill workers: the KV pieces sent so far
+        self.kv = HandoffBook()  # KV pieces and handoffs in flight: the only refs held to them
         self.forks = WaitingForks()
         self.placements: dict[str, RequestPlacement] = {}
         self.consumers: dict[str, str] = {}  # req_id -> who receives its outputs
@@ -122,8 +122,7 @@ class Coordinator:
 
     def _drop_kv(self, req_id: str) -> None:
         """Drop the refs of a request's KV pieces and handoff: the object store frees their bytes."""
-        self.handoffs.pop(req_id, None)
-        self.pieces.pop(req_id, None)
+        self.kv.drop(req_id)
 
     def _release_forks(self, req_id: str, target: WorkerState | None = None) -> None:
         """The choices waiting for this request's handoff go with it to `target` (where they copy its
@@ -139,16 +138,9 @@ class Coordinator:
         tokens), then the least loaded; else (or without prefix caches) the least loaded."""
         live = [w for w in pool if w.status is WorkerStatus.UP]
         if not self.config.cache_routing or len(live) < 2 or not all(w.sched.prefix_cache for w in live):
-            return self._pick(pool)
+            return WorkerState.least_loaded(pool)
         return min(live, key=lambda w: (routing_cost(request, w.sched.prefix_cache, w.sched.requests.values()),
                                         w.load()))
-
-    @staticmethod
-    def _pick(pool: list[WorkerState], exclude: WorkerState | None = None) -> WorkerState | None:
-        """The least loaded worker that is up; else one being restarted (its queue waits); else None."""
-        candidates = [w for w in pool if w.status is WorkerStatus.UP and w is not exclude] or [
-            w for w in pool if w.status is WorkerStatus.RESTARTING and w is not exclude]
-        return min(candidates, key=WorkerState.load) if candidates else None
 
     def _fail(self, request: Request, message: str, unavailable: bool = False) -> None:
         """End a request that no scheduler holds with an error on its own stream (`unavailable`: this
@@ -181,8 +173,8 @@ class Coordinator:
         prefill = worker.kind == "prefill"
         room = prefill_room(worker, self.prefill, self.decode, self.config.prefill_slots) if prefill else None
         plan = worker.sched.plan(room)
-        for req_id in plan.preempted:  # its pieces are void: it exports again from its first row
-            self.pieces.pop(req_id, None)
+        for req_id in plan.preempted:
+            self.kv.void_pieces(req_id)
         if plan.preempted and worker.kind == "decode" and self.prefill:
             for req_id in plan.preempted:
                 request = worker.sched.evict(req_id)
@@ -190,7 +182,7 @@ class Coordinator:
                     self._route(request)
         if plan.empty:
             return None
-        imports = [KVImport(c.slot, self.handoffs[c.req_id]) for c in plan.decode if c.req_id in self.handoffs]
+        imports = [KVImport(c.slot, self.kv.handoffs[c.req_id]) for c in plan.decode if c.req_id in self.kv.handoffs]
         return plan, imports
 
     def apply(self, worker: WorkerState, plan: StepPlan, result: StepResult) -> None:
@@ -200,16 +192,16 @@ class Coordinator:
         for piece in result.kv_pieces:  # of requests still prefilling here (not aborted or preempted since)
             request = sched.requests.get(piece.req_id)
             if request is not None and request.status is RequestStatus.RUNNING:
-                self.pieces.setdefault(piece.req_id, []).append(piece)
-        handoffs = [KVHandoff(c.req_id, tuple(self.pieces.pop(c.req_id, ())), worker.index) for c in plan.prefill
+                self.kv.add_piece(piece, worker, self.decode)
+        handoffs = [self.kv.finish(c.req_id, worker.index) for c in plan.prefill
                     if worker.kind == "prefill" and c.sample and c.req_id in result.samples.tokens]
         for req_id in result.failed_imports:  # the handoff's bytes died with their prefill worker
-            self.handoffs.pop(req_id, None)
+            self.kv.drop(req_id)
             request = sched.evict(req_id)
             if request is not None:
                 self._recompute(request, "its KV handoff was lost")
         for req_id, seconds in result.import_s.items():
-            handoff = self.handoffs.pop(req_id, None)  # imported: dropping the ref frees the bytes
+            handoff = self.kv.handoffs.pop(req_id, None)  # imported: dropping the ref frees the bytes
             if handoff is not None:
                 self.metrics.on_handoff(handoff.num_bytes, handoff.export_s + seconds)
                 if req_id in self.placements:
@@ -230,14 +222,14 @@ class Coordinator:
 
     def _hand_off(self, sched: Scheduler, handoff: KVHandoff) -> None:
         request = sched.evict(handoff.req_id) if handoff.req_id in sched.requests else None
+        target = self.kv.release(handoff.req_id, self.decode)
         if request is None:
             self._release_forks(handoff.req_id)
             return  # finished on its first token, or aborted: the ref is dropped here
-        target = self._pick(self.decode)
         if target is None:
             self._fail(request, "no live decode worker", unavailable=True)
             return
-        self.handoffs[request.req_id] = handoff
+        self.kv.handoffs[request.req_id] = handoff
         self.counts.handoffs += 1
         self.counts.handoff_bytes += handoff.num_bytes
         self.placements[request.req_id].kv_handoff_bytes = handoff.num_bytes
@@ -294,7 +286,7 @@ class Coordinator:
         pool = self.prefill if worker.kind == "prefill" else self.decode
         gone = worker.status is WorkerStatus.GONE
         for request in list(worker.sched.waiting_requests()):
-            target = self._pick(pool, exclude=worker)
+            target = WorkerState.least_loaded(pool, exclude=worker)
             if target is None or not (target.status is WorkerStatus.UP or gone):
                 if gone:
                     worker.sched.evict(request.req_id)
@@ -315,5 +307,5 @@ class Coordinator:
         counters = vars(self.counts) | {
             "preemptions": sum(w.sched.num_preemptions for w in self.workers),
             "recomputed_tokens": sum(w.sched.num_recomputed_tokens for w in self.workers)}
-        return {"workers": workers, "live_handoffs": len(self.handoffs), "streams": len(self.consumers),
+        return {"workers": workers, "live_handoffs": len(self.kv.handoffs), "streams": len(self.consumers),
                 "counters": counters, "max_waiting": self.config.max_waiting}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import os
 import time
@@ -16,6 +18,8 @@ from scheduler.messages import KVImport, KVPiece, StepResult
 from scheduler.plan import StepPlan
 from workers.loader import load_model, resolve_device
 from workers.runner import ModelRunner
+
+_PULL_TIMEOUT_S = 60.0
 
 
 class _ModelWorker:
@@ -65,6 +69,14 @@ class DecodeWorker(_ModelWorker):
     """Imports handed-off KV rows into its slots and runs decode steps (and short or colocated prompts).
     A call may carry several plans (a decode burst): each step is fed the tokens the one before sampled."""
 
+    def prefetch(self, refs: list[Any]) -> None:
+        """Pull KV pieces of prompts still prefilling on another node to this one, in the background:
+        their import then reads local memory. Returns at once; a piece that cannot be pulled is left to
+        the import, which reports it lost."""
+        if not hasattr(self, "_fetcher"):
+            self._fetcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-prefetch")
+        self._fetcher.submit(_pull, refs)
+
     def step(self, plans: list[StepPlan], imports: list[KVImport]) -> list[StepResult]:
         """Import the handoffs, then run each plan in order; a result per plan (the first one reports the
         imports)."""
@@ -97,6 +109,11 @@ class DecodeWorker(_ModelWorker):
             start = time.perf_counter()
         results[0].failed_imports, results[0].import_s = failed, import_s
         return results
+
+
+def _pull(refs: list[Any]) -> None:
+    with contextlib.suppress(Exception):  # lost or timed out: the import finds out and says so
+        ray.get(refs, timeout=_PULL_TIMEOUT_S)
 
 
 def spawn_worker(config: Any, capacity: int, kind: str, index: int, num_slots: int, prefix_blocks: int = 0) -> Any:

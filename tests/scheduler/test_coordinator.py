@@ -90,7 +90,8 @@ def step_all(coordinator, streams, steps=200, lose_imports=(), before_step=None)
 
 
 def assert_idle(coordinator):
-    assert not coordinator.handoffs and not coordinator.pieces and not coordinator.consumers
+    assert not coordinator.kv.handoffs and not coordinator.kv.pieces and not coordinator.kv.bound
+    assert not coordinator.consumers
     assert not coordinator.placements
     assert all(w.slots_used == 0 and w.sched.num_waiting == 0 for w in coordinator.workers)
 
@@ -215,8 +216,8 @@ def test_abort_in_every_state_frees_everything(state):
     coordinator.admit(req("y", prompt_len=6, max_tokens=5), consumer="c")  # waits behind x for the prefill row
     reached = {"waiting": lambda: "y" in {r.req_id for r in coordinator.prefill[0].sched.waiting_requests()},
                "prefilling": lambda: any(r.req_id == "x" for r in coordinator.prefill[0].sched.running),
-               "pieces-sent": lambda: len(coordinator.pieces.get("x", ())) == 2,  # 2 of its 3 chunks' KV out
-               "handed-off": lambda: "x" in coordinator.handoffs,
+               "pieces-sent": lambda: len(coordinator.kv.pieces.get("x", ())) == 2,  # 2 of its 3 chunks' KV out
+               "handed-off": lambda: "x" in coordinator.kv.handoffs,
                "decoding": lambda: any(r.req_id == "x" for r in coordinator.decode[0].sched.running)}
     target = "y" if state == "waiting" else "x"
     if state == "decoding":
@@ -227,8 +228,8 @@ def test_abort_in_every_state_frees_everything(state):
         step_all(coordinator, streams, steps=1)
     assert coordinator.abort(target) and not coordinator.abort(target)
     streams.take(coordinator)
-    assert streams.finish[target] == "abort" and target not in coordinator.handoffs
-    assert target not in coordinator.pieces  # every piece's ref dropped at once: the store frees them
+    assert streams.finish[target] == "abort" and target not in coordinator.kv.handoffs
+    assert target not in coordinator.kv.pieces  # every piece's ref dropped at once: the store frees them
     for other in {"hog", "x", "y"} - {target} - set(streams.finish):
         coordinator.abort(other)
     streams.take(coordinator)
@@ -422,7 +423,7 @@ def test_the_prefill_pool_runs_at_most_one_round_ahead_of_the_decode_pool():
         (prefill,), (decode,) = coordinator.prefill, coordinator.decode
         assert decode.sched.num_waiting + len(prefill.sched.running) <= len(decode.sched.free_slots) + 1
         nonlocal most_waiting
-        most_waiting = max(most_waiting, len(coordinator.handoffs))
+        most_waiting = max(most_waiting, len(coordinator.kv.handoffs))
 
     run_woken(coordinator, streams, bounded)
     assert streams.tokens == {f"r{i}": expected_tokens(f"r{i}", 15) for i in range(12)}
@@ -439,7 +440,7 @@ def test_an_urgent_prompt_passes_the_bound_to_preempt_at_once():
     arrived = []
 
     def urgent_after_backlog():
-        if not arrived and len(coordinator.handoffs) == 1 and not coordinator.decode[0].sched.free_slots:
+        if not arrived and len(coordinator.kv.handoffs) == 1 and not coordinator.decode[0].sched.free_slots:
             coordinator.admit(req("urgent", max_tokens=3, priority=0), consumer="c")
             arrived.append(len(streams.finish))
 
