@@ -125,7 +125,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args, ServiceConfig)
         direct = _direct_ingress(args, config)
-    except (ValidationError, ValueError) as e:
+        _check_port(args.host, args.port)
+    except (ValidationError, ValueError, OSError) as e:
         print(f"pdserve serve: error: {e}", file=sys.stderr)
         return 2
     if direct:  # read by Serve's controller and replicas: set before Ray (and Serve) start
@@ -170,6 +171,17 @@ def _direct_ingress(args: argparse.Namespace, config: ServiceConfig) -> bool:
         raise ValueError("--ingress direct serves from one ingress replica on --port; with "
                          f"--ingress-replicas {config.ingress_replicas} use --ingress proxy")
     return args.ingress == "direct" or (args.ingress is None and not joined and config.ingress_replicas == 1)
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail before Ray starts, and say why, when the port cannot be listened on (another server has it)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will: TIME_WAIT is no conflict
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise OSError(f"cannot listen on {host}:{port} ({e.strerror}); is another server running there? "
+                          "Pick another port with --port") from None
 
 
 def _free_port(host: str) -> int:

@@ -94,3 +94,13 @@ def test_direct_ingress_it_cannot_give_is_refused_before_anything_starts(argv, e
         monkeypatch.setenv(key, value)
     assert main(["serve", "--model", "unused", *argv]) == 2
     assert says in capsys.readouterr().err
+
+
+def test_a_port_in_use_is_refused_with_a_clear_error_before_ray_starts(capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", "unused", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "--port" in err
