@@ -164,9 +164,8 @@ def _direct_ingress(args: argparse.Namespace, config: ServiceConfig) -> bool:
     ingress replica (it listens on --port itself); by default it is used wherever it can be."""
     joined = bool(os.environ.get("RAY_ADDRESS"))
     if args.ingress == "direct" and joined:
-        raise ValueError("--ingress direct needs the Ray this command starts; with RAY_ADDRESS set, start the "
-                         "cluster with RAY_SERVE_ENABLE_DIRECT_INGRESS=1 (docs/ARCHITECTURE.md) or use "
-                         "--ingress proxy")
+        raise ValueError("--ingress direct needs the Ray this command starts; with RAY_ADDRESS set, Serve follows "
+                         "the cluster's own environment (README, Serving); use --ingress proxy")
     if args.ingress == "direct" and config.ingress_replicas > 1:
         raise ValueError("--ingress direct serves from one ingress replica on --port; with "
                          f"--ingress-replicas {config.ingress_replicas} use --ingress proxy")
@@ -258,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--ingress", choices=("direct", "proxy"), default=None,
                        help="direct: the ingress replica serves HTTP on --port itself (Ray Serve's direct "
-                       "ingress; about 3x the streamed tokens/s of a small model on 2 cores); proxy: Serve's HTTP "
+                       "ingress; about twice the streamed tokens/s of a small model on 2 cores); proxy: Serve's HTTP "
                        "proxy in front of the ingress replicas (default: direct, except with RAY_ADDRESS set "
                        "or --ingress-replicas above 1)")
     serve.set_defaults(func=_cmd_serve)
