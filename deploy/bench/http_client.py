@@ -90,8 +90,9 @@ async def stream_request(http: httpx.AsyncClient, url: str, body: dict[str, Any]
 
 def run_http(url: str, model: str, prompts: list[list[int]], output_lens: list[int], arrival_s: list[float],
              priorities: list[int], api_key: str | None = None,
-             on_finish: Callable[[Completion], None] | None = None) -> dict[str, Completion]:
-    """Send every request at its arrival offset, concurrently; return completions by id ("0", "1", ...)."""
+             on_finish: Callable[[Completion], None] | None = None, sequential: bool = False) -> dict[str, Completion]:
+    """Send every request at its arrival offset, concurrently (`sequential`: one at a time, each when the
+    one before has finished, the low-load case); return completions by id ("0", "1", ...)."""
     url = url.rstrip("/")
 
     async def everything() -> list[Completion]:
@@ -108,6 +109,8 @@ def run_http(url: str, model: str, prompts: list[list[int]], output_lens: list[i
                     on_finish(done)
                 return done
 
+            if sequential:
+                return [await send(i) for i in range(len(prompts))]
             return await run_at_arrivals(ArrivalSchedule(range(len(prompts)), lambda i: arrival_s[i]), send)
 
     return {c.req_id: c for c in asyncio.run(everything())}

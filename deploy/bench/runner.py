@@ -224,7 +224,7 @@ def _run_one(run: Run, config: EngineConfig, args: argparse.Namespace, loaded: A
 
             start = time.perf_counter()
             results = run_http(args.url, head["served_model"], work.prompts, work.output_lens, work.arrival_s,
-                               work.priorities(run.priorities), args.api_key, on_finish)
+                               work.priorities(run.priorities), args.api_key, on_finish, args.sequential)
             elapsed = time.perf_counter() - start
         else:
             cache_tokens = config.prefix_cache_tokens if run.prefix_cache else 0

@@ -128,3 +128,26 @@ def test_wait_ready_waits_through_a_starting_service():
             wait_ready(url, timeout_s=1.5)
     finally:
         server.shutdown()
+
+
+def test_a_sequential_url_run_sends_one_request_at_a_time(monkeypatch):
+    """`--sequential` against an endpoint is the low-load case there too: each request waits for the last."""
+    import asyncio
+
+    from deploy.bench import http_client
+
+    in_flight, most = 0, 0
+
+    async def fake_stream(http, url, body, rid, prompt_tokens=0):
+        nonlocal in_flight, most
+        in_flight += 1
+        most = max(most, in_flight)
+        await asyncio.sleep(0.01)
+        in_flight -= 1
+        return Completion(rid, prompt_tokens, finish_reason="length")
+
+    monkeypatch.setattr(http_client, "stream_request", fake_stream)
+    args = ("http://127.0.0.1:9/v1", "tiny", [[5, 6]] * 4, [3] * 4, [0.0] * 4, [1] * 4)
+    assert sorted(http_client.run_http(*args, sequential=True)) == ["0", "1", "2", "3"] and most == 1
+    most = 0
+    assert len(http_client.run_http(*args)) == 4 and most == 4
