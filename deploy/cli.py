@@ -130,7 +130,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"pdserve serve: error: {e}", file=sys.stderr)
         return 2
     if direct:  # read by Serve's controller and replicas: set before Ray (and Serve) start
-        os.environ.update(direct_ingress_env(args.port))
+        os.environ.update(_direct_ingress_env(args.port))
     # With direct ingress Serve still starts its HTTP proxy on the head node: it gets a free port, not --port
     proxy_port = _free_port(args.host) if direct else args.port
     from ray import serve
@@ -189,7 +189,7 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def direct_ingress_env(port: int) -> dict[str, str]:
+def _direct_ingress_env(port: int) -> dict[str, str]:
     """Ray Serve's direct ingress (Ray 2.60, experimental): no HTTP proxy; the ingress replica listens on
     `port` itself, gives it up at once when stopped, and can take it again when restarted. With it, two
     more of Serve's throughput settings: a replica runs its handlers and its handles' router on its

@@ -69,13 +69,15 @@ class DecodeWorker(_ModelWorker):
     """Imports handed-off KV rows into its slots and runs decode steps (and short or colocated prompts).
     A call may carry several plans (a decode burst): each step is fed the tokens the one before sampled."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fetcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-prefetch")
+
     def prefetch(self, refs: list[Any]) -> None:
         """Pull KV pieces of prompts still prefilling on another node to this one, in the background:
         their import then reads local memory. Returns at once; a piece that cannot be pulled is left to
         the import, which reports it lost."""
-        if not hasattr(self, "_fetcher"):
-            self._fetcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-prefetch")
-        self._fetcher.submit(_pull, refs)
+        self.fetcher.submit(_pull, refs)
 
     def step(self, plans: list[StepPlan], imports: list[KVImport]) -> list[StepResult]:
         """Import the handoffs, then run each plan in order; a result per plan (the first one reports the

@@ -31,9 +31,10 @@ def client(server):
     return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def local_text(checkpoint, prompt=None, messages=None, max_tokens=12):
+def local_text(checkpoint, prompt=None, messages=None, max_tokens=12, prompt_token_ids=None):
     with open_engine(EngineConfig(model=checkpoint, max_model_len=256)) as engine:
-        request = build_request("x", encode_prompt(engine.tokenizer, prompt=prompt, messages=messages),
+        ids = encode_prompt(engine.tokenizer, prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids)
+        request = build_request("x", ids,
                                 max_tokens=max_tokens, eos_token_ids=engine.eos_token_ids, temperature=0)
         done = engine.run([request])["x"]
     return done.text, done.prompt_tokens, len(done.token_ids), done.finish_reason

@@ -13,20 +13,10 @@ import httpx
 import pytest
 
 from deploy.cli import main
-from deploy.config import EngineConfig
-from deploy.driver import open_engine
-from deploy.prompts import build_request
+from tests.deploy.test_serve_api import local_text
 from tests.factories import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _local_text(checkpoint: str, prompt: list[int], max_tokens: int) -> str:
-    with open_engine(EngineConfig(model=checkpoint, max_model_len=256)) as engine:
-        request = build_request("x", prompt, max_tokens=max_tokens, eos_token_ids=engine.eos_token_ids,
-                                temperature=0)
-        done = engine.run([request])["x"]
-    return done.text
 
 
 def _wait_ready(proc: subprocess.Popen, base: str, log: Path, timeout: float = 240) -> None:
@@ -55,7 +45,8 @@ def test_pdserve_serve_streams_on_its_port_frees_a_dropped_stream_and_stops_on_s
         _wait_ready(proc, base, log)
         assert f"(colocated, direct ingress) at {base}/v1" in log.read_text()
 
-        prompt, want = [5, 6, 7, 8], _local_text(tiny_checkpoint, [5, 6, 7, 8], 16)
+        prompt = [5, 6, 7, 8]
+        want = local_text(tiny_checkpoint, prompt_token_ids=prompt, max_tokens=16)[0]
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0}
         assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"] == want
         with httpx.stream("POST", f"{base}/v1/completions", json=body | {"stream": True}, timeout=60) as r:

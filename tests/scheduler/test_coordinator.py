@@ -68,7 +68,7 @@ class Streams:
                     self.finish[out.req_id], self.errors[out.req_id] = out.finish_reason, out.error
 
 
-def step_all(coordinator, streams, steps=200, lose_imports=(), before_step=None):
+def step_all(coordinator, streams, steps=200, lose_imports=(), before_step=None, observe=None):
     for n in range(steps):
         if before_step is not None:
             before_step(n)
@@ -81,7 +81,10 @@ def step_all(coordinator, streams, steps=200, lose_imports=(), before_step=None)
                 continue
             busy = True
             plan, imports = step
-            coordinator.apply(worker, plan, fake_step(coordinator, worker, plan, imports, lose_imports))
+            result = fake_step(coordinator, worker, plan, imports, lose_imports)
+            coordinator.apply(worker, plan, result)
+            if observe is not None:  # after each step: what it imported and what it returned
+                observe(worker, imports, result)
             streams.take(coordinator)
         streams.take(coordinator)
         if not busy and before_step is None:

@@ -3,36 +3,24 @@ named to that worker as soon as it exists when the worker is on another node (so
 while the prompt still prefills). Driven without Ray, as tests/scheduler/test_coordinator.py does."""
 
 from scheduler.cell import WorkerStatus
-from tests.scheduler.test_coordinator import Streams, assert_idle, cell, expected_tokens, fake_step, req
+from tests.scheduler.test_coordinator import Streams, assert_idle, cell, expected_tokens, req, step_all
 
 
-def run(coordinator, streams, steps=300, before_step=None):
+def run(coordinator, streams, before_step=None):
     """Step every worker until idle; returns (piece refs by request, refs named to each decode worker,
     the decode worker that imported each request)."""
     pieces, named, imported = {}, {}, {}
-    for n in range(steps):
-        if before_step is not None:
-            before_step(n)
-        busy = False
-        for worker in coordinator.workers:
-            step = coordinator.next_step(worker) if worker.status is WorkerStatus.UP else None
-            if step is None:
-                continue
-            busy = True
-            plan, imports = step
-            for item in imports:
-                imported[item.handoff.req_id] = worker.name
-                assert [p.ref for p in item.handoff.pieces] == pieces[item.handoff.req_id]
-            result = fake_step(coordinator, worker, plan, imports)
-            for piece in result.kv_pieces:
-                pieces.setdefault(piece.req_id, []).append(piece.ref)
-            coordinator.apply(worker, plan, result)
-            for name, refs in coordinator.kv.take_prefetches().items():
-                named.setdefault(name, []).extend(refs)
-            streams.take(coordinator)
-        if not busy:
-            break
-    streams.take(coordinator)
+
+    def observe(worker, imports, result):
+        for item in imports:
+            imported[item.handoff.req_id] = worker.name
+            assert [p.ref for p in item.handoff.pieces] == pieces[item.handoff.req_id]
+        for piece in result.kv_pieces:
+            pieces.setdefault(piece.req_id, []).append(piece.ref)
+        for name, refs in coordinator.kv.take_prefetches().items():
+            named.setdefault(name, []).extend(refs)
+
+    step_all(coordinator, streams, before_step=before_step, observe=observe)
     return pieces, named, imported
 
 
