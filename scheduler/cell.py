@@ -111,6 +111,7 @@ class CellCounts:
     recomputes: int = 0
     worker_failures: int = 0
     aborts: int = 0  # requests ended by abort (a client's disconnect or cancel)
+    early_imports: int = 0  # KV imports into a slot reserved for a prompt still prefilling
 
 
 def prefill_room(worker: WorkerState, prefill: list[WorkerState], decode: list[WorkerState], prefill_slots: int) -> int:
@@ -119,7 +120,7 @@ def prefill_room(worker: WorkerState, prefill: list[WorkerState], decode: list[W
     decode pool's free slots plus one round of the prefill pool's slots, so an overload queues prompts,
     not KV. The worker's most urgent waiting prompt may always start if it would preempt a running
     request on a decode worker: the bound never delays a priority."""
-    free = sum(len(w.sched.free_slots) for w in decode if w.status is not WorkerStatus.GONE)
+    free = sum(len(w.sched.free_slots) + len(w.sched.reserved) for w in decode if w.status is not WorkerStatus.GONE)
     queued = sum(w.sched.num_waiting for w in decode) + sum(len(w.sched.running) for w in prefill)
     room = free + prefill_slots * sum(w.status is not WorkerStatus.GONE for w in prefill) - queued
     urgent = worker.sched.waiting[0].request if worker.sched.waiting else None

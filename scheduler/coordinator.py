@@ -183,7 +183,9 @@ class Coordinator:
         if plan.empty:
             return None
         imports = [KVImport(c.slot, self.kv.handoffs[c.req_id]) for c in plan.decode if c.req_id in self.kv.handoffs]
-        return plan, imports
+        early = self.kv.early_imports(worker)
+        self.counts.early_imports += len(early)
+        return plan, imports + early
 
     def apply(self, worker: WorkerState, plan: StepPlan, result: StepResult) -> None:
         """Consume a step's results: lost imports go back to be recomputed, sampled tokens are applied,
@@ -195,9 +197,9 @@ class Coordinator:
                 self.kv.add_piece(piece, worker, self.decode)
         handoffs = [self.kv.finish(c.req_id, worker.index) for c in plan.prefill
                     if worker.kind == "prefill" and c.sample and c.req_id in result.samples.tokens]
-        for req_id in result.failed_imports:  # the handoff's bytes died with their prefill worker
+        for req_id in result.failed_imports:  # the pieces' bytes died with their prefill worker
             self.kv.drop(req_id)
-            request = sched.evict(req_id)
+            request = next((r for w in self.workers if (r := w.sched.evict(req_id)) is not None), None)
             if request is not None:
                 self._recompute(request, "its KV handoff was lost")
         for req_id, seconds in result.import_s.items():
@@ -222,10 +224,11 @@ class Coordinator:
 
     def _hand_off(self, sched: Scheduler, handoff: KVHandoff) -> None:
         request = sched.evict(handoff.req_id) if handoff.req_id in sched.requests else None
-        target = self.kv.release(handoff.req_id, self.decode)
         if request is None:
+            self.kv.drop(handoff.req_id)
             self._release_forks(handoff.req_id)
-            return  # finished on its first token, or aborted: the ref is dropped here
+            return  # finished on its first token, or aborted: the refs are dropped here
+        target, handoff = self.kv.release(handoff, self.decode)
         if target is None:
             self._fail(request, "no live decode worker", unavailable=True)
             return
@@ -261,6 +264,7 @@ class Coordinator:
         it after its restart) and move its waiting ones to live workers of its pool."""
         self.counts.worker_failures += 1
         worker.status = WorkerStatus.RESTARTING
+        self.kv.worker_lost(worker)
         if worker.sched.prefix_cache is not None:
             worker.sched.prefix_cache.clear()  # the restarted worker's pool is empty
         log.warning("%s failed; moving its requests", worker.name)

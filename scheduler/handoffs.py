@@ -6,15 +6,18 @@ references to those objects, so dropping an entry frees their bytes. From its fi
 bound to the decode worker it will go to; when that worker is on another node, each piece is named to
 it as soon as it exists (`take_prefetches`), so the worker pulls the bytes to its node while the prompt
 is still prefilling and only the last piece's transfer is left between the first token and the second.
+When that worker has a slot to spare, the slot is reserved for the prompt and each piece is imported into
+it with the worker's next step (`early_imports`), so only the last piece's copy is left at the handoff.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import Any
 
 from scheduler.cell import WorkerState, WorkerStatus
-from scheduler.messages import KVHandoff, KVPiece
+from scheduler.messages import KVHandoff, KVImport, KVPiece
 
 
 class HandoffBook:
@@ -23,11 +26,14 @@ class HandoffBook:
         self.handoffs: dict[str, KVHandoff] = {}  # handed off, not yet imported
         self.bound: dict[str, WorkerState] = {}  # prompts on prefill workers: the decode worker they go to
         self.prefetches: dict[str, list[Any]] = {}  # decode worker name -> piece refs to pull to its node
+        self.sent: dict[str, int] = {}  # prompts with a reserved slot: pieces sent to be imported into it
 
     def add_piece(self, piece: KVPiece, prefill: WorkerState, decode: list[WorkerState]) -> None:
         """Keep a piece of a prompt still prefilling; name it to its decode worker if that is elsewhere."""
         self.pieces.setdefault(piece.req_id, []).append(piece)
         target = self.target(piece.req_id, decode)
+        if target is not None and target.status is WorkerStatus.UP:
+            target.sched.reserve(piece.req_id)
         if target is not None and target.placement.get("node_id") != prefill.placement.get("node_id"):
             refs = self.prefetches.setdefault(target.name, [])
             if not any(ref is piece.ref for ref in refs):  # a step's pieces share one object
@@ -39,7 +45,7 @@ class HandoffBook:
         when no decode worker is left."""
         bound = self.bound.get(req_id)
         if bound is None or bound.status is not WorkerStatus.UP:
-            self.bound.pop(req_id, None)
+            self.unbind(req_id)
             bound = WorkerState.least_loaded(decode, coming=Counter(w.name for w in self.bound.values()))
             if bound is None:
                 self.bound.pop(req_id, None)
@@ -47,11 +53,39 @@ class HandoffBook:
                 self.bound[req_id] = bound
         return bound
 
-    def release(self, req_id: str, decode: list[WorkerState]) -> WorkerState | None:
-        """Where a finished prompt's KV goes now (`target`); its binding ends here."""
-        target = self.target(req_id, decode)
-        self.bound.pop(req_id, None)
-        return target
+    def unbind(self, req_id: str) -> None:
+        """End a prompt's binding: its reserved slot is free again, and what was imported into it void."""
+        if (bound := self.bound.pop(req_id, None)) is not None:
+            bound.sched.unreserve(req_id)
+        self.sent.pop(req_id, None)
+
+    def worker_lost(self, worker: WorkerState) -> None:
+        """A decode worker died with its slots: the prompts bound to it go elsewhere, and the handoffs
+        waiting there import every piece again, wherever they go."""
+        for req_id in [r for r, w in self.bound.items() if w is worker]:
+            self.unbind(req_id)
+        for req_id, handoff in self.handoffs.items():
+            if req_id in worker.sched.requests:
+                self.handoffs[req_id] = dataclasses.replace(handoff, imported=0)
+
+    def early_imports(self, worker: WorkerState) -> list[KVImport]:
+        """The pieces not yet sent of the prompts with a slot reserved on this decode worker."""
+        imports = []
+        for req_id, slot in worker.sched.reserved.items():
+            pieces, sent = self.pieces.get(req_id, []), self.sent.get(req_id, 0)
+            if self.bound.get(req_id) is worker and len(pieces) > sent:
+                imports.append(KVImport(slot, KVHandoff(req_id, tuple(pieces), -1, sent), final=False))
+                self.sent[req_id] = len(pieces)
+        return imports
+
+    def release(self, handoff: KVHandoff, decode: list[WorkerState]) -> tuple[WorkerState | None, KVHandoff]:
+        """Where a finished prompt's KV goes now (`target`), and its handoff with the pieces already in the
+        slot reserved there; its binding ends here (the slot stays reserved until the prompt takes it)."""
+        target = self.target(handoff.req_id, decode)
+        self.bound.pop(handoff.req_id, None)
+        sent = self.sent.pop(handoff.req_id, 0)
+        return target, dataclasses.replace(handoff, imported=sent if target and handoff.req_id in target.sched.reserved
+                                           else 0)
 
     def finish(self, req_id: str, prefill_worker: int) -> KVHandoff:
         """A prompt's last chunk is done: its pieces, in order, as one handoff (not yet booked)."""
@@ -60,12 +94,13 @@ class HandoffBook:
     def void_pieces(self, req_id: str) -> None:
         """A preempted prompt exports again from its first row: the pieces sent so far are void."""
         self.pieces.pop(req_id, None)
+        self.sent.pop(req_id, None)
 
     def drop(self, req_id: str) -> None:
         """Forget a request's pieces, handoff and binding: the object store frees their bytes."""
         self.pieces.pop(req_id, None)
         self.handoffs.pop(req_id, None)
-        self.bound.pop(req_id, None)
+        self.unbind(req_id)
 
     def take_prefetches(self) -> dict[str, list[Any]]:
         """The refs each decode worker should pull to its node now (the actor shell sends them)."""

@@ -37,6 +37,7 @@ class KVHandoff:
     req_id: str
     pieces: tuple[KVPiece, ...]
     prefill_worker: int
+    imported: int = 0  # pieces already in the decode slot (imported while the prompt prefilled)
 
     @property
     def num_tokens(self) -> int:  # positions 0..num_tokens-1 of the request's sequence
@@ -54,10 +55,12 @@ class KVHandoff:
 
 @dataclass(frozen=True)
 class KVImport:
-    """Put a handoff into a decode slot before this step's forward."""
+    """Put a handoff's pieces past `handoff.imported` into a decode slot before this step's forward. Not
+    `final`: the pieces so far of a prompt still prefilling, into the slot reserved for it."""
 
     slot: int
     handoff: KVHandoff
+    final: bool = True
 
 
 @dataclass

@@ -17,23 +17,18 @@ class Scheduler:
 
     Each `plan()`: admit waiting requests (most urgent priority, then oldest) while slots are free;
     give every decoding request one token; spend what is left of `token_budget` on chunks of at most
-    `prefill_chunk` tokens for requests still computing their prompt, oldest first. `update()` takes
-    the sampled tokens, applies stop conditions and returns the requests that finished; their slots
-    are free for the next plan.
-    """
+    `prefill_chunk` tokens for requests still computing their prompt, oldest first. `update()` takes the
+    sampled tokens, applies stop conditions and returns the finished requests (their slots are free)."""
 
     def __init__(self, num_slots: int, capacity: int, token_budget: int = 256, prefill_chunk: int = 128,
                  max_waiting: int | None = None, max_preemptions: int = 2, decodes: bool = True,
                  prefix_cache_blocks: int = 0) -> None:
-        limits = {"num_slots": num_slots, "capacity": capacity, "token_budget": token_budget,
-                  "prefill_chunk": prefill_chunk}
-        for name, value in limits.items():
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if max_waiting is not None and max_waiting < 0:
-            raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
-        if max_preemptions < 0:
-            raise ValueError(f"max_preemptions must be >= 0, got {max_preemptions}")
+        limits = {"num_slots": (num_slots, 1), "capacity": (capacity, 1), "token_budget": (token_budget, 1),
+                  "prefill_chunk": (prefill_chunk, 1), "max_waiting": (max_waiting or 0, 0),
+                  "max_preemptions": (max_preemptions, 0)}
+        for name, (value, least) in limits.items():
+            if value < least:
+                raise ValueError(f"{name} must be >= {least}, got {value}")
         self.max_preemptions = max_preemptions
         self.decodes = decodes  # False on a prefill worker: a prompt that sampled its first token leaves
         self.num_preemptions = 0  # evictions so far
@@ -42,6 +37,7 @@ class Scheduler:
         self.token_budget, self.prefill_chunk = token_budget, prefill_chunk
         self.max_waiting = max_waiting
         self.free_slots: list[int] = list(range(num_slots))
+        self.reserved: dict[str, int] = {}  # prompts prefilling elsewhere -> the slot their KV is imported into
         self.waiting: list[WaitingEntry] = []  # sorted by admission key
         self.running: list[Request] = []  # most urgent, then oldest (re-sorted by every plan)
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
@@ -108,7 +104,8 @@ class Scheduler:
                     and self.prefix_cache.should_wait(request, self.running):
                 index += 1  # its prefix is being computed here: copying it soon beats computing it again
                 continue
-            if not self.free_slots:
+            reserved = self.reserved.pop(request.req_id, None)
+            if reserved is None and not self.free_slots:
                 victim = self.victim(request)
                 if victim is None:
                     break
@@ -118,7 +115,7 @@ class Scheduler:
             admit -= 1
             if request.scheduled_s is None:
                 request.scheduled_s = time.perf_counter()
-            request.slot = self.free_slots.pop(0)
+            request.slot = self.free_slots.pop(0) if reserved is None else reserved
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             if sibling is not None and sibling.slot is not None:  # all but the last prompt token: that one
@@ -169,6 +166,17 @@ class Scheduler:
             return None
         sibling = self.requests.get(request.fork_of)
         return sibling if sibling is not None and sibling.prompt_ids == request.prompt_ids else None
+
+    def reserve(self, req_id: str) -> bool:
+        """Keep a free slot for a prompt prefilling on another worker (its KV is imported into it piece by
+        piece, and it takes the slot when it is handed off here), if more slots are free than requests wait."""
+        if req_id not in self.reserved and len(self.free_slots) > len(self.waiting):
+            self.reserved[req_id] = self.free_slots.pop()
+        return req_id in self.reserved
+
+    def unreserve(self, req_id: str) -> None:
+        if (slot := self.reserved.pop(req_id, None)) is not None:
+            bisect.insort(self.free_slots, slot)
 
     def can_preempt_for_waiting(self) -> bool:
         """A waiting request could evict a running one: the most urgent one can whenever any can."""
@@ -223,13 +231,11 @@ class Scheduler:
     # ---- results ----------------------------------------------------------------------------------
     def update(self, plan: StepPlan, sampled: dict[str, int], logprobs: dict[str, TokenLogprob] | None = None,
                prompt_logprobs: dict[str, list[TokenLogprob]] | None = None) -> StepUpdate:
-        """Record a planned step's results: the tokens taken and the requests that finished in it.
-
-        `sampled` maps req_id to the token sampled for each chunk with `sample=True`; `logprobs` to its
-        log-probs, for requests that asked; `prompt_logprobs` to those of the chunk's `prompt_targets`.
-        Chunks of requests that left meanwhile (finished, aborted or evicted while the step ran) are
-        ignored; so is the token a later step in flight samples for a request that finished in this one.
-        """
+        """Record a planned step's results: the tokens taken and the requests that finished in it. `sampled` maps req_id
+        to the token sampled for each chunk with `sample=True`; `logprobs` to its log-probs, for requests that asked;
+        `prompt_logprobs` to those of the chunk's `prompt_targets`. Chunks of requests that left meanwhile (finished,
+        aborted or evicted while the step ran) are ignored; so is the token a later step in flight samples for a
+        request that finished in this one."""
         finished: list[Request] = []
         accepted: dict[str, int] = {}
         now = time.perf_counter()
@@ -265,18 +271,14 @@ class Scheduler:
 
     def finish(self, req_id: str, reason: FinishReason, error: str | None = None) -> Request | None:
         """End a request in any state and return its slot; None if it is unknown or already ended."""
-        request = self.evict(req_id)
-        if request is None:
-            return None
-        request.mark_finished(reason, error)
+        if (request := self.evict(req_id)) is not None:
+            request.mark_finished(reason, error)
         return request
 
     def evict(self, req_id: str) -> Request | None:
-        """Take a request off this scheduler without finishing it (its slot, if any, is free at once).
-
-        The caller moves it on: a finished prompt to a decode worker with its KV, or a request whose
-        cache was lost back to be recomputed. None if the request is not here.
-        """
+        """Take a request off this scheduler without finishing it (its slot, reserved or not, is free at once);
+        the caller moves it on (a finished prompt with its KV, a lost cache to be recomputed). None if not here."""
+        self.unreserve(req_id)
         request = self.requests.pop(req_id, None)
         if request is None:
             return None
@@ -295,8 +297,7 @@ class Scheduler:
     def _release_slot(self, request: Request) -> None:
         self.running.remove(request)
         assert request.slot is not None, f"{request.req_id} is running without a slot"
-        self.free_slots.append(request.slot)
-        self.free_slots.sort()  # lowest slots first keeps decode rows in a short span
+        bisect.insort(self.free_slots, request.slot)  # lowest slots first keeps decode rows in a short span
 
     def abort(self, req_id: str) -> Request | None:
         """Cancel a request in any state; its slot is free at once."""

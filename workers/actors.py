@@ -80,25 +80,27 @@ class DecodeWorker(_ModelWorker):
         self.fetcher.submit(_pull, refs)
 
     def step(self, plans: list[StepPlan], imports: list[KVImport]) -> list[StepResult]:
-        """Import the handoffs, then run each plan in order; a result per plan (the first one reports the
-        imports)."""
+        """Import the KV pieces (of handoffs, and of prompts still prefilling into their reserved slots),
+        then run each plan in order; a result per plan (the first one reports the imports)."""
         start = time.perf_counter()
         failed: list[str] = []
         import_s: dict[str, float] = {}
         for item in imports:
             t0 = time.perf_counter()
+            todo = item.handoff.pieces[item.handoff.imported:]
             try:  # zero-copy views of the object store's shared memory, copied once into the slot
-                pieces = ray.get([piece.ref for piece in item.handoff.pieces])
+                pieces = ray.get([piece.ref for piece in todo])
             except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError,
                     ray.exceptions.ObjectFetchTimedOutError, ray.exceptions.ObjectReconstructionFailedError):
                 failed.append(item.handoff.req_id)
                 continue
             with warnings.catch_warnings():  # the shared buffer is read-only; we only read it
                 warnings.simplefilter("ignore", UserWarning)
-                for piece, rows in zip(item.handoff.pieces, pieces, strict=True):
+                for piece, rows in zip(todo, pieces, strict=True):
                     rows = rows[:, :, :, piece.offset : piece.offset + piece.num_tokens]
                     self.runner.cache.import_rows(item.slot, rows, piece.start)
-            import_s[item.handoff.req_id] = time.perf_counter() - t0
+            if item.final:
+                import_s[item.handoff.req_id] = time.perf_counter() - t0
         lost = set(failed)
         results = []
         for plan in plans:

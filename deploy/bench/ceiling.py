@@ -48,7 +48,7 @@ class StubWorker:
             sampled = {c.req_id: STUB_TOKEN for c in plan.chunks if c.sample}
             pieces = [KVPiece(req_id, first, end - first, None, 0, 0.0) for req_id, _, first, end in plan.exports]
             results.append(StepResult(Samples(sampled), kv_pieces=pieces, step_s=time.perf_counter() - start))
-        results[0].import_s = {i.handoff.req_id: 0.0 for i in imports}
+        results[0].import_s = {i.handoff.req_id: 0.0 for i in imports if i.final}
         return results
 
 

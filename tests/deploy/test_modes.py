@@ -111,6 +111,35 @@ def test_preemption_keeps_every_output_equal_to_local(ray_session, tiny_checkpoi
     assert all(w["slots_used"] == 0 for w in stats["workers"].values())
 
 
+def test_kv_imported_into_a_reserved_slot_while_prefilling_equals_local(ray_session, tiny_checkpoint):
+    """A long prompt prefills in many chunks while another request decodes: its pieces go into a decode slot
+    reserved for it with the decode steps (`early_imports`), and its tokens are still local's."""
+    def workload():
+        steady, long = make_requests(2, [4, 150], [150, 6], stop_token_ids=frozenset())
+        return steady, long
+
+    with open_engine(EngineConfig(model=tiny_checkpoint, **BASE)) as engine:
+        expected = {r.req_id: engine.run([r])[r.req_id].token_ids for r in workload()}
+    ray_engine = RayEngine(EngineConfig(model=tiny_checkpoint, mode="disaggregated", **(BASE | {"max_model_len": 200})))
+    handle, client = ray_engine.handle, EngineClient(ray_engine.handle)
+
+    async def scenario():
+        steady, long = workload()
+        first = asyncio.create_task(complete(client, steady))
+        while (await handle.stats.remote())["workers"]["decode-0"]["running"] < 1:  # it decodes
+            await asyncio.sleep(0.005)
+        done = await asyncio.wait_for(asyncio.gather(first, complete(client, long)), timeout=120)
+        return {c.req_id: c for c in done}, await handle.stats.remote()
+
+    try:
+        results, stats = asyncio.run(scenario())
+    finally:
+        ray_engine.close()
+    assert {k: c.token_ids for k, c in results.items()} == expected
+    assert results["r1"].finish_reason == "length" and stats["counters"]["early_imports"] >= 1
+    assert all(w["slots_used"] == 0 for w in stats["workers"].values())
+
+
 def sampling_variety():
     """Penalties, logit_bias, min_tokens, log-probs, echo log-probs, and three seeded choices of one prompt."""
     from tests.workers.test_sampling_params import processed_requests

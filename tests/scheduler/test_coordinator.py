@@ -2,11 +2,15 @@
 
 A fake worker answers each plan at once: the token it samples for output index i of a request depends
 only on (request, i), as seeded sampling does, so a recomputed request must continue with exactly the
-tokens it would have had, and every test can check the streams are whole.
+tokens it would have had, and every test can check the streams are whole. A fake decode worker also
+keeps a ledger of what each position of each slot holds (imported pieces, copies, computed rows) and
+checks that every chunk it runs finds its request's rows before it: a handoff imported into the wrong
+slot, a piece missing or imported twice from a void attempt fails every test that steps.
 """
 
 import functools
 import itertools
+import weakref
 
 import pytest
 
@@ -30,10 +34,35 @@ def expected_tokens(req_id: str, max_tokens: int) -> list[int]:
 req = functools.partial(make_request, prompt_len=6, max_tokens=5)
 
 
+LEDGER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decode worker -> slot -> position -> row
+
+
+class Checked(Coordinator):
+    def worker_died(self, worker):
+        LEDGER.pop(worker, None)  # its restart comes back with an empty cache
+        super().worker_died(worker)
+
+
 def cell(mode="disaggregated", **kw):
     config = dict(mode=mode, num_decode_workers=1, num_prefill_workers=1, decode_slots=2, prefill_slots=1,
                   capacity=64, token_budget=8, prefill_chunk=4) | kw
-    return Coordinator(CellConfig(**config), metrics_backend=RecordingBackend())
+    return Checked(CellConfig(**config), metrics_backend=RecordingBackend())
+
+
+def row(request, position):
+    """What a correct cache holds at a request's position: whose row it is (the choices of one prompt share
+    its rows) and the token there."""
+    num_prompt = len(request.prompt_ids)
+    if position < num_prompt:
+        return request.fork_of or request.req_id, request.prompt_ids[position]
+    return request.req_id, token(request.req_id, position - num_prompt)
+
+
+class Rows:
+    """A fake KV piece's object: the rows it carries."""
+
+    def __init__(self, rows):
+        self.rows = rows
 
 
 def fake_step(coordinator, worker, plan, imports, lose_imports=()):
@@ -41,13 +70,33 @@ def fake_step(coordinator, worker, plan, imports, lose_imports=()):
     lost = {i.handoff.req_id for i in imports if i.handoff.req_id in lose_imports}  # dropped from the step
     sampled = {c.req_id: token(c.req_id, c.output_index) for c in plan.chunks if c.sample and c.req_id not in lost}
     if worker.kind == "prefill":  # a piece per export, 1000 bytes per request in its last one
-        length = lambda r: worker.sched.requests[r].num_tokens  # noqa: E731
-        pieces = [KVPiece(r, first, end - first, object(), 0 if end < length(r) else 1000, 0.001)
-                  for r, _, first, end in plan.exports]
+        requests = worker.sched.requests
+        pieces = [KVPiece(r, first, end - first, Rows([row(requests[r], p) for p in range(first, end)]),
+                          0 if end < requests[r].num_tokens else 1000, 0.001) for r, _, first, end in plan.exports]
         return StepResult(Samples(sampled), kv_pieces=pieces, step_s=0.01, forward_s=0.009)
+    if worker.sched.prefix_cache is None:  # (rows loaded from a prefix cache's pool are not kept track of)
+        check_slots(worker, plan, [i for i in imports if i.handoff.req_id not in lost], lost)
     return StepResult(Samples(sampled), failed_imports=sorted(lost),
-                      import_s={i.handoff.req_id: 0.002 for i in imports if i.handoff.req_id not in lost},
+                      import_s={i.handoff.req_id: 0.002 for i in imports if i.handoff.req_id not in lost and i.final},
                       step_s=0.01, forward_s=0.009)
+
+
+def check_slots(worker, plan, imports, lost):
+    """Apply a decode step to the worker's ledger: imports, copies, then each chunk (but those of the
+    requests whose import was lost: the worker drops them), which must find its request's rows at every
+    position before its own."""
+    slots = LEDGER.setdefault(worker, {})
+    for item in imports:
+        for piece in item.handoff.pieces[item.handoff.imported:]:
+            for i, held in enumerate(piece.ref.rows):
+                slots.setdefault(item.slot, {})[piece.start + i] = held
+    for source, target, length in plan.copies:
+        slots.setdefault(target, {}).update({p: slots.get(source, {}).get(p) for p in range(length)})
+    for chunk in (c for c in plan.chunks if c.req_id not in lost):
+        request, held = worker.sched.requests[chunk.req_id], slots.setdefault(chunk.slot, {})
+        wrong = [p for p in range(chunk.start_pos) if held.get(p) != row(request, p)]
+        assert not wrong, f"{chunk.req_id} in slot {chunk.slot} finds wrong rows at positions {wrong}"
+        held.update({p: row(request, p) for p in range(chunk.start_pos, chunk.start_pos + chunk.num_tokens)})
 
 
 class Streams:

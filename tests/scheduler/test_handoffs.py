@@ -1,8 +1,12 @@
 """The handoff book: a prompt is bound to its decode worker from its first KV piece, and each piece is
 named to that worker as soon as it exists when the worker is on another node (so it can pull the bytes
-while the prompt still prefills). Driven without Ray, as tests/scheduler/test_coordinator.py does."""
+while the prompt still prefills), and imported into a slot reserved for it there when the worker has one
+to spare. Driven without Ray, as tests/scheduler/test_coordinator.py does (whose fake decode worker checks
+every chunk finds its request's rows in its slot)."""
 
-from scheduler.cell import WorkerStatus
+import pytest
+
+from scheduler.cell import WorkerStatus, prefill_room
 from tests.scheduler.test_coordinator import Streams, assert_idle, cell, expected_tokens, req, step_all
 
 
@@ -14,7 +18,7 @@ def run(coordinator, streams, before_step=None):
     def observe(worker, imports, result):
         for item in imports:
             imported[item.handoff.req_id] = worker.name
-            assert [p.ref for p in item.handoff.pieces] == pieces[item.handoff.req_id]
+            assert [p.ref for p in item.handoff.pieces] == pieces[item.handoff.req_id][:len(item.handoff.pieces)]
         for piece in result.kv_pieces:
             pieces.setdefault(piece.req_id, []).append(piece.ref)
         for name, refs in coordinator.kv.take_prefetches().items():
@@ -84,4 +88,123 @@ def test_abort_while_prefilling_forgets_the_binding_and_every_piece():
             assert coordinator.abort("x")
     run(coordinator, streams, before_step=abort_mid_prompt)
     assert streams.finish["x"] == "abort"
+    assert_idle(coordinator)
+
+
+def early_and_final_imports(coordinator, streams, before_step=None, lose_first_early=False, seen=None):
+    """Step every worker until idle; returns (and fills `seen`) per request each import into a decode slot
+    as (worker, slot, first piece imported, pieces in the handoff, final)."""
+    seen, lose = {} if seen is None else seen, set()
+
+    def observe(worker, imports, result):
+        for item in imports:
+            h = item.handoff
+            seen.setdefault(h.req_id, []).append((worker.name, item.slot, h.imported, len(h.pieces), item.final))
+            if lose_first_early and not item.final:
+                lose.discard(h.req_id)  # lost once
+        if lose_first_early and not seen:
+            lose.update(r for w in coordinator.decode for r in w.sched.reserved)
+
+    step_all(coordinator, streams, before_step=before_step, observe=observe, lose_imports=lose)
+    return seen
+
+
+def steady_and_long(coordinator, streams):
+    """A request decoding on each decode worker (so they step) while a 4-chunk prompt prefills."""
+    for worker in coordinator.decode:
+        coordinator.admit(req(f"steady{worker.index or ''}", prompt_len=4, max_tokens=30), consumer="c")
+    step_all(coordinator, streams, steps=3)
+    coordinator.admit(req("long", prompt_len=16), consumer="c")
+
+
+def test_pieces_are_imported_into_a_reserved_slot_as_the_prompt_prefills():
+    coordinator, streams = cell(decode_slots=4), Streams()
+    steady_and_long(coordinator, streams)
+    imports = early_and_final_imports(coordinator, streams)["long"]
+    early, final = [i for i in imports if not i[4]], [i for i in imports if i[4]]
+    assert len(early) >= 2 and len(final) == 1  # pieces went in while it prefilled; the last one at handoff
+    slot = {i[1] for i in imports}
+    assert len(slot) == 1 and len({i[0] for i in imports}) == 1  # one slot of one worker, reserved throughout
+    firsts = [i[2] for i in imports]
+    assert firsts == sorted(set(firsts)) and firsts[0] == 0  # each piece once, in order
+    assert final[0][2] == final[0][3] - 1  # only the last piece is left for the handoff
+    assert coordinator.counts.early_imports == len(early)
+    assert streams.tokens["long"] == expected_tokens("long", 5)
+    assert_idle(coordinator)
+
+
+def test_no_slot_is_reserved_when_none_is_to_spare():
+    coordinator, streams = cell(decode_slots=1), Streams()
+    steady_and_long(coordinator, streams)
+    imports = early_and_final_imports(coordinator, streams)["long"]
+    assert [i[2:] for i in imports] == [(0, 4, True)]  # every piece at the handoff, once the slot is free
+    assert coordinator.counts.early_imports == 0
+    assert streams.tokens["long"] == expected_tokens("long", 5)
+    assert streams.tokens["steady"] == expected_tokens("steady", 30)
+    assert_idle(coordinator)
+
+
+def test_a_reserved_slot_counts_once_in_the_prefill_pools_room():
+    coordinator = cell(decode_slots=2)
+    coordinator.admit(req("x", prompt_len=16), consumer="c")
+    prefill, decode = coordinator.prefill[0], coordinator.decode[0]
+    step_all(coordinator, Streams(), steps=1)
+    assert decode.sched.reserved and len(decode.sched.free_slots) == 1
+    assert prefill_room(prefill, coordinator.prefill, coordinator.decode, 1) == 2  # 2 decode slots + 1 - x
+
+
+@pytest.mark.parametrize("when", ["prefilling", "handed off"])
+def test_a_decode_worker_that_dies_loses_what_was_imported_into_its_slots(when):
+    """Restarted with a prompt's pieces in a reserved slot, or gone with a handed-off prompt waiting there:
+    either way every piece is imported again where it goes (the ledger checks the rows)."""
+    coordinator, streams = cell(num_decode_workers=2, decode_slots=4), Streams()
+    steady_and_long(coordinator, streams)
+    killed, imports = [], {}
+    original = coordinator.apply
+
+    def apply_then_kill(worker, plan, result):  # right after a step: the handoff is not imported yet
+        original(worker, plan, result)
+        decode = coordinator.kv.bound.get("long") or next(
+            (w for w in coordinator.decode if "long" in w.sched.requests), None)
+        ready = "long" in coordinator.kv.handoffs if when == "handed off" else coordinator.kv.sent.get("long")
+        if not killed and decode is not None and ready:
+            coordinator.worker_died(decode)
+            killed.append(len(imports.get("long", [])))
+            if when == "prefilling":
+                coordinator.worker_back(decode, decode.placement)  # restarted, its cache empty
+            else:
+                decode.status = WorkerStatus.GONE
+    coordinator.apply = apply_then_kill
+    early_and_final_imports(coordinator, streams, seen=imports)
+    assert killed, when
+    after = imports["long"][killed[0]:]
+    assert after[0][2] == 0 and after[-1][4]  # from the first piece again
+    assert streams.tokens["long"] == expected_tokens("long", 5)
+    assert streams.tokens["steady"] == expected_tokens("steady", 30)
+    assert_idle(coordinator)
+
+
+def test_a_prompt_preempted_on_the_prefill_worker_imports_its_pieces_again():
+    coordinator, streams = cell(decode_slots=4), Streams()
+    steady_and_long(coordinator, streams)
+    coordinator.prefill[0].sched.requests["long"].priority = 1
+
+    def urgent(n):
+        if n == 2:
+            assert coordinator.kv.sent.get("long")  # pieces are in its reserved slot
+            coordinator.admit(req("urgent", prompt_len=8, priority=0), consumer="c")
+    imports = early_and_final_imports(coordinator, streams, before_step=urgent)["long"]
+    assert coordinator.prefill[0].sched.num_preemptions == 1
+    assert [i[2] for i in imports].count(0) == 2  # imported from its first piece again after the preemption
+    for req_id in ("long", "urgent"):
+        assert streams.tokens[req_id] == expected_tokens(req_id, 5)
+    assert_idle(coordinator)
+
+
+def test_a_lost_early_import_recomputes_the_prompt():
+    coordinator, streams = cell(decode_slots=4), Streams()
+    steady_and_long(coordinator, streams)
+    early_and_final_imports(coordinator, streams, lose_first_early=True)
+    assert coordinator.counts.recomputes == 1
+    assert streams.tokens["long"] == expected_tokens("long", 5)
     assert_idle(coordinator)
