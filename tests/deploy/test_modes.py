@@ -72,6 +72,28 @@ def test_seeded_sampling_equals_local_mode_in_every_mode(ray_session, tiny_check
         assert {k: c.token_ids for k, c in results.items()} == {k: c.token_ids for k, c in local.items()}
 
 
+def staged(config, first, later, running, pause_s=0.05):
+    """Run `first` on Ray, then `later` (one every `pause_s`) once decode-0 runs `running` requests;
+    returns the completions by id and the scheduler's stats at the end."""
+    ray_engine = RayEngine(config)
+    handle, client = ray_engine.handle, EngineClient(ray_engine.handle)
+
+    async def scenario():
+        tasks = [asyncio.create_task(complete(client, r)) for r in first]
+        while (await handle.stats.remote())["workers"]["decode-0"]["running"] < running:
+            await asyncio.sleep(0.005)
+        for request in later:
+            tasks.append(asyncio.create_task(complete(client, request)))
+            await asyncio.sleep(pause_s)
+        done = await asyncio.wait_for(asyncio.gather(*tasks), timeout=180)
+        return {c.req_id: c for c in done}, await handle.stats.remote()
+
+    try:
+        return asyncio.run(scenario())
+    finally:
+        ray_engine.close()
+
+
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
 def test_preemption_keeps_every_output_equal_to_local(ray_session, tiny_checkpoint, mode):
     """Two slots, six long normal requests, two urgent ones arriving mid-run: urgent ones evict normal
@@ -87,24 +109,9 @@ def test_preemption_keeps_every_output_equal_to_local(ray_session, tiny_checkpoi
 
     with open_engine(EngineConfig(model=tiny_checkpoint, **BASE)) as engine:
         expected = {r.req_id: engine.run([r])[r.req_id].token_ids for r in workload()}
-    ray_engine = RayEngine(EngineConfig(model=tiny_checkpoint, mode=mode, **(BASE | {"slots": 2})))
-    handle, client = ray_engine.handle, EngineClient(ray_engine.handle)
-
-    async def scenario():
-        requests = workload()
-        tasks = [asyncio.create_task(complete(client, r)) for r in requests[:6]]
-        while (await handle.stats.remote())["workers"]["decode-0"]["running"] < 2:  # both slots busy
-            await asyncio.sleep(0.005)
-        for urgent in requests[6:]:  # then the urgent ones arrive
-            tasks.append(asyncio.create_task(complete(client, urgent)))
-            await asyncio.sleep(0.05)
-        done = await asyncio.wait_for(asyncio.gather(*tasks), timeout=180)
-        return {c.req_id: c for c in done}, await handle.stats.remote()
-
-    try:
-        results, stats = asyncio.run(scenario())
-    finally:
-        ray_engine.close()
+    requests = workload()
+    results, stats = staged(EngineConfig(model=tiny_checkpoint, mode=mode, **(BASE | {"slots": 2})),
+                            requests[:6], requests[6:], running=2)  # the urgent ones once both slots are busy
     assert {k: c.token_ids for k, c in results.items()} == expected
     assert stats["counters"]["preemptions"] >= 1
     assert sum(c.metrics["preemptions"] for c in results.values()) == stats["counters"]["preemptions"]
@@ -115,26 +122,13 @@ def test_kv_imported_into_a_reserved_slot_while_prefilling_equals_local(ray_sess
     """A long prompt prefills in many chunks while another request decodes: its pieces go into a decode slot
     reserved for it with the decode steps (`early_imports`), and its tokens are still local's."""
     def workload():
-        steady, long = make_requests(2, [4, 150], [150, 6], stop_token_ids=frozenset())
-        return steady, long
+        return make_requests(2, [4, 150], [150, 6], stop_token_ids=frozenset())  # steady, long
 
     with open_engine(EngineConfig(model=tiny_checkpoint, **BASE)) as engine:
         expected = {r.req_id: engine.run([r])[r.req_id].token_ids for r in workload()}
-    ray_engine = RayEngine(EngineConfig(model=tiny_checkpoint, mode="disaggregated", **(BASE | {"max_model_len": 200})))
-    handle, client = ray_engine.handle, EngineClient(ray_engine.handle)
-
-    async def scenario():
-        steady, long = workload()
-        first = asyncio.create_task(complete(client, steady))
-        while (await handle.stats.remote())["workers"]["decode-0"]["running"] < 1:  # it decodes
-            await asyncio.sleep(0.005)
-        done = await asyncio.wait_for(asyncio.gather(first, complete(client, long)), timeout=120)
-        return {c.req_id: c for c in done}, await handle.stats.remote()
-
-    try:
-        results, stats = asyncio.run(scenario())
-    finally:
-        ray_engine.close()
+    config = EngineConfig(model=tiny_checkpoint, mode="disaggregated", **(BASE | {"max_model_len": 200}))
+    steady, long = workload()
+    results, stats = staged(config, [steady], [long], running=1)  # the long prompt once the other decodes
     assert {k: c.token_ids for k, c in results.items()} == expected
     assert results["r1"].finish_reason == "length" and stats["counters"]["early_imports"] >= 1
     assert all(w["slots_used"] == 0 for w in stats["workers"].values())
