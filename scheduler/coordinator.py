@@ -182,10 +182,9 @@ class Coordinator:
                     self._route(request)
         if plan.empty:
             return None
-        imports = [KVImport(c.slot, self.kv.handoffs[c.req_id]) for c in plan.decode if c.req_id in self.kv.handoffs]
         early = self.kv.early_imports(worker)
         self.counts.early_imports += len(early)
-        return plan, imports + early
+        return plan, self.kv.final_imports(plan) + early
 
     def apply(self, worker: WorkerState, plan: StepPlan, result: StepResult) -> None:
         """Consume a step's results: lost imports go back to be recomputed, sampled tokens are applied,
@@ -203,8 +202,7 @@ class Coordinator:
             if request is not None:
                 self._recompute(request, "its KV handoff was lost")
         for req_id, seconds in result.import_s.items():
-            handoff = self.kv.handoffs.pop(req_id, None)  # imported: dropping the ref frees the bytes
-            if handoff is not None:
+            if (handoff := self.kv.imported(req_id)) is not None:
                 self.metrics.on_handoff(handoff.num_bytes, handoff.export_s + seconds)
                 if req_id in self.placements:
                     self.placements[req_id].kv_handoff_s = handoff.export_s + seconds
@@ -232,7 +230,7 @@ class Coordinator:
         if target is None:
             self._fail(request, "no live decode worker", unavailable=True)
             return
-        self.kv.handoffs[request.req_id] = handoff
+        self.kv.book(handoff)
         self.counts.handoffs += 1
         self.counts.handoff_bytes += handoff.num_bytes
         self.placements[request.req_id].kv_handoff_bytes = handoff.num_bytes

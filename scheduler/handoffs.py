@@ -18,12 +18,14 @@ from typing import Any
 
 from scheduler.cell import WorkerState, WorkerStatus
 from scheduler.messages import KVHandoff, KVImport, KVPiece
+from scheduler.plan import StepPlan
 
 
 class HandoffBook:
     def __init__(self) -> None:
         self.pieces: dict[str, list[KVPiece]] = {}  # prompts on prefill workers: the KV pieces sent so far
         self.handoffs: dict[str, KVHandoff] = {}  # handed off, not yet imported
+        self.importing: dict[str, KVHandoff] = {}  # of those, sent in a step whose result has not come yet
         self.bound: dict[str, WorkerState] = {}  # prompts on prefill workers: the decode worker they go to
         self.prefetches: dict[str, list[Any]] = {}  # decode worker name -> piece refs to pull to its node
         self.sent: dict[str, int] = {}  # prompts with a reserved slot: pieces sent to be imported into it
@@ -67,6 +69,28 @@ class HandoffBook:
         for req_id, handoff in self.handoffs.items():
             if req_id in worker.sched.requests:
                 self.handoffs[req_id] = dataclasses.replace(handoff, imported=0)
+                self.importing.pop(req_id, None)
+
+    def book(self, handoff: KVHandoff) -> None:
+        """A handoff waits for its decode worker (a request's earlier one, if any, is void)."""
+        self.handoffs[handoff.req_id] = handoff
+        self.importing.pop(handoff.req_id, None)
+
+    def final_imports(self, plan: StepPlan) -> list[KVImport]:
+        """The handoffs of the plan's decode chunks that no step has been sent to import yet: with a step
+        in flight ahead, the one after it must not import them again."""
+        imports = [KVImport(c.slot, self.handoffs[c.req_id]) for c in plan.decode
+                   if c.req_id in self.handoffs and c.req_id not in self.importing]
+        self.importing |= {i.handoff.req_id: i.handoff for i in imports}
+        return imports
+
+    def imported(self, req_id: str) -> KVHandoff | None:
+        """A step imported a request's handoff: forget it (the object store frees the bytes) and return it;
+        None if a later handoff of the request has replaced it since the step was sent."""
+        handoff = self.importing.pop(req_id, None)
+        if handoff is None or self.handoffs.get(req_id) is not handoff:
+            return None
+        return self.handoffs.pop(req_id)
 
     def early_imports(self, worker: WorkerState) -> list[KVImport]:
         """The pieces not yet sent of the prompts with a slot reserved on this decode worker."""
@@ -100,6 +124,7 @@ class HandoffBook:
         """Forget a request's pieces, handoff and binding: the object store frees their bytes."""
         self.pieces.pop(req_id, None)
         self.handoffs.pop(req_id, None)
+        self.importing.pop(req_id, None)
         self.unbind(req_id)
 
     def take_prefetches(self) -> dict[str, list[Any]]:

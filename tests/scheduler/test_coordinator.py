@@ -143,6 +143,7 @@ def step_all(coordinator, streams, steps=200, lose_imports=(), before_step=None,
 
 def assert_idle(coordinator):
     assert not coordinator.kv.handoffs and not coordinator.kv.pieces and not coordinator.kv.bound
+    assert not coordinator.kv.importing
     assert not coordinator.consumers
     assert not coordinator.placements
     assert all(w.slots_used == 0 and w.sched.num_waiting == 0 for w in coordinator.workers)

@@ -7,7 +7,19 @@ every chunk finds its request's rows in its slot)."""
 import pytest
 
 from scheduler.cell import WorkerStatus, prefill_room
-from tests.scheduler.test_coordinator import Streams, assert_idle, cell, expected_tokens, req, step_all
+from scheduler.handoffs import HandoffBook
+from scheduler.messages import KVHandoff, KVPiece
+from scheduler.plan import Chunk, StepPlan
+from scheduler.request import SamplingParams
+from tests.scheduler.test_coordinator import (
+    Streams,
+    assert_idle,
+    cell,
+    expected_tokens,
+    req,
+    run_overlapped,
+    step_all,
+)
 
 
 def run(coordinator, streams, before_step=None):
@@ -208,3 +220,37 @@ def test_a_lost_early_import_recomputes_the_prompt():
     assert coordinator.counts.recomputes == 1
     assert streams.tokens["long"] == expected_tokens("long", 5)
     assert_idle(coordinator)
+
+
+@pytest.mark.parametrize("decode_slots", [1, 4])  # every piece imported at the handoff; or only the last
+def test_with_a_step_in_flight_each_handoff_is_imported_once(decode_slots):
+    """A decode worker's step N+1 is planned before step N's results (which say what N imported) are
+    applied: N+1 must not import N's handoffs again (a second copy of every row, on the token's path)."""
+    coordinator, streams, finals = cell(decode_slots=decode_slots, token_budget=16), Streams(), []
+    plan_step = coordinator.next_step
+
+    def recording(worker):
+        step = plan_step(worker)
+        finals.extend(i.handoff.req_id for i in (step[1] if step else ()) if i.final)
+        return step
+    coordinator.next_step = recording
+    for i in range(3):
+        coordinator.admit(req(f"r{i}", prompt_len=9 + 4 * i, max_tokens=6), consumer="c")
+    run_overlapped(coordinator, streams)
+    assert sorted(finals) == ["r0", "r1", "r2"]
+    assert streams.tokens == {f"r{i}": expected_tokens(f"r{i}", 6) for i in range(3)}
+    assert_idle(coordinator)
+
+
+def test_an_import_done_after_its_handoff_was_replaced_leaves_the_new_one():
+    """A request preempted on its decode worker while a step imports its handoff is prefilled again and
+    handed off anew; if that happens before the step's result comes, the result is about the old handoff."""
+    book, decode = HandoffBook(), StepPlan(decode=[Chunk("r", 0, [5], 8, True, 0, SamplingParams())], prefill=[])
+    old, new = (KVHandoff("r", (KVPiece("r", 0, 8, object(), 100, 0.001),), 0) for _ in range(2))
+    book.book(old)
+    assert [i.handoff for i in book.final_imports(decode)] == [old]
+    assert book.final_imports(decode) == []  # the step planned next does not import it again
+    book.book(new)
+    assert book.imported("r") is None and book.handoffs["r"] is new
+    assert [i.handoff for i in book.final_imports(decode)] == [new]
+    assert book.imported("r") is new and not book.handoffs and not book.importing
