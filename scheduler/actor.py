@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import time
 import uuid
@@ -57,8 +58,9 @@ class SchedulerActor:
         self.ended: dict[str, asyncio.Event] = {}  # requests someone waits on (`wait_finished`)
         self.timeline = StepTimeline()
         self.last_result_s: dict[str, float] = {}  # per worker: when its last step's result arrived
-        self.round_trip_s: dict[str, float] = {}  # per worker: a moving average of its steps' round trips
-        self.finishing: dict[str, float] = {}  # prefill workers with a prompt's last chunk in flight: sent at
+        self.s_per_token: dict[str, float] = {}  # per worker: a moving average of its step seconds per token
+        # prefill workers with a prompt's last chunk in flight: (sent at, expected end; inf while queued)
+        self.finishing: dict[str, tuple[float, float]] = {}
         self.handoff_applied = asyncio.Event()  # set (then replaced) when such a step's results are applied
         self.tasks: list[asyncio.Task[None]] = []
         self.prefetching: set[asyncio.Future[Any]] = set()  # prefetch calls in flight (held until answered)
@@ -163,7 +165,7 @@ class SchedulerActor:
         in_flight: tuple[Any, ...] | None = None  # (plans, result ref, planning seconds, send time)
         while True:
             if worker.kind == "decode" and in_flight is not None:
-                await self._await_handoff(worker, in_flight[1], in_flight[3])
+                await self._await_handoff(worker, *in_flight)
             t0 = time.perf_counter()
             call = plan_call(self.coordinator, worker, self.bursts.length(worker.name))
             sent = None
@@ -172,7 +174,7 @@ class SchedulerActor:
                 t1 = time.perf_counter()
                 sent = (plans, handle.step.remote(plans, imports), t1 - t0, t1)
                 if worker.kind == "prefill" and any(c.sample for c in plans[0].prefill):
-                    self.finishing[worker.name] = t1
+                    self.finishing[worker.name] = (t1, self._ends(worker, plans, t1) if in_flight is None else math.inf)
             elif in_flight is None:
                 self._deliver()  # a preempted request's reroute may have failed it
                 wakeup.clear()
@@ -183,16 +185,24 @@ class SchedulerActor:
                     if sent is not None:  # the worker died: the call sent after it is lost too
                         await asyncio.gather(sent[1], return_exceptions=True)
                     sent = None
+                elif sent is not None and self.finishing.get(worker.name, (None,))[0] == sent[3]:  # it starts now
+                    self.finishing[worker.name] = (sent[3], self._ends(worker, sent[0], time.perf_counter()))
             in_flight = sent
 
-    async def _await_handoff(self, worker: WorkerState, ref: Any, sent_s: float) -> None:
+    def _ends(self, worker: WorkerState, plans: list[Any], start: float) -> float:
+        """When a call that starts running at `start` should end, by the worker's seconds per token."""
+        return start + self.s_per_token.get(worker.name, math.inf) * max(1, sum(p.num_tokens for p in plans))
+
+    async def _await_handoff(self, worker: WorkerState, plans: list[Any], ref: Any, plan_s: float,
+                             sent_s: float) -> None:
         """Before planning a decode worker's next step while its step N runs: if a prefill worker's step that
-        finishes a prompt is expected back before N (by the workers' average round trips), wait for that
-        handoff, or for N, whichever comes first. Waiting never changes an output, only which step a
-        handed-off request joins; when no handoff is due it costs nothing."""
-        n_ends = sent_s + self.round_trip_s.get(worker.name, 0.0)
-        due = [sent + self.round_trip_s.get(name, float("inf")) for name, sent in self.finishing.items()]
-        if not due or min(due) > n_ends:
+        finishes a prompt is expected back before N ends (each started when the call before it ended, and
+        lasts its tokens times its worker's seconds per token), wait for that handoff, or for N, whichever
+        comes first. Waiting never changes an output, only which step a handed-off request joins; when no
+        handoff is due it costs nothing."""
+        n_ends = self._ends(worker, plans, max(sent_s, self.last_result_s.get(worker.name, sent_s)))
+        due = [end for _, end in self.finishing.values()]
+        if not due or min(due) > n_ends or n_ends == math.inf:
             return
         arrived = asyncio.ensure_future(self.handoff_applied.wait())
         done = asyncio.ensure_future(asyncio.gather(ref, return_exceptions=True))
@@ -219,7 +229,9 @@ class SchedulerActor:
             self._deliver()
             return False
         t2 = time.perf_counter()
-        self.round_trip_s[worker.name] = 0.8 * self.round_trip_s.get(worker.name, t2 - sent_s) + 0.2 * (t2 - sent_s)
+        worker_s = sum(r.step_s for r in results)
+        per_token = worker_s / max(1, sum(p.num_tokens for p in plans))
+        self.s_per_token[worker.name] = 0.8 * self.s_per_token.get(worker.name, per_token) + 0.2 * per_token
         try:
             for plan, result in zip(plans, results, strict=True):
                 self.coordinator.apply(worker, plan, result)
@@ -232,12 +244,11 @@ class SchedulerActor:
         if worker.kind == "prefill" and any(c.sample for c in plans[0].prefill):  # handoffs are queued: wake
             self.handoff_applied.set()
             self.handoff_applied = asyncio.Event()
-        if self.finishing.get(worker.name) == sent_s:
+        if self.finishing.get(worker.name, (None,))[0] == sent_s:
             del self.finishing[worker.name]
         self._deliver()
         period = t2 - max(sent_s, self.last_result_s.get(worker.name, 0.0))
         self.last_result_s[worker.name] = t2
-        worker_s = sum(r.step_s for r in results)
         self.bursts.observe(worker.name, len(plans), period, worker_s)
         self.timeline.record(worker.kind, steps=len(plans), period=period, plan=plan_s, round_trip=t2 - sent_s,
                              worker_step=worker_s, forward=sum(r.forward_s for r in results), apply=t3 - t2,
