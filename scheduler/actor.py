@@ -229,9 +229,10 @@ class SchedulerActor:
             self._deliver()
             return False
         t2 = time.perf_counter()
-        worker_s = sum(r.step_s for r in results)
-        per_token = worker_s / max(1, sum(p.num_tokens for p in plans))
-        self.s_per_token[worker.name] = 0.8 * self.s_per_token.get(worker.name, per_token) + 0.2 * per_token
+        worker_s, tokens = sum(r.step_s for r in results), sum(p.num_tokens for p in plans)
+        if tokens:  # (a call that only imported KV says nothing of a step's pace)
+            self.s_per_token[worker.name] = 0.8 * self.s_per_token.get(worker.name, worker_s / tokens) \
+                + 0.2 * worker_s / tokens
         try:
             for plan, result in zip(plans, results, strict=True):
                 self.coordinator.apply(worker, plan, result)
@@ -249,10 +250,11 @@ class SchedulerActor:
         self._deliver()
         period = t2 - max(sent_s, self.last_result_s.get(worker.name, 0.0))
         self.last_result_s[worker.name] = t2
-        self.bursts.observe(worker.name, len(plans), period, worker_s)
-        self.timeline.record(worker.kind, steps=len(plans), period=period, plan=plan_s, round_trip=t2 - sent_s,
-                             worker_step=worker_s, forward=sum(r.forward_s for r in results), apply=t3 - t2,
-                             publish=time.perf_counter() - t3, tokens=sum(p.num_tokens for p in plans))
+        if tokens:
+            self.bursts.observe(worker.name, len(plans), period, worker_s)
+            self.timeline.record(worker.kind, steps=len(plans), period=period, plan=plan_s, round_trip=t2 - sent_s,
+                                 worker_step=worker_s, forward=sum(r.forward_s for r in results), apply=t3 - t2,
+                                 publish=time.perf_counter() - t3, tokens=tokens)
         return True
 
     def _send_prefetch(self, name: str, refs: list[Any]) -> None:

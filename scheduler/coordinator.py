@@ -180,9 +180,9 @@ class Coordinator:
                 request = worker.sched.evict(req_id)
                 if request is not None:
                     self._route(request)
-        if plan.empty:
+        early = self.kv.early_imports(worker)  # an idle decode worker gets a step that only imports them
+        if plan.empty and not early:
             return None
-        early = self.kv.early_imports(worker)
         self.counts.early_imports += len(early)
         return plan, self.kv.final_imports(plan) + early
 
@@ -192,8 +192,9 @@ class Coordinator:
         sched = worker.sched
         for piece in result.kv_pieces:  # of requests still prefilling here (not aborted or preempted since)
             request = sched.requests.get(piece.req_id)
-            if request is not None and request.status is RequestStatus.RUNNING:
-                self.kv.add_piece(piece, worker, self.decode)
+            if request is not None and request.status is RequestStatus.RUNNING \
+                    and (target := self.kv.add_piece(piece, worker, self.decode)) is not None:
+                self.wake(target)  # idle, it imports the piece now
         handoffs = [self.kv.finish(c.req_id, worker.index) for c in plan.prefill
                     if worker.kind == "prefill" and c.sample and c.req_id in result.samples.tokens]
         for req_id in result.failed_imports:  # the pieces' bytes died with their prefill worker
@@ -209,8 +210,9 @@ class Coordinator:
         samples = result.samples
         update = sched.update(plan, samples.tokens, samples.logprobs, samples.prompt_logprobs)
         outputs = self.outputs.apply(sched, update)
-        self.metrics.on_step(worker.name, worker.kind, worker.slots_used, plan.num_tokens, len(plan.preempted),
-                             result.step_s, sched.prefix_cache.stats() if sched.prefix_cache is not None else None)
+        if plan.num_tokens:  # (not a step that only imported)
+            self.metrics.on_step(worker.name, worker.kind, worker.slots_used, plan.num_tokens, len(plan.preempted),
+                                 result.step_s, sched.prefix_cache.stats() if sched.prefix_cache else None)
         for chunk in plan.chunks:  # who computed what, for the request's metrics
             placement = self.placements.get(chunk.req_id)
             if placement is not None:

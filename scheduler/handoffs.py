@@ -30,8 +30,9 @@ class HandoffBook:
         self.prefetches: dict[str, list[Any]] = {}  # decode worker name -> piece refs to pull to its node
         self.sent: dict[str, int] = {}  # prompts with a reserved slot: pieces sent to be imported into it
 
-    def add_piece(self, piece: KVPiece, prefill: WorkerState, decode: list[WorkerState]) -> None:
-        """Keep a piece of a prompt still prefilling; name it to its decode worker if that is elsewhere."""
+    def add_piece(self, piece: KVPiece, prefill: WorkerState, decode: list[WorkerState]) -> WorkerState | None:
+        """Keep a piece of a prompt still prefilling; name it to its decode worker if that is elsewhere.
+        Returns that worker when the piece is to be imported into a slot reserved there."""
         self.pieces.setdefault(piece.req_id, []).append(piece)
         target = self.target(piece.req_id, decode)
         if target is not None and target.status is WorkerStatus.UP:
@@ -40,6 +41,7 @@ class HandoffBook:
             refs = self.prefetches.setdefault(target.name, [])
             if not any(ref is piece.ref for ref in refs):  # a step's pieces share one object
                 refs.append(piece.ref)
+        return target if target is not None and piece.req_id in target.sched.reserved else None
 
     def target(self, req_id: str, decode: list[WorkerState]) -> WorkerState | None:
         """The decode worker a prompt's KV goes to: the one it was bound to while it answers, else the

@@ -208,12 +208,21 @@ def test_outputs_go_to_the_consumer_that_submitted():
     assert seen == {"ingress-1": {"a"}, "ingress-2": {"b"}}
 
 
-def test_a_lost_handoff_is_prefilled_again_and_continues_exactly():
-    coordinator, streams = cell(), Streams()
+@pytest.mark.parametrize("when", ["early", "at the handoff"])
+def test_a_lost_handoff_is_prefilled_again_and_continues_exactly(when):
+    """KV pieces lost once: found at the first early import into the idle decode worker's reserved slot, or
+    (its only slot busy) when every piece is imported at the handoff."""
+    coordinator, streams, lose = cell(decode_slots=1 if when == "at the handoff" else 2), Streams(), {"a"}
+    if when == "at the handoff":
+        coordinator.admit(req("busy", prompt_len=3, max_tokens=12), consumer="c")
     coordinator.admit(req("a", max_tokens=8), consumer="c")
-    step_all(coordinator, streams, steps=3, lose_imports={"a"})  # prefill, then the import fails
-    assert coordinator.counts.recomputes == 1
-    step_all(coordinator, streams)
+
+    def lost_once(worker, imports, result):
+        if result.failed_imports:
+            assert [i.final for i in imports] == [when == "at the handoff"]
+            lose.clear()
+    step_all(coordinator, streams, lose_imports=lose, observe=lost_once)
+    assert coordinator.counts.recomputes == 1 and not lose
     assert streams.tokens["a"] == expected_tokens("a", 8) and streams.finish["a"] == "length"
     assert_idle(coordinator)
 

@@ -254,3 +254,16 @@ def test_an_import_done_after_its_handoff_was_replaced_leaves_the_new_one():
     assert book.imported("r") is None and book.handoffs["r"] is new
     assert [i.handoff for i in book.final_imports(decode)] == [new]
     assert book.imported("r") is new and not book.handoffs and not book.importing
+
+
+def test_an_idle_decode_worker_imports_the_pieces_as_the_prompt_prefills():
+    """With nothing to decode, the worker the prompt is bound to gets steps that only import its pieces, so
+    the handoff leaves only the last piece to copy there as well."""
+    coordinator, streams = cell(decode_slots=4), Streams()
+    coordinator.admit(req("long", prompt_len=16), consumer="c")
+    imports = early_and_final_imports(coordinator, streams)["long"]
+    slot = imports[0][1]
+    assert imports == [("decode-0", slot, i, i + 1, False) for i in range(3)] + [("decode-0", slot, 3, 4, True)]
+    assert coordinator.counts.early_imports == 3
+    assert streams.tokens["long"] == expected_tokens("long", 5)
+    assert_idle(coordinator)
