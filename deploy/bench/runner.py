@@ -242,7 +242,8 @@ def _run_one(run: Run, config: EngineConfig, args: argparse.Namespace, loaded: A
                     "arrivals": [t for t, s in zip(work.arrival_s, work.steady, strict=True) if not s]}
                 # the same gaps, only those that end while long prompts arrive (the streams' ramp-up left out)
                 during = [ms for t, ms in series[run.label()]["itl"] if t >= work.long_start_s]
-                extra |= summarize("steady_itl_during_ms", during)
+                if during:  # (none when the streams ended before the first long prompt: no figure, not 0)
+                    extra |= summarize("steady_itl_during_ms", during)
             extra.pop("start_perf_s", None)
     summary = head | {"mode": run.mode, "slots": run.slots, "token_budget": run.token_budget,
                       "prefill_chunk": chunk, "rate": run.rate, "sequential": args.sequential,

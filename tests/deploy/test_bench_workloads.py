@@ -33,8 +33,8 @@ def test_interference_and_prefix_reports(ray_session, tiny_checkpoint, tmp_path)
     handoff gap and the P:D ratio; the figure of ITL over time; and the prefix cache compared on and off."""
     out = tmp_path / "intf.jsonl"
     rc = main(["bench", "--model", tiny_checkpoint, "--workload", "interference", "--steady", "3",
-               "--steady-output-len", "200", "--num-requests", "3", "--prompt-len", "200:300", "--output-len", "3",
-               "--rate", "20", "--long-start-s", "0.1", "--modes", "colocated,disaggregated",
+               "--steady-output-len", "400", "--num-requests", "3", "--prompt-len", "200:300", "--output-len", "3",
+               "--rate", "20", "--long-start-s", "0.02", "--modes", "colocated,disaggregated",
                "--colocated-workers", "2", "--baselines", "none", "--max-model-len", "512", "--slots", "4",
                "--output", str(out), "--quiet"])
     assert rc == 0
