@@ -165,7 +165,7 @@ class SchedulerActor:
         in_flight: tuple[Any, ...] | None = None  # (plans, result ref, planning seconds, send time)
         while True:
             if worker.kind == "decode" and in_flight is not None:
-                await self._await_handoff(worker, *in_flight)
+                await self._await_handoff(worker, in_flight[0], in_flight[1], in_flight[3])
             t0 = time.perf_counter()
             call = plan_call(self.coordinator, worker, self.bursts.length(worker.name))
             sent = None
@@ -193,8 +193,7 @@ class SchedulerActor:
         """When a call that starts running at `start` should end, by the worker's seconds per token."""
         return start + self.s_per_token.get(worker.name, math.inf) * max(1, sum(p.num_tokens for p in plans))
 
-    async def _await_handoff(self, worker: WorkerState, plans: list[Any], ref: Any, plan_s: float,
-                             sent_s: float) -> None:
+    async def _await_handoff(self, worker: WorkerState, plans: list[Any], ref: Any, sent_s: float) -> None:
         """Before planning a decode worker's next step while its step N runs: if a prefill worker's step that
         finishes a prompt is expected back before N ends (each started when the call before it ended, and
         lasts its tokens times its worker's seconds per token), wait for that handoff, or for N, whichever

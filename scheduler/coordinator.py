@@ -212,7 +212,8 @@ class Coordinator:
         outputs = self.outputs.apply(sched, update)
         if plan.num_tokens:  # (not a step that only imported)
             self.metrics.on_step(worker.name, worker.kind, worker.slots_used, plan.num_tokens, len(plan.preempted),
-                                 result.step_s, sched.prefix_cache.stats() if sched.prefix_cache else None)
+                                 result.step_s,
+                                 sched.prefix_cache.stats() if sched.prefix_cache is not None else None)
         for chunk in plan.chunks:  # who computed what, for the request's metrics
             placement = self.placements.get(chunk.req_id)
             if placement is not None:

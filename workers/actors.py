@@ -107,9 +107,9 @@ class DecodeWorker(_ModelWorker):
             if lost:
                 plan = dataclasses.replace(plan, decode=[c for c in plan.decode if c.req_id not in lost],
                                            prefill=[c for c in plan.prefill if c.req_id not in lost])
-            samples = self.runner.execute(plan)  # (nothing to run in a step that only imports)
+            samples = self.runner.execute(plan)
             results.append(StepResult(samples=samples, step_s=time.perf_counter() - start,
-                                      forward_s=self.runner.last_forward_s if plan.chunks else 0.0))
+                                      forward_s=self.runner.last_forward_s))
             start = time.perf_counter()
         results[0].failed_imports, results[0].import_s = failed, import_s
         return results

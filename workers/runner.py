@@ -61,9 +61,9 @@ class ModelRunner:
             self.cache.load_block(block, slot, start)
         decode = [(c, ids) for c in plan.decode if (ids := self._fed(c)) is not None]
         fed = decode + [(c, ids) for c in plan.prefill if (ids := self._fed(c)) is not None]
-        if not fed:
+        if not fed:  # (a step that only imports KV, or whose chunks' caches were lost here)
             self._save_blocks(plan)
-            self.last_sampled = {}
+            self.last_sampled, self.last_forward_s = {}, 0.0
             return Samples()
         chunks = [c for c, _ in fed]
         input_ids, layout = BatchLayout.pack([(c.slot, ids, c.start_pos) for c, ids in fed], len(decode),
