@@ -79,10 +79,7 @@ def summarize_run(work: Workload, results: dict[str, Completion], elapsed: float
         key = "kv_handoff_s" if phase == "handoff" else f"{phase}_s"
         if any(key in c.metrics for c in done):
             summary[f"{phase}_ms_mean"] = 1000 * sum(c.metrics.get(key, 0.0) for c in done) / len(done)
-    gaps = [1000 * (c.token_times_s[1] - c.token_times_s[0]) for c in done
-            if c.metrics.get("kv_handoff_bytes") and len(c.token_times_s) > 1]
-    if gaps:  # first token (sampled on the prefill worker) to second (the decode worker's first)
-        summary |= {"handoff_gap_ms_p50": percentile(gaps, 50), "handoff_gap_ms_p99": percentile(gaps, 99)}
+    summary |= handoff_gaps("handoff_gap_ms", done)
     if work.steady:  # interference: the steady streams' pace, the long prompts' wait
         steady = [c for c in done if work.steady[int(c.req_id)]]
         long = [c for c in done if not work.steady[int(c.req_id)]]
@@ -90,9 +87,18 @@ def summarize_run(work: Workload, results: dict[str, Completion], elapsed: float
         summary |= {"steady_tpot_ms_p99": percentile([1000 * c.metrics["tpot_s"] for c in steady], 99),
                     "long_ttft_ms_p50": percentile([1000 * c.metrics["ttft_s"] for c in long], 50),
                     "long_ttft_ms_p99": percentile([1000 * c.metrics["ttft_s"] for c in long], 99)}
+        summary |= handoff_gaps("long_handoff_gap_ms", long)  # (the steady streams are handed off too)
     if any(work.urgent) and not all(work.urgent):
         for label, want in (("urgent", True), ("normal", False)):
             values = [1000 * c.metrics["ttft_s"] for c in done if work.urgent[int(c.req_id)] == want]
             summary |= {f"{label}_ttft_ms_p50": percentile(values, 50),
                         f"{label}_ttft_ms_p99": percentile(values, 99)}
     return summary
+
+
+def handoff_gaps(name: str, done: list[Completion]) -> dict[str, float]:
+    """p50 and p99 of the handed-off requests' first token (sampled on the prefill worker) to their second
+    (the decode worker's first); nothing when none was handed off."""
+    gaps = [1000 * (c.token_times_s[1] - c.token_times_s[0]) for c in done
+            if c.metrics.get("kv_handoff_bytes") and len(c.token_times_s) > 1]
+    return {f"{name}_p50": percentile(gaps, 50), f"{name}_p99": percentile(gaps, 99)} if gaps else {}

@@ -45,6 +45,8 @@ def test_interference_and_prefix_reports(ray_session, tiny_checkpoint, tmp_path)
         assert 0 < s["steady_itl_during_ms_p50"] <= s["steady_itl_during_ms_p99"]
     split = summaries["disaggregated"]
     assert split["handoff_gap_ms_p50"] > 0 and split["prefill_workers_per_decode_worker"] > 0
+    assert 0 < split["long_handoff_gap_ms_p50"] <= split["long_handoff_gap_ms_p99"]
+    assert "long_handoff_gap_ms_p50" not in summaries["colocated"]  # nothing is handed off there
     assert (tmp_path / "intf-interference.png").stat().st_size > 10_000
     out = tmp_path / "prefix.jsonl"
     assert main(["bench", "--model", tiny_checkpoint, "--workload", "shared-prefix", "--groups", "2",
