@@ -32,9 +32,12 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def run(self, requests: list[Request], arrival_s: dict[str, float] | None = None,
-            on_finish: Callable[[Completion], None] | None = None) -> dict[str, Completion]:
-        """Submit each request at its arrival offset (seconds from now; 0 if not given) and return every
-        completion by id. A request that cannot run raises ValueError before anything is submitted."""
+            on_finish: Callable[[Completion], None] | None = None,
+            after: dict[str, str] | None = None) -> dict[str, Completion]:
+        """Submit each request at its arrival offset (seconds from now; 0 if not given), or when the request
+        it follows in `after` ends (chains: `scheduler.arrivals.ArrivalSchedule`), and return the completion
+        of every request that ran, by id. A request that cannot run raises ValueError before anything is
+        submitted."""
 
     @abc.abstractmethod
     def profile(self) -> dict[str, Any]:
@@ -76,9 +79,11 @@ class InProcessEngine(Engine):
         self.engine = LocalEngine(runner, scheduler, loaded.tokenizer)
 
     def run(self, requests: list[Request], arrival_s: dict[str, float] | None = None,
-            on_finish: Callable[[Completion], None] | None = None) -> dict[str, Completion]:
+            on_finish: Callable[[Completion], None] | None = None,
+            after: dict[str, str] | None = None) -> dict[str, Completion]:
         finished = self.engine.run(requests, arrival_s,
-                                   None if on_finish is None else lambda r: on_finish(Completion.from_request(r)))
+                                   None if on_finish is None else lambda r: on_finish(Completion.from_request(r)),
+                                   after)
         return {req_id: Completion.from_request(r) for req_id, r in finished.items()}
 
     def profile(self) -> dict[str, Any]:
@@ -118,7 +123,8 @@ class RayEngine(Engine):
         self.handle = start_scheduler(config, info=info)
 
     def run(self, requests: list[Request], arrival_s: dict[str, float] | None = None,
-            on_finish: Callable[[Completion], None] | None = None) -> dict[str, Completion]:
+            on_finish: Callable[[Completion], None] | None = None,
+            after: dict[str, str] | None = None) -> dict[str, Completion]:
         from deploy.engine_client import EngineClient, complete
 
         Scheduler.check_batch(requests, self.capacity)
@@ -130,7 +136,8 @@ class RayEngine(Engine):
                 on_finish(done)
             return done
 
-        schedule = ArrivalSchedule(requests, lambda r: (arrival_s or {}).get(r.req_id, 0.0))
+        schedule = ArrivalSchedule(requests, lambda r: (arrival_s or {}).get(r.req_id, 0.0),
+                                   key=lambda r: r.req_id, after=lambda r: (after or {}).get(r.req_id))
         return {c.req_id: c for c in asyncio.run(run_at_arrivals(schedule, one))}
 
     def profile(self) -> dict[str, Any]:

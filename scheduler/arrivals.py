@@ -1,11 +1,12 @@
-"""Releasing work at arrival offsets: the one mechanism behind every driver that replays a trace."""
+"""Releasing work at arrival offsets, or when the work it follows ends: the one mechanism behind every driver."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Hashable, Iterable
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -16,13 +17,36 @@ class ArrivalSchedule(Generic[T]):
 
     `due()` returns what has arrived since the last call; `wait_s()` says how long until the next
     arrival. The local engine polls it between steps; the Ray and HTTP drivers sleep on it.
+
+    Chains (`after`: the key of the item an item follows, or None): an item that follows another is
+    released when the driver reports that one `ended`, not at its offset: a closed loop, such as a steady
+    population of streams each replaced as it ends. Chains are background load: while items outside
+    every chain (the foreground) are still to come or running, a chain goes on; once the last of them
+    has ended, what remains of every chain is dropped (never released). Without foreground items, chains
+    run to their ends. An item whose predecessor is not in the schedule is an ordinary one.
     """
 
     def __init__(self, items: Iterable[T], offsets: Callable[[T], float] = lambda item: 0.0,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, key: Callable[[T], Hashable] = id,
+                 after: Callable[[T], Hashable | None] = lambda item: None) -> None:
+        items = list(items)
+        keys = {key(item) for item in items}
         order = itertools.count()
-        self.pending = sorted(((offsets(item), next(order), item) for item in items), key=lambda e: e[:2])
-        self.clock = clock
+        self.clock, self.key = clock, key
+        self.held: dict[Hashable, list[T]] = {}  # predecessor's key -> the items released when it ends
+        chained: set[Hashable] = set()
+        timed = []
+        for item in items:
+            before = after(item)
+            if before is not None and before in keys:
+                self.held.setdefault(before, []).append(item)
+                chained |= {before, key(item)}
+            else:
+                timed.append((offsets(item), next(order), item))
+        self.pending = sorted(timed, key=lambda e: e[:2])
+        self.foreground = {key(item) for item in items} - chained  # not yet ended
+        self.has_foreground = bool(self.foreground)
+        self.dropped: list[T] = []
         self.t0 = clock()
 
     def start(self) -> None:
@@ -34,23 +58,56 @@ class ArrivalSchedule(Generic[T]):
         released, self.pending = self.pending[:count], self.pending[count:]
         return [item for _, _, item in released]
 
+    def ended(self, key: Hashable) -> None:
+        """The item of this key has ended: release what follows it (or drop it, once the foreground is done)."""
+        self.foreground.discard(key)
+        following = self.held.pop(key, [])
+        if self.has_foreground and not self.foreground:
+            self._drop(following + [item for items in self.held.values() for item in items])
+            self.held = {}
+            return
+        now = self.clock() - self.t0
+        self.pending = sorted(self.pending + [(now, -1, item) for item in following], key=lambda e: e[:2])
+
+    def _drop(self, items: list[T]) -> None:
+        while items:
+            item = items.pop()
+            self.dropped.append(item)
+            items += self.held.pop(self.key(item), [])
+
     def wait_s(self) -> float:
-        """Seconds until the next arrival (0 if one is due, or none is left)."""
+        """Seconds until the next arrival (0 if one is due or none is left; infinite while only items that
+        wait for another to end are left)."""
         if not self.pending:
-            return 0.0
+            return math.inf if self.held else 0.0
         return max(0.0, self.pending[0][0] - (self.clock() - self.t0))
 
     def __bool__(self) -> bool:
-        return bool(self.pending)
+        return bool(self.pending or self.held)
 
 
 async def run_at_arrivals(schedule: ArrivalSchedule[T], start: Callable[[T], Awaitable[Any]]) -> list[Any]:
-    """Start `start(item)` for each item as it arrives, concurrently; the results in arrival order."""
+    """Start `start(item)` for each item as it arrives, concurrently (an item that follows another when that
+    one's `start` returns); the results in the order the items started."""
     tasks: list[asyncio.Task[Any]] = []
+    woken = asyncio.Event()
+
+    async def run(item: T) -> Any:
+        try:
+            return await start(item)
+        finally:
+            schedule.ended(schedule.key(item))
+            woken.set()
+
     schedule.start()
     while True:
-        tasks += [asyncio.create_task(start(item)) for item in schedule.due()]
+        tasks += [asyncio.create_task(run(item)) for item in schedule.due()]
         if not schedule:
             break
-        await asyncio.sleep(schedule.wait_s())
+        woken.clear()
+        wait = schedule.wait_s()
+        try:
+            await asyncio.wait_for(woken.wait(), None if math.isinf(wait) else wait)
+        except TimeoutError:
+            pass
     return list(await asyncio.gather(*tasks))

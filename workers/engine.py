@@ -79,28 +79,33 @@ class LocalEngine:
         requests: Iterable[Request],
         arrival_s: dict[str, float] | None = None,
         on_finish: Callable[[Request], None] | None = None,
+        after: dict[str, str] | None = None,
     ) -> dict[str, Request]:
-        """Submit requests (each at its `arrival_s` offset from now, if given), step until all finish.
+        """Submit requests (each at its `arrival_s` offset from now, if given, or when the request it
+        follows in `after` ends: `ArrivalSchedule`), step until all finish.
 
-        Returns every request by id. A request that cannot run raises before anything is submitted.
+        Returns every request that ran by id (a chain's remainder dropped once the rest has ended did not).
+        A request that cannot run raises before anything is submitted.
         """
         requests = list(requests)
         Scheduler.check_batch(requests, self.scheduler.capacity)
         for request in requests:
             self.scheduler.check(request)  # and not in use here already
         by_id = {request.req_id: request for request in requests}
-        schedule = ArrivalSchedule(by_id.values(), lambda r: (arrival_s or {}).get(r.req_id, 0.0))
+        schedule = ArrivalSchedule(by_id.values(), lambda r: (arrival_s or {}).get(r.req_id, 0.0),
+                                   key=lambda r: r.req_id, after=lambda r: (after or {}).get(r.req_id))
         results: dict[str, Request] = {}
         while schedule or not self.idle:
             for request in schedule.due():
                 request.arrival_s = time.perf_counter()
                 self.submit(request)
             if self.idle and schedule:
-                time.sleep(schedule.wait_s())
+                time.sleep(min(schedule.wait_s(), 1.0))
                 continue
             for out in self.step():
                 if out.finished:
                     results[out.req_id] = by_id[out.req_id]
                     if on_finish is not None:
                         on_finish(by_id[out.req_id])
+                    schedule.ended(out.req_id)
         return results

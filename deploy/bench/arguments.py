@@ -29,6 +29,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steady", type=int, default=16, help="interference: steady streams, all started at once")
     parser.add_argument("--steady-prompt-len", default="32:64", help="interference: the steady streams' prompts")
     parser.add_argument("--steady-output-len", default="512", help="interference: the steady streams' outputs")
+    parser.add_argument("--steady-generations", type=int, default=1,
+                        help="interference: a steady population: each stream is followed, when it ends, by a "
+                        "new one, up to this many in all, while long prompts are still to come or running")
     parser.add_argument("--long-start-s", type=float, default=5.0,
                         help="interference: seconds before the first long prompt (the streams are decoding)")
     parser.add_argument("--groups", type=int, default=8, help="system prompts (shared-prefix) or "

@@ -90,9 +90,11 @@ async def stream_request(http: httpx.AsyncClient, url: str, body: dict[str, Any]
 
 def run_http(url: str, model: str, prompts: list[list[int]], output_lens: list[int], arrival_s: list[float],
              priorities: list[int], api_key: str | None = None,
-             on_finish: Callable[[Completion], None] | None = None, sequential: bool = False) -> dict[str, Completion]:
-    """Send every request at its arrival offset, concurrently (`sequential`: one at a time, each when the
-    one before has finished, the low-load case); return completions by id ("0", "1", ...)."""
+             on_finish: Callable[[Completion], None] | None = None, sequential: bool = False,
+             after: list[int | None] | None = None) -> dict[str, Completion]:
+    """Send every request at its arrival offset, or when the request it follows (`after`, by index) ends,
+    concurrently (`sequential`: one at a time, each when the one before has finished, the low-load case);
+    return the completions of those sent by id ("0", "1", ...)."""
     url = url.rstrip("/")
 
     async def everything() -> list[Completion]:
@@ -111,7 +113,9 @@ def run_http(url: str, model: str, prompts: list[list[int]], output_lens: list[i
 
             if sequential:
                 return [await send(i) for i in range(len(prompts))]
-            return await run_at_arrivals(ArrivalSchedule(range(len(prompts)), lambda i: arrival_s[i]), send)
+            schedule = ArrivalSchedule(range(len(prompts)), lambda i: arrival_s[i], key=lambda i: i,
+                                       after=lambda i: after[i] if after else None)
+            return await run_at_arrivals(schedule, send)
 
     return {c.req_id: c for c in asyncio.run(everything())}
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -47,6 +48,7 @@ def run_engine(config: EngineConfig, loaded: Any, work: Workload, sequential: bo
     requests = engine_requests(work, priorities)
     batches = [[r] for r in requests] if sequential else [requests]
     arrivals = None if sequential else {str(i): t for i, t in enumerate(work.arrival_s)}
+    after = {str(i): str(before) for i, before in enumerate(work.after) if before is not None}
     results: dict[str, Completion] = {}
     with open_engine(config, loaded) as engine:
         engine.run([warmup_request(work)])
@@ -54,7 +56,7 @@ def run_engine(config: EngineConfig, loaded: Any, work: Workload, sequential: bo
         with startup_frozen():  # no full collection walks the loaded model mid-run (scheduler/gc_pauses.py)
             start = time.perf_counter()
             for batch in batches:
-                results |= engine.run(batch, arrival_s=arrivals, on_finish=on_finish)
+                results |= engine.run(batch, arrival_s=arrivals, on_finish=on_finish, after=after)
             elapsed = time.perf_counter() - start
         extra = engine.profile() | {"start_perf_s": start}
     handoff_bytes = sum(c.metrics.get("kv_handoff_bytes", 0) for c in results.values())
@@ -183,7 +185,8 @@ def _prepare(config: EngineConfig, args: argparse.Namespace) -> tuple[Any, dict[
                                       args.output_len, vocab, args.seed, args.urgent_fraction)
     elif args.workload == "interference":
         base = interference_workload(args.steady, args.steady_prompt_len, args.steady_output_len, args.num_requests,
-                                     args.prompt_len, args.output_len, vocab, args.seed, args.long_start_s)
+                                     args.prompt_len, args.output_len, vocab, args.seed, args.long_start_s,
+                                     args.steady_generations)
     elif args.workload == "chat":
         base = chat_workload(args.groups, args.turns, args.prompt_len, args.output_len, vocab, args.seed)
     else:
@@ -224,7 +227,8 @@ def _run_one(run: Run, config: EngineConfig, args: argparse.Namespace, loaded: A
 
             start = time.perf_counter()
             results = run_http(args.url, head["served_model"], work.prompts, work.output_lens, work.arrival_s,
-                               work.priorities(run.priorities), args.api_key, on_finish, args.sequential)
+                               work.priorities(run.priorities), args.api_key, on_finish, args.sequential,
+                               list(work.after))
             elapsed = time.perf_counter() - start
         else:
             cache_tokens = config.prefix_cache_tokens if run.prefix_cache else 0
@@ -240,8 +244,11 @@ def _run_one(run: Run, config: EngineConfig, args: argparse.Namespace, loaded: A
                     "itl": [(end - start, 1000 * gap) for rid, c in results.items() if work.steady[int(rid)]
                             for end, gap in c.arrival_gaps_s()],
                     "arrivals": [t for t, s in zip(work.arrival_s, work.steady, strict=True) if not s]}
-                # the same gaps, only those that end while long prompts arrive (the streams' ramp-up left out)
-                during = [ms for t, ms in series[run.label()]["itl"] if t >= work.long_start_s]
+                # the same gaps, only those that end while long prompts arrive or run (the streams' ramp-up
+                # and any stream left running after the last long prompt left out)
+                last = max((c.token_times_s[-1] - start for rid, c in results.items()
+                            if not work.steady[int(rid)] and c.token_times_s), default=math.inf)
+                during = [ms for t, ms in series[run.label()]["itl"] if work.long_start_s <= t <= last]
                 if during:  # (none when the streams ended before the first long prompt: no figure, not 0)
                     extra |= summarize("steady_itl_during_ms", during)
             extra.pop("start_perf_s", None)
@@ -254,9 +261,10 @@ def _run_one(run: Run, config: EngineConfig, args: argparse.Namespace, loaded: A
                              exact=run.mode != "url") | extra
     if summary.get("prefill_tok_s_busy") and summary.get("decode_tok_s_busy"):
         # P:D sizing: busy seconds of prefill per request over busy seconds of decode per request
-        prompt_tokens = sum(map(len, work.prompts))
+        prompt_tokens = sum(len(work.prompts[int(rid)]) for rid in results)
+        output_tokens = sum(work.output_lens[int(rid)] for rid in results)
         summary["prefill_workers_per_decode_worker"] = (prompt_tokens / summary["prefill_tok_s_busy"]) / (
-            work.num_output_tokens / summary["decode_tok_s_busy"])
+            output_tokens / summary["decode_tok_s_busy"])
     for key in ("serial_tok_s", "static_tok_s"):
         if key in head:
             summary[f"x_{key.split('_')[0]}"] = summary["output_tok_s"] / head[key]

@@ -49,7 +49,9 @@ def summarize_run(work: Workload, results: dict[str, Completion], elapsed: float
     over the requests that succeeded; failed ones are counted (and never count as good). With `exact`
     (the engine in process), a request that made fewer tokens than asked is a bug and raises; an endpoint
     that does not honour `ignore_eos` may stop early, and its real token counts are used."""
-    every = [results[str(i)] for i in range(len(work.prompts))]
+    # (a steady stream that follows another is not run once the long prompts are done: no result)
+    every = [results[str(i)] for i in range(len(work.prompts)) if str(i) in results or not work.after
+             or work.after[i] is None]
     failed = [c for c in every if c.error is not None or c.finish_reason in ("error", "abort")]
     done = [c for c in every if c.error is None and c.finish_reason not in ("error", "abort")]
     if not done:
@@ -84,6 +86,7 @@ def summarize_run(work: Workload, results: dict[str, Completion], elapsed: float
         steady = [c for c in done if work.steady[int(c.req_id)]]
         long = [c for c in done if not work.steady[int(c.req_id)]]
         summary |= summarize("steady_itl_ms", [1000 * gap for c in steady for gap in c.inter_token_s()])
+        summary["steady_streams"] = len(steady)
         summary |= {"steady_tpot_ms_p99": percentile([1000 * c.metrics["tpot_s"] for c in steady], 99),
                     "long_ttft_ms_p50": percentile([1000 * c.metrics["ttft_s"] for c in long], 50),
                     "long_ttft_ms_p99": percentile([1000 * c.metrics["ttft_s"] for c in long], 99)}

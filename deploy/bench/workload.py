@@ -19,6 +19,7 @@ class Workload:
     urgent: list[bool]  # urgent requests get priority 0, the others 1 (when priorities are on)
     steady: tuple[bool, ...] = ()  # interference: the steady decoding streams (the others: long prompts)
     long_start_s: float = 0.0  # interference: when the long prompts' Poisson arrivals begin
+    after: tuple[int | None, ...] = ()  # the request each one starts after (its end, not an arrival time)
 
     def at_rate(self, rate: float, seed: int) -> Workload:
         """Poisson arrivals at `rate` (all at once when 0); in an interference workload only the long
@@ -119,14 +120,24 @@ def chat_workload(conversations: int, turns: int, turn_len: str, output_len: str
 
 def interference_workload(steady: int, steady_prompt_len: str, steady_output_len: str, num_long: int,
                           prompt_len: str, output_len: str, vocab_size: int, seed: int,
-                          long_start_s: float) -> Workload:
+                          long_start_s: float, generations: int = 1) -> Workload:
     """`steady` decoding streams (short prompts, long outputs) that all start at once, and `num_long` long
-    prompts (short outputs) arriving from `long_start_s` on: what disaggregation is for."""
-    streams = make_workload(steady, steady_prompt_len, steady_output_len, vocab_size, seed)
+    prompts (short outputs) arriving from `long_start_s` on: what disaggregation is for.
+
+    With `generations` > 1 the streams are a steady population: each is followed, when it ends, by a new
+    one (request `i + steady` starts after request `i`), up to `generations` in all, for as long as long
+    prompts are still to come or running (`ArrivalSchedule` drops the rest). Outputs drawn from a range
+    then spread the streams' context lengths, so the decode step stays the same size instead of growing
+    with every stream's context at once."""
+    if generations < 1:
+        raise ValueError(f"generations must be >= 1, got {generations}")
+    count = steady * generations
+    streams = make_workload(count, steady_prompt_len, steady_output_len, vocab_size, seed)
     prompts = make_workload(num_long, prompt_len, output_len, vocab_size, seed + 1)
+    after = tuple([None] * steady + list(range(count - steady)) + [None] * num_long)
     return Workload(streams.prompts + prompts.prompts, streams.output_lens + prompts.output_lens,
-                    [0.0] * (steady + num_long), [False] * (steady + num_long),
-                    tuple([True] * steady + [False] * num_long), long_start_s)
+                    [0.0] * (count + num_long), [False] * (count + num_long),
+                    tuple([True] * count + [False] * num_long), long_start_s, after)
 
 
 def load_workload(path: str, tokenizer: Any, num_requests: int, output_len: str, seed: int,

@@ -25,24 +25,39 @@ def test_interference_arrivals_start_the_streams_then_the_long_prompts():
     assert work.arrival_s[:3] == [0.0] * 3 and work.arrival_s[3] == 2.0
     assert sorted(work.arrival_s[3:]) == work.arrival_s[3:]
     assert all(100 <= len(p) <= 120 for p in work.prompts[3:]) and work.output_lens[:3] == [40] * 3
+    assert work.after == (None,) * 7  # one generation: no chains
+    population = interference_workload(3, "8", "30:50", 2, "100", "2", 384, seed=0, long_start_s=1.0,
+                                       generations=3).at_rate(5.0, 0)
+    # streams 0-2 start at once, 3-5 each after one of them, 6-8 after those; the long prompts are 9 and 10
+    assert population.after == (None, None, None, 0, 1, 2, 3, 4, 5, None, None)
+    assert population.steady == (True,) * 9 + (False,) * 2 and population.arrival_s[9] == 1.0
+    assert len(set(map(tuple, population.prompts[:9]))) == 9 and len(set(population.output_lens[:9])) > 1
+    with pytest.raises(ValueError, match="generations"):
+        interference_workload(3, "8", "40", 1, "100", "2", 384, seed=0, long_start_s=1.0, generations=0)
 
 
 @pytest.mark.slow
 def test_interference_and_prefix_reports(ray_session, tiny_checkpoint, tmp_path):
     """Both modes side by side at equal workers: the steady streams' ITL, the long prompts' TTFT, the
-    handoff gap and the P:D ratio; the figure of ITL over time; and the prefix cache compared on and off."""
+    handoff gap and the P:D ratio; the figure of ITL over time; and the prefix cache compared on and off.
+    The steady streams are a population: each replaced when it ends while the long prompts last."""
     out = tmp_path / "intf.jsonl"
     rc = main(["bench", "--model", tiny_checkpoint, "--workload", "interference", "--steady", "3",
-               "--steady-output-len", "400", "--num-requests", "3", "--prompt-len", "200:300", "--output-len", "3",
-               "--rate", "20", "--long-start-s", "0.02", "--modes", "colocated,disaggregated",
+               "--steady-output-len", "60:100", "--steady-generations", "30", "--num-requests", "3",
+               "--prompt-len", "200:300", "--output-len", "3", "--rate", "2", "--long-start-s", "0.02",
+               "--modes", "colocated,disaggregated",
                "--colocated-workers", "2", "--baselines", "none", "--max-model-len", "512", "--slots", "4",
                "--output", str(out), "--quiet"])
     assert rc == 0
-    summaries = {s["mode"]: s for s in map(json.loads, out.read_text().splitlines()) if "rid" not in s}
+    lines = list(map(json.loads, out.read_text().splitlines()))
+    summaries = {s["mode"]: s for s in lines if "rid" not in s}
     assert summaries["colocated"]["decode_workers"] == 2 and summaries["disaggregated"]["prefill_workers"] == 1
     for s in summaries.values():
         assert 0 < s["steady_itl_ms_p50"] <= s["steady_itl_ms_p99"] and s["long_ttft_ms_p50"] > 0
         assert 0 < s["steady_itl_during_ms_p50"] <= s["steady_itl_during_ms_p99"]
+        # more streams than the 3 at the start ran, and the last generations did not (the long prompts ended)
+        ran = {int(line["rid"]) for line in lines if line.get("mode") == s["mode"] and "rid" in line}
+        assert 3 < s["steady_streams"] < 90 and {90, 91, 92} <= ran and s["failed_requests"] == 0
     split = summaries["disaggregated"]
     assert split["handoff_gap_ms_p50"] > 0 and split["prefill_workers_per_decode_worker"] > 0
     assert 0 < split["long_handoff_gap_ms_p50"] <= split["long_handoff_gap_ms_p99"]

@@ -92,6 +92,23 @@ def test_requests_submitted_while_running_arrive_late_and_finish():
         assert len(times) == len(done.output_ids) and times[0] == done.first_token_s and times == sorted(times)
 
 
+def test_a_chain_of_requests_each_starts_when_the_one_before_ends_while_the_others_last():
+    """A steady population in one process: r0 -> r2 -> r4 is a chain, r1 and r3 the foreground (r3 arrives
+    late); the chain stops at the first link that would start after both ended."""
+    requests = make_requests(5, prompt_lens=[6, 9], max_tokens=[8, 30, 8, 30, 8])
+    results = make_engine().run(requests, arrival_s={"r3": 0.05}, after={"r2": "r0", "r4": "r2"})
+    assert set(results) <= {"r0", "r1", "r2", "r3", "r4"} and {"r0", "r1", "r2", "r3"} <= set(results)
+    assert results["r2"].arrival_s >= results["r0"].finish_s
+    if "r4" in results:  # it started before the foreground ended
+        assert results["r4"].arrival_s >= results["r2"].finish_s
+        assert results["r4"].arrival_s <= max(results["r1"].finish_s, results["r3"].finish_s)
+    for request in make_requests(5, prompt_lens=[6, 9], max_tokens=[8, 30, 8, 30, 8]):
+        if request.req_id in results:
+            assert results[request.req_id].output_ids == solo("llama", request).output_ids
+    long_chain = make_engine().run(make_requests(4, [6], [20, 3, 20, 20]), after={"r2": "r0", "r3": "r2"})
+    assert set(long_chain) == {"r0", "r1"}  # r1 ended long before r0: nothing followed r0
+
+
 def priority_requests(sampling=None):
     """Six normal requests for two slots, then two urgent ones that must preempt."""
     normal = make_requests(6, [5, 31, 12, 47, 9, 20], [40, 26, 45, 29, 33, 42], sampling=sampling)
