@@ -27,6 +27,7 @@ import ray.util.metrics
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from scheduler.bursts import BurstSizer, plan_call
+from scheduler.call_clock import CallClock
 from scheduler.cell import CellConfig, WorkerState
 from scheduler.coordinator import Coordinator
 from scheduler.gc_pauses import freeze_startup_objects
@@ -58,9 +59,7 @@ class SchedulerActor:
         self.ended: dict[str, asyncio.Event] = {}  # requests someone waits on (`wait_finished`)
         self.timeline = StepTimeline()
         self.last_result_s: dict[str, float] = {}  # per worker: when its last step's result arrived
-        self.s_per_token: dict[str, float] = {}  # per worker: a moving average of its step seconds per token
-        # prefill workers with a prompt's last chunk in flight: (sent at, expected end; inf while queued)
-        self.finishing: dict[str, tuple[float, float]] = {}
+        self.clock = CallClock()  # seconds per token per worker; when prompt-finishing calls should return
         self.handoff_applied = asyncio.Event()  # set (then replaced) when such a step's results are applied
         self.tasks: list[asyncio.Task[None]] = []
         self.prefetching: set[asyncio.Future[Any]] = set()  # prefetch calls in flight (held until answered)
@@ -174,7 +173,7 @@ class SchedulerActor:
                 t1 = time.perf_counter()
                 sent = (plans, handle.step.remote(plans, imports), t1 - t0, t1)
                 if worker.kind == "prefill" and any(c.sample for c in plans[0].prefill):
-                    self.finishing[worker.name] = (t1, self._ends(worker, plans, t1) if in_flight is None else math.inf)
+                    self.clock.finishing_sent(worker.name, t1, _tokens(plans), queued=in_flight is not None)
             elif in_flight is None:
                 self._deliver()  # a preempted request's reroute may have failed it
                 wakeup.clear()
@@ -185,23 +184,18 @@ class SchedulerActor:
                     if sent is not None:  # the worker died: the call sent after it is lost too
                         await asyncio.gather(sent[1], return_exceptions=True)
                     sent = None
-                elif sent is not None and self.finishing.get(worker.name, (None,))[0] == sent[3]:  # it starts now
-                    self.finishing[worker.name] = (sent[3], self._ends(worker, sent[0], time.perf_counter()))
+                elif sent is not None:  # it starts now
+                    self.clock.started(worker.name, sent[3], _tokens(sent[0]), time.perf_counter())
             in_flight = sent
 
-    def _ends(self, worker: WorkerState, plans: list[Any], start: float) -> float:
-        """When a call that starts running at `start` should end, by the worker's seconds per token."""
-        return start + self.s_per_token.get(worker.name, math.inf) * max(1, sum(p.num_tokens for p in plans))
-
     async def _await_handoff(self, worker: WorkerState, plans: list[Any], ref: Any, sent_s: float) -> None:
-        """Before planning a decode worker's next step while its step N runs: if a prefill worker's step that
-        finishes a prompt is expected back before N ends (each started when the call before it ended, and
-        lasts its tokens times its worker's seconds per token), wait for that handoff, or for N, whichever
-        comes first. Waiting never changes an output, only which step a handed-off request joins; when no
-        handoff is due it costs nothing."""
-        n_ends = self._ends(worker, plans, max(sent_s, self.last_result_s.get(worker.name, sent_s)))
-        due = [end for _, end in self.finishing.values()]
-        if not due or min(due) > n_ends or n_ends == math.inf:
+        """Before planning a decode worker's next step while its step N runs: if a prefill worker's call that
+        finishes a prompt is expected back before N ends (`CallClock.handoff_due`), wait for that handoff, or
+        for N, whichever comes first. Waiting never changes an output, only which step a handed-off request
+        joins; when no handoff is due it costs nothing."""
+        start = max(sent_s, self.last_result_s.get(worker.name, sent_s))
+        n_ends = self.clock.ends(worker.name, _tokens(plans), start)
+        if n_ends == math.inf or not self.clock.handoff_due(n_ends):
             return
         arrived = asyncio.ensure_future(self.handoff_applied.wait())
         done = asyncio.ensure_future(asyncio.gather(ref, return_exceptions=True))
@@ -218,20 +212,18 @@ class SchedulerActor:
         try:
             results = await ref
         except _WORKER_ERRORS as e:
-            self.finishing.pop(worker.name, None)
+            self.clock.lost(worker.name)
             await self._recover(worker, e)
             return False
         except Exception as e:  # the step raised (a bug): end this worker's requests with it, keep serving
             log.exception("a step of %s failed", worker.name)
-            self.finishing.pop(worker.name, None)
+            self.clock.lost(worker.name)
             self.coordinator.fail_worker_requests(worker, f"internal error on {worker.name}: {type(e).__name__}: {e}")
             self._deliver()
             return False
         t2 = time.perf_counter()
-        worker_s, tokens = sum(r.step_s for r in results), sum(p.num_tokens for p in plans)
-        if tokens:  # (a call that only imported KV says nothing of a step's pace)
-            self.s_per_token[worker.name] = 0.8 * self.s_per_token.get(worker.name, worker_s / tokens) \
-                + 0.2 * worker_s / tokens
+        worker_s, tokens = sum(r.step_s for r in results), _tokens(plans)
+        self.clock.observe(worker.name, worker_s, tokens)
         try:
             for plan, result in zip(plans, results, strict=True):
                 self.coordinator.apply(worker, plan, result)
@@ -244,8 +236,7 @@ class SchedulerActor:
         if worker.kind == "prefill" and any(c.sample for c in plans[0].prefill):  # handoffs are queued: wake
             self.handoff_applied.set()
             self.handoff_applied = asyncio.Event()
-        if self.finishing.get(worker.name, (None,))[0] == sent_s:
-            del self.finishing[worker.name]
+        self.clock.returned(worker.name, sent_s)
         self._deliver()
         period = t2 - max(sent_s, self.last_result_s.get(worker.name, 0.0))
         self.last_result_s[worker.name] = t2
@@ -301,3 +292,7 @@ class SchedulerActor:
 
 def _blocks(sched: Any) -> int:
     return sched.prefix_cache.num_blocks if sched.prefix_cache is not None else 0
+
+
+def _tokens(plans: list[Any]) -> int:
+    return sum(p.num_tokens for p in plans)
