@@ -56,7 +56,7 @@ class SchedulerActor:
         self.mailboxes: dict[str, list[RequestOutput]] = {}  # consumer -> outputs not yet polled
         self.mail: dict[str, asyncio.Event] = {}
         self.last_poll_s: dict[str, float] = {}
-        self.ended: dict[str, asyncio.Event] = {}  # requests someone waits on (`wait_finished`)
+        self.request_ended = asyncio.Event()  # set (then replaced) when a request's last output is published
         self.timeline = StepTimeline()
         self.last_result_s: dict[str, float] = {}  # per worker: when its last step's result arrived
         self.clock = CallClock()  # seconds per token per worker; when prompt-finishing calls should return
@@ -98,6 +98,17 @@ class SchedulerActor:
         self._deliver()
         return self.instance
 
+    async def submit_many(self, entries: list[tuple[Request, str]]) -> list[str | ValueError]:
+        """`submit` each (request, consumer) in order, in one call: for each, this scheduler's instance id, or
+        the ValueError (QueueFullError included) that refused it; a refusal does not stop the others."""
+        answers: list[str | ValueError] = []
+        for request, consumer in entries:
+            try:
+                answers.append(await self.submit(request, consumer))
+            except ValueError as e:
+                answers.append(e)
+        return answers
+
     async def poll(self, consumer: str, timeout_s: float = 1.0) -> tuple[str, list[RequestOutput]]:
         """This scheduler's instance id and every output for the consumer's requests since its last poll,
         each request's successive outputs joined into one; waits up to `timeout_s` for one (an empty list
@@ -118,22 +129,22 @@ class SchedulerActor:
         self._deliver()
         return aborted
 
-    async def wait_finished(self, req_id: str) -> None:
-        """Return once the request has ended (its last output is published), at once if it is not here.
-        Re-checked every few seconds: a reaped consumer's requests end with no output to signal it."""
-        while req_id in self.coordinator.consumers:
-            event = self.ended.setdefault(req_id, asyncio.Event())
+    async def wait_ended(self, req_ids: list[str], timeout_s: float = 2.0) -> list[str]:
+        """Those of these requests that have ended (or were never here): at once if any has; else after the
+        next request here ends (any: the caller may have newer ones to ask about), or after `timeout_s` (a
+        reaped consumer's requests end with no output to signal it)."""
+        if not any(r not in self.coordinator.consumers for r in req_ids):
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), 5.0)
-        self.ended.pop(req_id, None)
+                await asyncio.wait_for(self.request_ended.wait(), timeout_s)
+        return [r for r in req_ids if r not in self.coordinator.consumers]
 
     def _deliver(self) -> None:
         for consumer, outputs in self.coordinator.take_outputs().items():
             self.mailboxes.setdefault(consumer, []).extend(outputs)
             self.mail.setdefault(consumer, asyncio.Event()).set()
-            for out in outputs:
-                if out.finished and out.req_id in self.ended:
-                    self.ended.pop(out.req_id).set()
+            if any(out.finished for out in outputs):
+                self.request_ended.set()
+                self.request_ended = asyncio.Event()
 
     async def _reap_consumers(self) -> None:
         """Abort the requests of consumers that stopped polling (a driver or ingress replica died)."""

@@ -5,7 +5,9 @@ The ingress places each request on a cell through Serve's handle (`ServeCells`),
 open while it runs, so Serve counts a cell's open requests as its load: that is what the router
 weighs, what autoscaling targets (`target_requests_per_cell`), and what a cell being scaled down
 waits for (it takes no new requests and ends when its last one does). Outputs do not pass through
-the replica: the ingress polls the cell's scheduler actor directly (one message per step).
+the replica: the ingress polls the cell's scheduler actor directly (one message per step). Nor does
+the replica call its scheduler once per request: the requests that reach it while a submission is on
+its way go in the next one (`submit_many`), and one call at a time asks which of its requests ended.
 
 The scheduler actor is owned by its replica: if the replica goes, so do the scheduler and the workers,
 and when the scheduler dies, the replica's health check fails and Serve replaces the cell. Either way
@@ -15,6 +17,7 @@ the ingress continues the cell's streams on another cell (`EngineClient`).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -36,6 +39,7 @@ AVOID_S = 60.0  # how long requests avoid the replica of a lost cell (Serve stop
 
 
 @serve.deployment(name="Cell", max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0},
+                  logging_config={"enable_access_log": False},  # (the ingress logs each HTTP request)
                   health_check_period_s=2, health_check_timeout_s=30,
                   graceful_shutdown_timeout_s=3600, graceful_shutdown_wait_loop_s=1,
                   request_router_config=RequestRouterConfig(request_router_class="deploy.serving.cell_router:CellRouter"))
@@ -47,20 +51,80 @@ class Cell:
         self.replica = context.replica_id.unique_id
         self.name = f"{context.app_name}-cell-{self.replica}"
         self.scheduler = create_scheduler(EngineConfig(**config), name=self.name, namespace=NAMESPACE)
+        self.submitting: list[tuple[Request, str, asyncio.Future[str]]] = []  # for the next submission
+        self.submitter: asyncio.Task[None] | None = None
+        self.running: dict[str, asyncio.Future[None]] = {}  # placed here: done when the request ends
+        self.watcher: asyncio.Task[None] | None = None
         await self.scheduler.ready.remote()
         log.info("cell %s ready", self.name)
 
     async def run(self, request: Request, consumer: str, avoid: tuple[str, ...] = ()) -> AsyncIterator[Placement]:
         """Queue the request (admission errors raise here), say where it runs, then stay open until it ends.
         Cancelled (the ingress gave up on this call), it aborts the request, even one whose submission is
-        still on its way (the abort follows it to the same actor). (`avoid` is for the router.)"""
+        still on its way (the abort follows it to the same actor), or drops it before it was sent.
+        (`avoid` is for the router.)"""
         try:
-            instance = await self.scheduler.submit.remote(request, consumer)
+            instance = await self._submit(request, consumer)
             yield Placement(instance, self.scheduler, replica=self.replica)
-            await self.scheduler.wait_finished.remote(request.req_id)
+            await self._ended(request.req_id)
         except (asyncio.CancelledError, GeneratorExit):
-            self.scheduler.abort.remote(request.req_id)
+            if not self._unqueue(request.req_id):
+                self.scheduler.abort.remote(request.req_id)
             raise
+
+    async def _submit(self, request: Request, consumer: str) -> str:
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.submitting.append((request, consumer, future))
+        if self.submitter is None or self.submitter.done():
+            self.submitter = _background(self._submissions())
+        return await future
+
+    async def _submissions(self) -> None:
+        """One `submit_many` call at a time, with every request queued since the one before was sent."""
+        while self.submitting:
+            batch, self.submitting = self.submitting, []
+            try:
+                answers = await self.scheduler.submit_many.remote([(r, c) for r, c, _ in batch])
+            except Exception as e:  # the scheduler is gone: each caller raises it
+                answers = [e] * len(batch)
+            for (_, _, future), answer in zip(batch, answers, strict=True):
+                if future.done():  # its caller went away meanwhile (and aborted it)
+                    continue
+                if isinstance(answer, BaseException):
+                    future.set_exception(answer)
+                else:
+                    future.set_result(answer)
+
+    def _unqueue(self, req_id: str) -> bool:
+        """Drop a request not yet sent to the scheduler; False if it was (or was never queued)."""
+        kept = [entry for entry in self.submitting if entry[0].req_id != req_id]
+        dropped, self.submitting = len(kept) < len(self.submitting), kept
+        return dropped
+
+    async def _ended(self, req_id: str) -> None:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.running[req_id] = future
+        if self.watcher is None or self.watcher.done():
+            self.watcher = _background(self._watch())
+        await future
+
+    async def _watch(self) -> None:
+        """One call at a time asks the scheduler which of the requests placed here have ended. If it fails,
+        the scheduler is gone, and every `run` call open here raises it (the ingress fails them over)."""
+        while self.running:
+            try:
+                ended = await self.scheduler.wait_ended.remote(list(self.running))
+            except Exception as e:
+                for future in self.running.values():
+                    if not future.done():
+                        future.set_exception(e)
+                self.running = {}
+                return
+            for req_id in ended:
+                future = self.running.pop(req_id, None)
+                if future is not None and not future.done():
+                    future.set_result(None)
+            self.running = {r: f for r, f in self.running.items() if not f.done()}
 
     async def check_health(self) -> None:
         """Unhealthy when the scheduler is gone or a worker pool has no worker left: Serve replaces the cell."""
@@ -107,6 +171,11 @@ class ServeCells:
                 log.warning("no cell took %s (%s: %s); trying again", request.req_id, type(cause).__name__, cause)
             await asyncio.sleep(delay)
             delay = min(1.0, delay * 2)
+
+
+def _background(work: Any) -> asyncio.Task[None]:
+    """A task of the replica's own, outside the context of the request that started it."""
+    return asyncio.get_running_loop().create_task(work, context=contextvars.Context())
 
 
 async def cell_stats(app_name: str) -> dict[str, dict[str, Any]]:
