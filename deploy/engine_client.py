@@ -165,9 +165,9 @@ class EngineClient:
         self.placements[placed.cell] = placed
         poller = self.pollers.get(placed.cell)
         if poller is None or poller.done():
-            self.pollers[placed.cell] = _background(self._poll(placed.cell))
+            self.pollers[placed.cell] = background(self._poll(placed.cell))
         if placed.watch is not None:
-            _background(self._watch(stream, placed))
+            background(self._watch(stream, placed))
 
     async def _watch(self, stream: _Stream, placed: Placement) -> None:
         """Follow the call that is open while the request runs on its cell; if it fails, the cell is gone."""
@@ -226,7 +226,7 @@ class EngineClient:
             stream.moving = True
             stream.lost_s = stream.lost_s or time.monotonic()
             self.placements[cell].scheduler.abort.remote(stream.request.req_id)  # in case it is still there
-            _background(self._fail_over(stream, error))
+            background(self._fail_over(stream, error))
 
     async def _fail_over(self, stream: _Stream, error: str) -> None:
         """Place a lost stream's continuation on a live cell (`cells.place` waits for one up to its
@@ -258,9 +258,9 @@ def unwrap(exc: BaseException) -> BaseException:
     return exc
 
 
-def _background(work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-    """A task of the client's own, in a fresh context: not in the context of whichever caller's request
-    started it (in a Serve replica that context carries the request's id, and Serve's router tells
+def background(work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    """A task of its own (the client's, a cell replica's), in a fresh context: not in the context of whichever
+    caller's request started it (in a Serve replica that context carries the request's id, and Serve's router tells
     concurrent calls apart by it)."""
     return asyncio.get_running_loop().create_task(work, context=contextvars.Context())
 

@@ -17,7 +17,6 @@ the ingress continues the cell's streams on another cell (`EngineClient`).
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -28,7 +27,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from deploy.config import EngineConfig
-from deploy.engine_client import Placement, unwrap
+from deploy.engine_client import Placement, background, unwrap
 from deploy.ray_engine import create_scheduler
 from scheduler.policy import QueueFullError
 from scheduler.request import Request
@@ -76,7 +75,7 @@ class Cell:
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.submitting.append((request, consumer, future))
         if self.submitter is None or self.submitter.done():
-            self.submitter = _background(self._submissions())
+            self.submitter = background(self._submissions())
         return await future
 
     async def _submissions(self) -> None:
@@ -105,7 +104,7 @@ class Cell:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.running[req_id] = future
         if self.watcher is None or self.watcher.done():
-            self.watcher = _background(self._watch())
+            self.watcher = background(self._watch())
         await future
 
     async def _watch(self) -> None:
@@ -171,11 +170,6 @@ class ServeCells:
                 log.warning("no cell took %s (%s: %s); trying again", request.req_id, type(cause).__name__, cause)
             await asyncio.sleep(delay)
             delay = min(1.0, delay * 2)
-
-
-def _background(work: Any) -> asyncio.Task[None]:
-    """A task of the replica's own, outside the context of the request that started it."""
-    return asyncio.get_running_loop().create_task(work, context=contextvars.Context())
 
 
 async def cell_stats(app_name: str) -> dict[str, dict[str, Any]]:
