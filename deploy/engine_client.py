@@ -8,16 +8,17 @@ deployment, and when a cell dies its streams continue on another one.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ray.exceptions import ActorUnavailableError
 
+from deploy.background import background
+from deploy.submissions import Submissions
 from scheduler.outputs import Completion, RequestOutput
 from scheduler.request import Request, TokenLogprob, continuation
 
@@ -52,9 +53,10 @@ class OneScheduler:
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle
+        self.submissions = Submissions(handle)  # the requests of a burst go in one call
 
     async def place(self, request: Request, consumer: str, failing_over: bool = False) -> Placement:
-        return Placement(await self.handle.submit.remote(request, consumer), self.handle)
+        return Placement(await self.submissions.submit(request, consumer), self.handle)
 
     def lost(self, placement: Placement) -> None:
         pass
@@ -256,13 +258,6 @@ def unwrap(exc: BaseException) -> BaseException:
     while isinstance(getattr(exc, "cause", None), BaseException) and exc.cause is not exc:  # type: ignore[attr-defined]
         exc = exc.cause  # type: ignore[attr-defined]
     return exc
-
-
-def background(work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-    """A task of its own (the client's, a cell replica's), in a fresh context: not in the context of whichever
-    caller's request started it (in a Serve replica that context carries the request's id, and Serve's router tells
-    concurrent calls apart by it)."""
-    return asyncio.get_running_loop().create_task(work, context=contextvars.Context())
 
 
 async def complete(client: EngineClient, request: Request) -> Completion:

@@ -7,7 +7,7 @@ weighs, what autoscaling targets (`target_requests_per_cell`), and what a cell b
 waits for (it takes no new requests and ends when its last one does). Outputs do not pass through
 the replica: the ingress polls the cell's scheduler actor directly (one message per step). Nor does
 the replica call its scheduler once per request: the requests that reach it while a submission is on
-its way go in the next one (`submit_many`), and one call at a time asks which of its requests ended.
+its way go in the next one (`Submissions`), and one call at a time asks which of its requests ended.
 
 The scheduler actor is owned by its replica: if the replica goes, so do the scheduler and the workers,
 and when the scheduler dies, the replica's health check fails and Serve replaces the cell. Either way
@@ -26,9 +26,11 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from deploy.background import background
 from deploy.config import EngineConfig
-from deploy.engine_client import Placement, background, unwrap
+from deploy.engine_client import Placement, unwrap
 from deploy.ray_engine import create_scheduler
+from deploy.submissions import Submissions
 from scheduler.policy import QueueFullError
 from scheduler.request import Request
 
@@ -50,8 +52,7 @@ class Cell:
         self.replica = context.replica_id.unique_id
         self.name = f"{context.app_name}-cell-{self.replica}"
         self.scheduler = create_scheduler(EngineConfig(**config), name=self.name, namespace=NAMESPACE)
-        self.submitting: list[tuple[Request, str, asyncio.Future[str]]] = []  # for the next submission
-        self.submitter: asyncio.Task[None] | None = None
+        self.submissions = Submissions(self.scheduler)
         self.running: dict[str, asyncio.Future[None]] = {}  # placed here: done when the request ends
         self.watcher: asyncio.Task[None] | None = None
         await self.scheduler.ready.remote()
@@ -59,46 +60,15 @@ class Cell:
 
     async def run(self, request: Request, consumer: str, avoid: tuple[str, ...] = ()) -> AsyncIterator[Placement]:
         """Queue the request (admission errors raise here), say where it runs, then stay open until it ends.
-        Cancelled (the ingress gave up on this call), it aborts the request, even one whose submission is
-        still on its way (the abort follows it to the same actor), or drops it before it was sent.
-        (`avoid` is for the router.)"""
+        Cancelled (the ingress gave up on this call), it aborts the request: `Submissions` drops one not yet
+        sent and aborts one on its way; here, one placed. (`avoid` is for the router.)"""
+        instance = await self.submissions.submit(request, consumer)
         try:
-            instance = await self._submit(request, consumer)
             yield Placement(instance, self.scheduler, replica=self.replica)
             await self._ended(request.req_id)
         except (asyncio.CancelledError, GeneratorExit):
-            if not self._unqueue(request.req_id):
-                self.scheduler.abort.remote(request.req_id)
+            self.scheduler.abort.remote(request.req_id)
             raise
-
-    async def _submit(self, request: Request, consumer: str) -> str:
-        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self.submitting.append((request, consumer, future))
-        if self.submitter is None or self.submitter.done():
-            self.submitter = background(self._submissions())
-        return await future
-
-    async def _submissions(self) -> None:
-        """One `submit_many` call at a time, with every request queued since the one before was sent."""
-        while self.submitting:
-            batch, self.submitting = self.submitting, []
-            try:
-                answers = await self.scheduler.submit_many.remote([(r, c) for r, c, _ in batch])
-            except Exception as e:  # the scheduler is gone: each caller raises it
-                answers = [e] * len(batch)
-            for (_, _, future), answer in zip(batch, answers, strict=True):
-                if future.done():  # its caller went away meanwhile (and aborted it)
-                    continue
-                if isinstance(answer, BaseException):
-                    future.set_exception(answer)
-                else:
-                    future.set_result(answer)
-
-    def _unqueue(self, req_id: str) -> bool:
-        """Drop a request not yet sent to the scheduler; False if it was (or was never queued)."""
-        kept = [entry for entry in self.submitting if entry[0].req_id != req_id]
-        dropped, self.submitting = len(kept) < len(self.submitting), kept
-        return dropped
 
     async def _ended(self, req_id: str) -> None:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()

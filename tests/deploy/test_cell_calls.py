@@ -1,11 +1,15 @@
-"""A cell replica's calls to its scheduler: the requests that reach it together go in one submission, and
-one call at a time asks which of them ended (a fake scheduler handle; no Ray, no Serve)."""
+"""Calls to a scheduler actor: the requests that reach a cell replica or the driver together go in one
+submission, and one call at a time asks which of a replica's requests ended (a fake scheduler handle;
+no Ray, no Serve)."""
 
 import asyncio
 
 import pytest
 
+from deploy.engine_client import EngineClient, complete
 from deploy.serving.cells import Cell
+from deploy.submissions import Submissions
+from scheduler.outputs import RequestOutput
 from scheduler.policy import QueueFullError
 from scheduler.request import Request
 
@@ -30,6 +34,8 @@ class FakeScheduler:
     async def _submit_many(self, entries):
         self.submissions.append([r.req_id for r, _ in entries])
         await asyncio.sleep(0.01)
+        if self.dead:
+            raise RuntimeError("the scheduler died")
         answers = []
         for request, _ in entries:
             if request.req_id in self.full:
@@ -58,7 +64,7 @@ class FakeScheduler:
 def cell(scheduler):
     replica = object.__new__(Cell.func_or_class)
     replica.scheduler, replica.replica = scheduler, "r1"
-    replica.submitting, replica.submitter, replica.running, replica.watcher = [], None, {}, None
+    replica.submissions, replica.running, replica.watcher = Submissions(scheduler), {}, None
     return replica
 
 
@@ -69,10 +75,10 @@ def request(i):
 def test_requests_that_arrive_together_share_a_submission_and_a_refusal_is_theirs_alone():
     async def main():
         scheduler = FakeScheduler(full={"q3"})
-        replica = cell(scheduler)
-        first = asyncio.ensure_future(replica._submit(request(0), "c"))
+        submissions = Submissions(scheduler)
+        first = asyncio.ensure_future(submissions.submit(request(0), "c"))
         await asyncio.sleep(0)  # the first goes at once; the next four wait for its answer, then go together
-        rest = [asyncio.ensure_future(replica._submit(request(i), "c")) for i in range(1, 5)]
+        rest = [asyncio.ensure_future(submissions.submit(request(i), "c")) for i in range(1, 5)]
         answers = await asyncio.gather(first, *rest, return_exceptions=True)
         assert scheduler.submissions == [["q0"], ["q1", "q2", "q3", "q4"]]
         assert answers[:3] == ["instance-1"] * 3 and answers[4] == "instance-1"
@@ -81,19 +87,52 @@ def test_requests_that_arrive_together_share_a_submission_and_a_refusal_is_their
     asyncio.run(main())
 
 
-def test_a_request_given_up_before_its_submission_is_never_sent():
+def test_a_request_given_up_before_its_submission_left_is_never_sent_and_one_on_its_way_is_aborted():
     async def main():
         scheduler = FakeScheduler()
-        replica = cell(scheduler)
-        first = asyncio.ensure_future(replica._submit(request(0), "c"))
+        submissions = Submissions(scheduler)
+        on_its_way = asyncio.ensure_future(submissions.submit(request(0), "c"))
         await asyncio.sleep(0)
-        queued = asyncio.ensure_future(replica._submit(request(1), "c"))
+        queued = asyncio.ensure_future(submissions.submit(request(1), "c"))
         await asyncio.sleep(0)
         queued.cancel()
-        assert replica._unqueue("q1") and not replica._unqueue("q0")  # q0 is on its way: it needs an abort
-        await first
+        on_its_way.cancel()
         await asyncio.sleep(0.03)
-        assert scheduler.submissions == [["q0"]]
+        assert scheduler.submissions == [["q0"]]  # q1 never left
+        assert scheduler.aborted == ["q0"] and not scheduler.live  # q0 was queued there: aborted behind it
+
+    asyncio.run(main())
+
+
+def test_a_lost_scheduler_fails_every_submission_of_its_call():
+    async def main():
+        scheduler = FakeScheduler()
+        scheduler.dead = True
+        submissions = Submissions(scheduler)
+        answers = await asyncio.gather(*(submissions.submit(request(i), "c") for i in range(3)),
+                                       return_exceptions=True)
+        assert all(isinstance(a, RuntimeError) for a in answers)
+
+    asyncio.run(main())
+
+
+def test_the_driver_submits_a_burst_in_one_call_and_streams_every_request():
+    """`EngineClient` over one scheduler actor (the batch job, the benchmark): 20 requests at once cost
+    one submission, not 20 calls, and each stream gets its own outputs."""
+    async def main():
+        scheduler = FakeScheduler()
+
+        async def poll(consumer, timeout_s=1.0):
+            await asyncio.sleep(0.005)
+            done = sorted(scheduler.live)
+            scheduler.live -= set(done)
+            return "instance-1", [RequestOutput(r, token_ids=[int(r[1:])], finish_reason="length") for r in done]
+
+        scheduler.poll = _Method(poll)
+        client = EngineClient(scheduler)
+        completions = await asyncio.gather(*(complete(client, request(i)) for i in range(20)))
+        assert [c.token_ids for c in completions] == [[i] for i in range(20)]
+        assert scheduler.submissions == [[f"q{i}" for i in range(20)]]
 
     asyncio.run(main())
 

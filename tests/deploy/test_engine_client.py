@@ -23,6 +23,7 @@ class FakeScheduler:
         self.instance, self.pending, self.aborted = "A", [], []
         self.tokens = tokens_per_request
         self.submit = Call(self._submit)
+        self.submit_many = Call(self._submit_many)
         self.poll = Call(self._poll)
         self.abort = Call(self._abort)
 
@@ -30,6 +31,15 @@ class FakeScheduler:
         self.pending += [RequestOutput(request.req_id, token_ids=[i]) for i in range(self.tokens)]
         self.pending.append(RequestOutput(request.req_id, finish_reason="length"))
         return self.instance
+
+    async def _submit_many(self, entries):  # like the actor's: each entry submitted, or what refused it
+        answers = []
+        for request, consumer in entries:
+            try:
+                answers.append(await self.submit.fn(request, consumer))
+            except ValueError as e:
+                answers.append(e)
+        return answers
 
     async def _poll(self, consumer, timeout_s):
         await asyncio.sleep(0.001)  # one step: one output per request
@@ -122,6 +132,15 @@ class FakeCell(FakeScheduler):
         self.pending += [RequestOutput(request.req_id, token_ids=[i], text=f"<{i}>") for i in range(done, self.tokens)]
         self.pending.append(RequestOutput(request.req_id, finish_reason="length"))
         return self.instance
+
+    async def _submit_many(self, entries):  # like the actor's: each entry submitted, or what refused it
+        answers = []
+        for request, consumer in entries:
+            try:
+                answers.append(await self.submit.fn(request, consumer))
+            except ValueError as e:
+                answers.append(e)
+        return answers
 
     async def _poll(self, consumer, timeout_s):
         self._check()
