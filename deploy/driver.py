@@ -136,8 +136,7 @@ class RayEngine(Engine):
                 on_finish(done)
             return done
 
-        schedule = ArrivalSchedule(requests, lambda r: (arrival_s or {}).get(r.req_id, 0.0),
-                                   key=lambda r: r.req_id, after=lambda r: (after or {}).get(r.req_id))
+        schedule = ArrivalSchedule.by_key(requests, arrival_s, after)
         return {c.req_id: c for c in asyncio.run(run_at_arrivals(schedule, one))}
 
     def profile(self) -> dict[str, Any]:

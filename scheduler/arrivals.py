@@ -49,6 +49,15 @@ class ArrivalSchedule(Generic[T]):
         self.dropped: list[T] = []
         self.t0 = clock()
 
+    @classmethod
+    def by_key(cls, items: Iterable[T], arrival_s: dict[Any, float] | None = None,
+               after: dict[Any, Any] | None = None,
+               key: Callable[[T], Hashable] = lambda item: item.req_id) -> ArrivalSchedule[T]:  # type: ignore[attr-defined]
+        """Items named by `key` (a request's id by default): each arrives at `arrival_s[name]` (0 if absent),
+        or when the item named `after[name]` ends."""
+        arrival_s, after = arrival_s or {}, after or {}
+        return cls(items, lambda item: arrival_s.get(key(item), 0.0), key=key, after=lambda item: after.get(key(item)))
+
     def start(self) -> None:
         self.t0 = self.clock()
 

@@ -92,8 +92,7 @@ class LocalEngine:
         for request in requests:
             self.scheduler.check(request)  # and not in use here already
         by_id = {request.req_id: request for request in requests}
-        schedule = ArrivalSchedule(by_id.values(), lambda r: (arrival_s or {}).get(r.req_id, 0.0),
-                                   key=lambda r: r.req_id, after=lambda r: (after or {}).get(r.req_id))
+        schedule = ArrivalSchedule.by_key(by_id.values(), arrival_s, after)
         results: dict[str, Request] = {}
         while schedule or not self.idle:
             for request in schedule.due():

@@ -113,8 +113,8 @@ def run_http(url: str, model: str, prompts: list[list[int]], output_lens: list[i
 
             if sequential:
                 return [await send(i) for i in range(len(prompts))]
-            schedule = ArrivalSchedule(range(len(prompts)), lambda i: arrival_s[i], key=lambda i: i,
-                                       after=lambda i: after[i] if after else None)
+            schedule = ArrivalSchedule.by_key(range(len(prompts)), dict(enumerate(arrival_s)),
+                                              dict(enumerate(after or [])), key=lambda i: i)
             return await run_at_arrivals(schedule, send)
 
     return {c.req_id: c for c in asyncio.run(everything())}

@@ -63,3 +63,21 @@ def test_run_at_arrivals_starts_a_follower_when_its_predecessor_returns():
     assert asyncio.run(run_at_arrivals(schedule, start)) == ["a", "x", "b", "c"]
     assert started["b"] >= ended["a"] and started["c"] >= ended["b"]
     assert "d" not in started  # "x" (the foreground) ended while "c" ran
+
+
+def test_a_schedule_by_key_takes_offsets_and_chains_by_name_and_defaults_to_now():
+    clock = Clock()
+
+    class Item:
+        def __init__(self, req_id: str) -> None:
+            self.req_id = req_id
+
+    items = [Item(name) for name in ("a", "b", "late")]
+    schedule = ArrivalSchedule.by_key(items, {"late": 3.0}, {"b": "a"})
+    schedule.clock = clock
+    schedule.start()
+    assert [i.req_id for i in schedule.due()] == ["a"] and schedule.wait_s() == 3.0  # "b" follows "a"
+    schedule.ended("a")
+    assert [i.req_id for i in schedule.due()] == ["b"]
+    clock.now = 3.0
+    assert [i.req_id for i in schedule.due()] == ["late"]
