@@ -10,16 +10,41 @@ _PROMPT_CONTEXT = 4  # prompt tokens decoded with the output so a leading space 
 _PLAIN_FAST = {"TokenizersBackend._decode", "PreTrainedTokenizerFast._decode"}
 
 
-def decoder(tokenizer: Any) -> Any:
-    """ids -> text, skipping special tokens, no clean-up of spaces. For a plain fast tokenizer it calls the
-    `tokenizers` backend directly, the same result without transformers' per-call argument handling (most
-    of the cost at a decode step's rate); any other tokenizer goes through its own `decode`."""
+def _plain_backend(tokenizer: Any) -> Any:
+    """The `tokenizers` backend of a plain fast tokenizer (its decode is the backend's), else None."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     cls = type(tokenizer)
     if backend is not None and getattr(cls._decode, "__qualname__", "") in _PLAIN_FAST \
             and cls.decode.__qualname__ == "PreTrainedTokenizerBase.decode":
+        return backend
+    return None
+
+
+def decoder(tokenizer: Any) -> Any:
+    """ids -> text, skipping special tokens, no clean-up of spaces. For a plain fast tokenizer it calls the
+    `tokenizers` backend directly, the same result without transformers' per-call argument handling (most
+    of the cost at a decode step's rate); any other tokenizer goes through its own `decode`."""
+    backend = _plain_backend(tokenizer)
+    if backend is not None:
         return functools.partial(backend.decode, skip_special_tokens=True)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def _stream(tokenizer: Any, window: list[int]) -> Any:
+    """token -> new text or None: what `IncrementalDetokenizer`'s two decodes per token give, in one call into
+    the backend (`tokenizers`' DecodeStream runs the same algorithm in Rust), for a plain fast tokenizer with
+    a byte-level decoder, where text is its tokens' bytes joined (so a decode that grows always extends the
+    last one). `window`: the tokens decoded so far that the next token's text is cut after (their text must
+    end on a whole character)."""
+    backend = _plain_backend(tokenizer)
+    if backend is None or type(backend.decoder).__name__ != "ByteLevel":
+        return None
+    from tokenizers.decoders import DecodeStream
+
+    stream = DecodeStream(skip_special_tokens=True)
+    for token_id in window:
+        stream.step(backend, token_id)
+    return functools.partial(stream.step, backend)
 
 
 class IncrementalDetokenizer:
@@ -36,6 +61,9 @@ class IncrementalDetokenizer:
                  min_tokens: int = 0) -> None:
         self._decode = decoder(tokenizer)
         self.ids = list(prompt_ids[-_PROMPT_CONTEXT:])
+        # one call per token from the first text on, or from the start when the prompt ends on a whole character
+        self._step = _stream(tokenizer, self.ids) if not self._decode(self.ids).endswith("\ufffd") else None
+        self._tokenizer = tokenizer
         self.prefix_offset, self.read_offset = 0, len(self.ids)
         self.stop_strings = tuple(s for s in stop_strings if s)
         self.holdback = max((len(s) for s in self.stop_strings), default=1) - 1
@@ -56,20 +84,27 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self.num_pushed += 1
-        self.ids.append(token_id)
-        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset :])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return ""  # an incomplete character, or a token with no text (e.g. a special token)
+        if self._step is not None:
+            new = self._step(token_id)
+            if not new:
+                return ""
+        else:
+            self.ids.append(token_id)
+            prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+            full = self._decode(self.ids[self.prefix_offset :])
+            if len(full) <= len(prefix) or full.endswith("\ufffd"):
+                return ""  # an incomplete character, or a token with no text (e.g. a special token)
+            new = full[len(prefix) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self._step = _stream(self._tokenizer, self.ids[self.prefix_offset :])
         old_len = len(self.text)
-        self.text += full[len(prefix) :]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += new
         self._match_stop(old_len)
         limit = len(self.text) if self.stopped else len(self.text) - self.holdback
         return self._emit(limit)
 
     def _match_stop(self, old_len: int) -> None:
-        if self.num_pushed < self.min_tokens:
+        if not self.stop_strings or self.num_pushed < self.min_tokens:
             return
         window = max(0, old_len - self.holdback)
         hits = [i for i in (self.text.find(s, window) for s in self.stop_strings) if i >= 0]

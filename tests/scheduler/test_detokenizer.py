@@ -56,3 +56,36 @@ def test_the_fast_path_decodes_as_the_tokenizer_does():
         for _ in range(200):
             ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 6))]
             assert fast(ids) == tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def test_the_streaming_path_emits_what_the_two_decodes_per_token_emit(monkeypatch):
+    """For a plain fast tokenizer with a byte-level decoder each token costs one call into `tokenizers`
+    (DecodeStream), not two decodes: the same deltas as the Python path for any ids (broken characters,
+    special tokens, stop strings) and natural text, a prompt that ends inside a character included (the
+    Python path runs until the first text, then the stream)."""
+    import random
+
+    from scheduler import detokenizer
+    from workers.catalog import DEFAULT_MODEL
+    from workers.loader import load_tokenizer
+
+    def run(tok, prompt, output, stop):
+        detok = IncrementalDetokenizer(tok, prompt, stop)
+        deltas = [detok.push(t) for t in output] + [detok.flush()]
+        return deltas, detok.text, detok.stopped, detok._step is not None
+
+    rng = random.Random(1)
+    for tok in (tiny_tokenizer(), load_tokenizer(DEFAULT_MODEL).tokenizer):
+        vocab, natural = len(tok), tok(TEXT + " 日本語 " + TEXT, add_special_tokens=False).input_ids
+        streamed = 0
+        for trial in range(300):
+            prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 8))]
+            output = natural if trial % 3 == 0 else [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
+            stop = ("the", "ö") if trial % 5 == 0 else ()
+            *fast, on_stream = run(tok, prompt, output, stop)
+            with monkeypatch.context() as m:
+                m.setattr(detokenizer, "_stream", lambda *args: None)
+                *slow, _ = run(tok, prompt, output, stop)
+            assert fast == slow
+            streamed += on_stream
+        assert streamed > 250  # the stream was in use by the end
