@@ -133,15 +133,6 @@ class FakeCell(FakeScheduler):
         self.pending.append(RequestOutput(request.req_id, finish_reason="length"))
         return self.instance
 
-    async def _submit_many(self, entries):  # like the actor's: each entry submitted, or what refused it
-        answers = []
-        for request, consumer in entries:
-            try:
-                answers.append(await self.submit.fn(request, consumer))
-            except ValueError as e:
-                answers.append(e)
-        return answers
-
     async def _poll(self, consumer, timeout_s):
         self._check()
         return await super()._poll(consumer, timeout_s)
