@@ -214,10 +214,10 @@ class Coordinator:
             self.metrics.on_step(worker.name, worker.kind, worker.slots_used, plan.num_tokens, len(plan.preempted),
                                  result.step_s,
                                  sched.prefix_cache.stats() if sched.prefix_cache is not None else None)
-        for chunk in plan.chunks:  # who computed what, for the request's metrics
-            placement = self.placements.get(chunk.req_id)
-            if placement is not None:
-                setattr(placement, f"{worker.kind}_worker", worker.index)
+        computed_by = f"{worker.kind}_worker"  # who computed what, for the request's metrics
+        for chunk in plan.chunks:
+            if (placement := self.placements.get(chunk.req_id)) is not None:
+                setattr(placement, computed_by, worker.index)
         for handoff in handoffs:
             self._hand_off(sched, handoff)
         self.metrics.on_states([w.sched for w in self.workers])
