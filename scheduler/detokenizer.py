@@ -39,7 +39,10 @@ def _stream(tokenizer: Any, window: list[int]) -> Any:
     backend = _plain_backend(tokenizer)
     if backend is None or type(backend.decoder).__name__ != "ByteLevel":
         return None
-    from tokenizers.decoders import DecodeStream
+    try:
+        from tokenizers.decoders import DecodeStream
+    except ImportError:  # tokenizers before 0.21: the Python path
+        return None
 
     stream = DecodeStream(skip_special_tokens=True)
     for token_id in window:
