@@ -34,7 +34,6 @@ class Submissions:
         self.scheduler = scheduler
         self.queued: list[_Entry] = []
         self.sender: asyncio.Task[None] | None = None
-        self.num_calls = 0  # submit_many calls sent
 
     async def submit(self, request: Request, consumer: str) -> str:
         entry = _Entry(request, consumer)
@@ -50,7 +49,6 @@ class Submissions:
     async def _send(self) -> None:
         while self.queued:
             batch, self.queued = self.queued, []
-            self.num_calls += 1
             try:
                 answers = await self.scheduler.submit_many.remote([(e.request, e.consumer) for e in batch])
             except Exception as e:  # the scheduler is gone: each caller raises it

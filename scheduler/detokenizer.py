@@ -30,19 +30,24 @@ def decoder(tokenizer: Any) -> Any:
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
-def _stream(tokenizer: Any, window: list[int]) -> Any:
-    """token -> new text or None: what `IncrementalDetokenizer`'s two decodes per token give, in one call into
-    the backend (`tokenizers`' DecodeStream runs the same algorithm in Rust), for a plain fast tokenizer with
-    a byte-level decoder, where text is its tokens' bytes joined (so a decode that grows always extends the
-    last one). `window`: the tokens decoded so far that the next token's text is cut after (their text must
-    end on a whole character)."""
+def _streamable(tokenizer: Any) -> Any:
+    """The backend of a plain fast tokenizer with a byte-level decoder, where text is its tokens' bytes joined
+    (so a decode that grows always extends the last one), and `tokenizers` has DecodeStream; else None."""
     backend = _plain_backend(tokenizer)
     if backend is None or type(backend.decoder).__name__ != "ByteLevel":
         return None
     try:
-        from tokenizers.decoders import DecodeStream
+        from tokenizers.decoders import DecodeStream  # noqa: F401
     except ImportError:  # tokenizers before 0.21: the Python path
         return None
+    return backend
+
+
+def _stream(backend: Any, window: list[int]) -> Any:
+    """token -> new text or None: what `IncrementalDetokenizer`'s two decodes per token give, in one call into
+    the backend (`tokenizers`' DecodeStream runs the same algorithm in Rust). `window`: the tokens decoded so
+    far that the next token's text is cut after (their text must end on a whole character)."""
+    from tokenizers.decoders import DecodeStream
 
     stream = DecodeStream(skip_special_tokens=True)
     for token_id in window:
@@ -65,8 +70,10 @@ class IncrementalDetokenizer:
         self._decode = decoder(tokenizer)
         self.ids = list(prompt_ids[-_PROMPT_CONTEXT:])
         # one call per token from the first text on, or from the start when the prompt ends on a whole character
-        self._step = _stream(tokenizer, self.ids) if not self._decode(self.ids).endswith("\ufffd") else None
-        self._tokenizer = tokenizer
+        self._backend = _streamable(tokenizer)
+        self._step = None
+        if self._backend is not None and not self._decode(self.ids).endswith("\ufffd"):
+            self._step = _stream(self._backend, self.ids)
         self.prefix_offset, self.read_offset = 0, len(self.ids)
         self.stop_strings = tuple(s for s in stop_strings if s)
         self.holdback = max((len(s) for s in self.stop_strings), default=1) - 1
@@ -99,7 +106,8 @@ class IncrementalDetokenizer:
                 return ""  # an incomplete character, or a token with no text (e.g. a special token)
             new = full[len(prefix) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            self._step = _stream(self._tokenizer, self.ids[self.prefix_offset :])
+            if self._backend is not None:
+                self._step = _stream(self._backend, self.ids[self.prefix_offset :])
         old_len = len(self.text)
         self.text += new
         self._match_stop(old_len)

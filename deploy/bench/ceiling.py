@@ -23,6 +23,7 @@ from typing import Any
 import ray
 
 from deploy.engine_client import EngineClient, Placement, complete
+from deploy.submissions import Submissions
 from scheduler.actor import SchedulerActor
 from scheduler.cell import CellConfig
 from scheduler.messages import KVImport, KVPiece, Samples, StepResult
@@ -63,11 +64,12 @@ class RoundRobin:
 
     def __init__(self, handles: list[Any]) -> None:
         self.handles, self.count = handles, 0
+        self.submissions = [Submissions(h) for h in handles]  # a burst goes in one call per cell, as the driver's
 
     async def place(self, request: Request, consumer: str, failing_over: bool = False) -> Placement:
-        handle = self.handles[self.count % len(self.handles)]
+        index = self.count % len(self.handles)
         self.count += 1
-        return Placement(await handle.submit.remote(request, consumer), handle)
+        return Placement(await self.submissions[index].submit(request, consumer), self.handles[index])
 
     def lost(self, placement: Placement) -> None:
         pass
