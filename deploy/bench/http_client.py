@@ -91,16 +91,19 @@ async def stream_request(http: httpx.AsyncClient, url: str, body: dict[str, Any]
 def run_http(url: str, model: str, prompts: list[list[int]], output_lens: list[int], arrival_s: list[float],
              priorities: list[int], api_key: str | None = None,
              on_finish: Callable[[Completion], None] | None = None, sequential: bool = False,
-             after: list[int | None] | None = None) -> dict[str, Completion]:
+             after: list[int | None] | None = None) -> tuple[dict[str, Completion], float]:
     """Send every request at its arrival offset, or when the request it follows (`after`, by index) ends,
     concurrently (`sequential`: one at a time, each when the one before has finished, the low-load case);
-    return the completions of those sent by id ("0", "1", ...)."""
+    return the completions of those sent by id ("0", "1", ...), and the seconds from the first request
+    sent to the last one ended (the client's own set-up, such as its TLS context, is not timed)."""
     url = url.rstrip("/")
+    span: list[float] = []  # when the first request was sent, and when the last one ended
 
     async def everything() -> list[Completion]:
         limits = httpx.Limits(max_connections=len(prompts) + 4)
         async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits,
                                      headers=auth_headers(api_key)) as http:
+            span.append(time.perf_counter())
 
             async def send(i: int) -> Completion:
                 body = {"model": model, "prompt": prompts[i], "max_tokens": output_lens[i], "temperature": 0.0,
@@ -112,12 +115,16 @@ def run_http(url: str, model: str, prompts: list[list[int]], output_lens: list[i
                 return done
 
             if sequential:
-                return [await send(i) for i in range(len(prompts))]
-            schedule = ArrivalSchedule.by_key(range(len(prompts)), dict(enumerate(arrival_s)),
-                                              dict(enumerate(after or [])), key=lambda i: i)
-            return await run_at_arrivals(schedule, send)
+                done = [await send(i) for i in range(len(prompts))]
+            else:
+                schedule = ArrivalSchedule.by_key(range(len(prompts)), dict(enumerate(arrival_s)),
+                                                  dict(enumerate(after or [])), key=lambda i: i)
+                done = await run_at_arrivals(schedule, send)
+            span.append(time.perf_counter())
+            return done
 
-    return {c.req_id: c for c in asyncio.run(everything())}
+    completions = asyncio.run(everything())
+    return {c.req_id: c for c in completions}, span[1] - span[0]
 
 
 def wait_ready(url: str, timeout_s: float = 120.0) -> None:

@@ -205,7 +205,7 @@ def _prepare(config: EngineConfig, args: argparse.Namespace) -> tuple[Any, dict[
         from deploy.bench.http_client import EndpointError, run_http
 
         head |= {"url": args.url, "served_model": model_name}
-        warm = run_http(args.url, model_name, [base.prompts[0][:16][::-1]], [2], [0.0], [0], args.api_key)["0"]
+        warm = run_http(args.url, model_name, [base.prompts[0][:16][::-1]], [2], [0.0], [0], args.api_key)[0]["0"]
         if warm.error:  # untimed; a refusal here (wrong key, wrong model name) would fail every request
             raise EndpointError(f"{args.url}: the warm-up request failed: {warm.error}")
     return loaded, head, base
@@ -225,11 +225,9 @@ def _run_one(run: Run, config: EngineConfig, args: argparse.Namespace, loaded: A
         if run.mode == "url":
             from deploy.bench.http_client import run_http
 
-            start = time.perf_counter()
-            results = run_http(args.url, head["served_model"], work.prompts, work.output_lens, work.arrival_s,
-                               work.priorities(run.priorities), args.api_key, on_finish, args.sequential,
-                               list(work.after))
-            elapsed = time.perf_counter() - start
+            results, elapsed = run_http(args.url, head["served_model"], work.prompts, work.output_lens,
+                                        work.arrival_s, work.priorities(run.priorities), args.api_key, on_finish,
+                                        args.sequential, list(work.after))
         else:
             cache_tokens = config.prefix_cache_tokens if run.prefix_cache else 0
             run_config = config.model_copy(update={"mode": run.mode, "slots": run.slots, "decode_workers": workers,

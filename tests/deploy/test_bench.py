@@ -148,6 +148,7 @@ def test_a_sequential_url_run_sends_one_request_at_a_time(monkeypatch):
 
     monkeypatch.setattr(http_client, "stream_request", fake_stream)
     args = ("http://127.0.0.1:9/v1", "tiny", [[5, 6]] * 4, [3] * 4, [0.0] * 4, [1] * 4)
-    assert sorted(http_client.run_http(*args, sequential=True)) == ["0", "1", "2", "3"] and most == 1
+    done, elapsed = http_client.run_http(*args, sequential=True)
+    assert sorted(done) == ["0", "1", "2", "3"] and most == 1 and elapsed >= 0.04  # four 10 ms requests in turn
     most = 0
-    assert len(http_client.run_http(*args)) == 4 and most == 4
+    assert len(http_client.run_http(*args)[0]) == 4 and most == 4
