@@ -7,6 +7,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from deploy.serving.autoscaling import POLICY as AUTOSCALING_POLICY
 from scheduler.cell import MODES_ON_RAY, CellConfig
 from scheduler.prefix_cache import BLOCK_SIZE
 from workers.catalog import DEFAULT_MODEL, MAX_DEFAULT_CONTEXT
@@ -144,13 +145,15 @@ class ServiceConfig(EngineConfig):
         return super().num_workers() * (self.max_cells or self.cells)
 
     def cell_options(self) -> dict[str, Any]:
-        """The Cell deployment's replica count, or its autoscaling between cells and max_cells."""
+        """The Cell deployment's replica count, or its autoscaling between cells and max_cells on the cells'
+        open requests (deploy/serving/autoscaling.py)."""
         if self.max_cells is None or self.max_cells == self.cells:
             return {"num_replicas": self.cells}
         target = self.target_requests_per_cell or self.slots * self.decode_workers
         return {"autoscaling_config": {
             "upscale_delay_s": 5.0, "downscale_delay_s": 60.0, **self.cells_autoscaling,
-            "min_replicas": self.cells, "max_replicas": self.max_cells, "target_ongoing_requests": target}}
+            "min_replicas": self.cells, "max_replicas": self.max_cells, "target_ongoing_requests": target,
+            "policy": {"policy_function": AUTOSCALING_POLICY}}}
 
     def engine(self) -> EngineConfig:
         fields = set(EngineConfig.model_fields)

@@ -1,8 +1,8 @@
 """The consumer side of the scheduler: one poll loop per cell fans outputs out to streams; lost cells fail over.
 
 Requests reach a scheduler through `Cells`: `OneScheduler` wraps one scheduler actor (the batch driver,
-the benchmark); `ServeCells` (deploy/serving/cells.py) places each request on a cell of the Serve
-deployment, and when a cell dies its streams continue on another one.
+the benchmark); `ServeCells` (deploy/serving/cells.py) chooses a running cell of the Serve deployment
+and submits to its scheduler, and when a cell dies its streams continue on another one.
 """
 
 from __future__ import annotations
@@ -27,13 +27,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Placement:
-    """Where a request runs: its cell (the id of the scheduler instance that took it), the scheduler actor
-    to poll and abort there, and (for a cell of the Serve deployment) the call that stays open while the
-    request runs: it fails if the cell dies."""
+    """Where a request runs: its cell (the id of the scheduler instance that took it) and the scheduler
+    actor to poll and abort there."""
 
     cell: str
     scheduler: Any
-    watch: AsyncIterator[Any] | None = None
     replica: str | None = None  # the Serve replica that holds the cell
 
 
@@ -44,6 +42,9 @@ class Cells(Protocol):
 
     def lost(self, placement: Placement) -> None:
         """That placement's cell is gone: place nothing there."""
+
+    def done(self, req_id: str) -> None:
+        """The request's stream has ended (its placement no longer counts as load)."""
 
 
 class OneScheduler:
@@ -59,6 +60,9 @@ class OneScheduler:
         return Placement(await self.submissions.submit(request, consumer), self.handle)
 
     def lost(self, placement: Placement) -> None:
+        pass
+
+    def done(self, req_id: str) -> None:
         pass
 
 
@@ -133,6 +137,7 @@ class EngineClient:
                     return
         finally:
             self.streams.pop(request.req_id, None)
+            self.cells.done(request.req_id)
             if not finished and stream.cell is not None:  # the caller went away: free its slot and KV now
                 self.placements[stream.cell].scheduler.abort.remote(request.req_id)
 
@@ -168,18 +173,6 @@ class EngineClient:
         poller = self.pollers.get(placed.cell)
         if poller is None or poller.done():
             self.pollers[placed.cell] = background(self._poll(placed.cell))
-        if placed.watch is not None:
-            background(self._watch(stream, placed))
-
-    async def _watch(self, stream: _Stream, placed: Placement) -> None:
-        """Follow the call that is open while the request runs on its cell; if it fails, the cell is gone."""
-        try:
-            async for _ in placed.watch:  # type: ignore[union-attr]
-                pass
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            self._lost(placed.cell, f"{type(e).__name__}: {e}", [stream])
 
     async def _poll(self, cell: str) -> None:
         scheduler = self.placements[cell].scheduler

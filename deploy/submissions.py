@@ -2,7 +2,7 @@
 
 The requests queued while a submission is on its way go together in the next one, and each is refused
 or queued on its own, so a burst of N requests costs a couple of calls, not N. The driver's
-`OneScheduler` and each `Cell` replica send through one of these.
+`OneScheduler` and each ingress replica (one per cell: `ServeCells`) send through one of these.
 """
 
 from __future__ import annotations

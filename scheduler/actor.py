@@ -7,7 +7,8 @@ benchmark passes stubs), so the imports point one way: deploy -> workers -> sche
 Consumers (the batch driver, each ingress replica) `submit` requests under a consumer id and `poll`:
 one call returns every output of all their requests since the last poll, so a step costs one message
 per consumer, not one per token per request. A consumer that stops polling for `consumer_timeout_s`
-is taken for gone and its requests are aborted.
+is taken for gone and its requests are aborted. `drain` closes the scheduler to new requests (a cell
+being scaled down) and returns when its open ones have ended.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from scheduler.bursts import BurstSizer, plan_call
 from scheduler.call_clock import CallClock
-from scheduler.cell import CellConfig, WorkerState
+from scheduler.cell import CellClosed, CellConfig, WorkerState
 from scheduler.coordinator import Coordinator
 from scheduler.gc_pauses import freeze_startup_objects
 from scheduler.outputs import RequestOutput, coalesce
@@ -64,6 +65,7 @@ class SchedulerActor:
         self.tasks: list[asyncio.Task[None]] = []
         self.prefetching: set[asyncio.Future[Any]] = set()  # prefetch calls in flight (held until answered)
         self.bursts = BurstSizer(config.max_burst_ms / 1000)
+        self.closed = False  # draining: new requests are refused with CellClosed
 
     # ---- lifecycle --------------------------------------------------------------------------------
     async def ready(self) -> dict[str, Any]:
@@ -88,24 +90,38 @@ class SchedulerActor:
         if self.coordinator.pool_exhausted():
             raise RuntimeError("a worker pool has no worker left")
 
+    async def drain(self) -> None:
+        """Refuse new requests (CellClosed) from now on, and return when the last open one has ended."""
+        self.closed = True
+        while self.coordinator.consumers:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.request_ended.wait(), 1.0)  # (a reaped consumer's end sets nothing)
+
+    async def num_open(self) -> int:
+        """Requests here that have not ended: the cell's load, for routing and autoscaling."""
+        return len(self.coordinator.consumers)
+
     # ---- consumers --------------------------------------------------------------------------------
     async def submit(self, request: Request, consumer: str) -> str:
         """Queue a request whose outputs go to `consumer`'s polls; returns this scheduler's instance id.
-        Raises ValueError (nothing queued) for a request that cannot run, QueueFullError when too many wait."""
+        Raises ValueError (nothing queued) for a request that cannot run, QueueFullError when too many wait,
+        CellClosed while the cell drains."""
+        if self.closed:
+            raise CellClosed("this cell is draining: it takes no new request")
         request.arrival_s = time.perf_counter()
         self.last_poll_s.setdefault(consumer, time.monotonic())
         self.coordinator.admit(request, consumer)
         self._deliver()
         return self.instance
 
-    async def submit_many(self, entries: list[tuple[Request, str]]) -> list[str | ValueError]:
+    async def submit_many(self, entries: list[tuple[Request, str]]) -> list[str | ValueError | CellClosed]:
         """`submit` each (request, consumer) in order, in one call: for each, this scheduler's instance id, or
-        the ValueError (QueueFullError included) that refused it; a refusal does not stop the others."""
-        answers: list[str | ValueError] = []
+        what refused it (ValueError, QueueFullError included, or CellClosed); a refusal does not stop the others."""
+        answers: list[str | ValueError | CellClosed] = []
         for request, consumer in entries:
             try:
                 answers.append(await self.submit(request, consumer))
-            except ValueError as e:
+            except (ValueError, CellClosed) as e:
                 answers.append(e)
         return answers
 
@@ -128,15 +144,6 @@ class SchedulerActor:
         aborted = self.coordinator.abort(req_id)
         self._deliver()
         return aborted
-
-    async def wait_ended(self, req_ids: list[str], timeout_s: float = 2.0) -> list[str]:
-        """Those of these requests that have ended (or were never here): at once if any has; else after the
-        next request here ends (any: the caller may have newer ones to ask about), or after `timeout_s` (a
-        reaped consumer's requests end with no output to signal it)."""
-        if not any(r not in self.coordinator.consumers for r in req_ids):
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.request_ended.wait(), timeout_s)
-        return [r for r in req_ids if r not in self.coordinator.consumers]
 
     def _deliver(self) -> None:
         for consumer, outputs in self.coordinator.take_outputs().items():

@@ -37,6 +37,10 @@ class CellConfig:
             raise ValueError(f"a scheduler cell runs {' or '.join(MODES_ON_RAY)} mode, not {self.mode!r}")
 
 
+class CellClosed(RuntimeError):
+    """This cell takes no new request (it is draining before it stops): place the request on another."""
+
+
 class WorkerStatus(enum.Enum):
     UP = "up"  # answering
     RESTARTING = "restarting"  # died; Ray is restarting it and its queue waits for it

@@ -74,6 +74,9 @@ class RoundRobin:
     def lost(self, placement: Placement) -> None:
         pass
 
+    def done(self, req_id: str) -> None:
+        pass
+
 
 def measure(mode: str, slots: int, num_requests: int, prompt_len: int, output_len: int,
             cells: int = 1) -> dict[str, Any]:

@@ -74,7 +74,8 @@ class OpenAIIngress:
         model = ServedModel(self.config.model_name, info.tokenizer, info.eos_token_ids,
                             self.config.context_len(info.max_context))
         self.cells = cells
-        self.client = EngineClient(ServeCells(cells, self.config.failover_timeout_s))
+        app_name = serve.get_replica_context().app_name
+        self.client = EngineClient(ServeCells(cells, app_name, self.config.failover_timeout_s))
         self.server = OpenAIServer(self.client, model)
         self._ready = False
         freeze_startup_objects()

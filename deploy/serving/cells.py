@@ -1,17 +1,19 @@
 """Cells: each replica of the `Cell` deployment is one scheduler with its own prefill and decode workers.
 
-The ingress places each request on a cell through Serve's handle (`ServeCells`), routed by
-`CellRouter`: prefix affinity, else the less loaded of two cells. A request keeps its `Cell.run` call
-open while it runs, so Serve counts a cell's open requests as its load: that is what the router
-weighs, what autoscaling targets (`target_requests_per_cell`), and what a cell being scaled down
-waits for (it takes no new requests and ends when its last one does). Outputs do not pass through
-the replica: the ingress polls the cell's scheduler actor directly (one message per step). Nor does
-the replica call its scheduler once per request: the requests that reach it while a submission is on
-its way go in the next one (`Submissions`), and one call at a time asks which of its requests ended.
+The ingress places requests on cells itself (`ServeCells`): it chooses a running cell (`CellChooser`:
+prefix affinity, else the less loaded of two) and submits straight to that cell's scheduler actor, the
+requests of a burst for one cell in one call (`Submissions`), then polls it for their outputs (one
+message per step). No Serve call is made per request: Serve runs the cells (starts, health-checks,
+replaces and scales them) and says which ones run (`CellRouter`).
+
+Each replica reports its scheduler's open requests to Serve's autoscaler (`record_autoscaling_stats`);
+`target_requests_per_cell` is what autoscaling aims at (`deploy/serving/autoscaling.py`). A replica
+being scaled down drains: its scheduler refuses new requests (`CellClosed`: the ingress places them on
+another cell) and the replica stops when the last open one has ended.
 
 The scheduler actor is owned by its replica: if the replica goes, so do the scheduler and the workers,
 and when the scheduler dies, the replica's health check fails and Serve replaces the cell. Either way
-the ingress continues the cell's streams on another cell (`EngineClient`).
+the ingress's polls fail, and it continues the cell's streams on another cell (`EngineClient`).
 """
 
 from __future__ import annotations
@@ -19,24 +21,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections import Counter
 from typing import Any
 
 import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from deploy.background import background
 from deploy.config import EngineConfig
 from deploy.engine_client import Placement, unwrap
 from deploy.ray_engine import create_scheduler
+from deploy.serving.cell_choice import CellChooser, live_cells
 from deploy.submissions import Submissions
-from scheduler.policy import QueueFullError
 from scheduler.request import Request
 
 log = logging.getLogger(__name__)
 NAMESPACE = "pdserve-cells"  # the scheduler actors are named "<app>-cell-<replica id>" there
-AVOID_S = 60.0  # how long requests avoid the replica of a lost cell (Serve stops routing there sooner or later)
+AVOID_S = 60.0  # how long requests avoid a cell that was lost or refused them (Serve stops listing it sooner or later)
 
 
 @serve.deployment(name="Cell", max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0},
@@ -49,102 +50,107 @@ class Cell:
 
     async def __init__(self, config: dict[str, Any]) -> None:
         context = serve.get_replica_context()
-        self.replica = context.replica_id.unique_id
-        self.name = f"{context.app_name}-cell-{self.replica}"
+        self.name = cell_name(context.app_name, context.replica_id.unique_id)
         self.scheduler = create_scheduler(EngineConfig(**config), name=self.name, namespace=NAMESPACE)
-        self.submissions = Submissions(self.scheduler)
-        self.running: dict[str, asyncio.Future[None]] = {}  # placed here: done when the request ends
-        self.watcher: asyncio.Task[None] | None = None
         await self.scheduler.ready.remote()
         log.info("cell %s ready", self.name)
-
-    async def run(self, request: Request, consumer: str, avoid: tuple[str, ...] = ()) -> AsyncIterator[Placement]:
-        """Queue the request (admission errors raise here), say where it runs, then stay open until it ends.
-        Cancelled (the ingress gave up on this call), it aborts the request: `Submissions` drops one not yet
-        sent and aborts one on its way; here, one placed. (`avoid` is for the router.)"""
-        instance = await self.submissions.submit(request, consumer)
-        try:
-            yield Placement(instance, self.scheduler, replica=self.replica)
-            await self._ended(request.req_id)
-        except (asyncio.CancelledError, GeneratorExit):
-            self.scheduler.abort.remote(request.req_id)
-            raise
-
-    async def _ended(self, req_id: str) -> None:
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.running[req_id] = future
-        if self.watcher is None or self.watcher.done():
-            self.watcher = background(self._watch())
-        await future
-
-    async def _watch(self) -> None:
-        """One call at a time asks the scheduler which of the requests placed here have ended. If it fails,
-        the scheduler is gone, and every `run` call open here raises it (the ingress fails them over)."""
-        while self.running:
-            try:
-                ended = await self.scheduler.wait_ended.remote(list(self.running))
-            except Exception as e:
-                for future in self.running.values():
-                    if not future.done():
-                        future.set_exception(e)
-                self.running = {}
-                return
-            for req_id in ended:
-                future = self.running.pop(req_id, None)
-                if future is not None and not future.done():
-                    future.set_result(None)
-            self.running = {r: f for r, f in self.running.items() if not f.done()}
 
     async def check_health(self) -> None:
         """Unhealthy when the scheduler is gone or a worker pool has no worker left: Serve replaces the cell."""
         await self.scheduler.check_health.remote()
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """The scheduler's open requests: what autoscaling counts per cell."""
+        return {"open_requests": await self.scheduler.num_open.remote()}
+
+    async def __del__(self) -> None:
+        """Being stopped (scaled down): refuse new requests and wait for the open ones to end."""
+        try:
+            await self.scheduler.drain.remote()
+        except Exception as e:  # the scheduler is gone: nothing left to wait for
+            log.info("cell %s: no drain (%s)", self.name, e)
+
+
+def cell_name(app_name: str, replica: str) -> str:
+    return f"{app_name}-cell-{replica}"
+
 
 class ServeCells:
-    """Places requests on the cells of a `Cell` deployment handle (see `EngineClient`).
+    """Places requests on the running cells of a `Cell` deployment (see `EngineClient`).
 
-    A call that fails for want of a live cell (one died and Serve has not replaced it yet) is tried
-    again until `failover_timeout_s`; a request the engine refuses (ValueError) fails at once, and so
-    does a full queue (QueueFullError), except for a continuation, which waits for room like the rest.
-    A call not answered within `attempt_timeout_s` is cancelled and tried again: Serve can leave a call
-    to a replica that died just after taking it unanswered.
+    A cell that refuses a request (it is draining) or cannot be reached is avoided for `AVOID_S`, and the
+    request tried on another until `failover_timeout_s`, as while no cell runs (one died and Serve has
+    not replaced it yet). A request the engine refuses (ValueError) fails at once, and so does a full
+    queue (QueueFullError), except for a continuation, which waits for room like the rest. A submission
+    not answered within `attempt_timeout_s` is given up and tried on another cell.
     """
 
     attempt_timeout_s = 5.0
 
-    def __init__(self, handle: Any, failover_timeout_s: float = 30.0) -> None:
-        self.handle, self.failover_timeout_s = handle, failover_timeout_s
-        self.gone: dict[str, float] = {}  # replicas of lost cells, when lost: the router avoids them a while
+    def __init__(self, handle: Any, app_name: str, failover_timeout_s: float = 30.0) -> None:
+        self.handle, self.app_name, self.failover_timeout_s = handle, app_name, failover_timeout_s
+        self.chooser = CellChooser()
+        self.links: dict[str, asyncio.Future[tuple[Any, Submissions]]] = {}  # cell (replica id) -> its scheduler
+        self.where: dict[str, str] = {}  # request -> the cell it was last placed on, while open: the load
+        self.gone: dict[str, float] = {}  # cells lost or refusing, when: avoided a while
 
     def lost(self, placement: Placement) -> None:
         if placement.replica is not None:
-            self.gone[placement.replica] = time.monotonic()
+            self._avoid(placement.replica)
+
+    def done(self, req_id: str) -> None:
+        self.where.pop(req_id, None)
+
+    def _avoid(self, cell: str) -> None:
+        self.gone[cell] = time.monotonic()
+        self.links.pop(cell, None)
+        self.chooser.forget(cell)
 
     async def place(self, request: Request, consumer: str, failing_over: bool = False) -> Placement:
         deadline, delay = time.monotonic() + self.failover_timeout_s, 0.05
         while True:
-            self.gone = {r: t for r, t in self.gone.items() if time.monotonic() - t < AVOID_S}
-            stream = self.handle.options(stream=True).run.remote(request, consumer, avoid=tuple(self.gone))
-            try:
-                wait_s = min(self.attempt_timeout_s, max(0.1, deadline - time.monotonic()))
-                placed = await asyncio.wait_for(anext(stream), wait_s)
-                placed.watch = stream
-                return placed
-            except Exception as e:
-                stream.cancel()
-                cause = unwrap(e)
-                if isinstance(cause, (ValueError, QueueFullError)) and not failing_over:
-                    raise cause from None  # (a continuation was admitted once: it can only be in use still)
-                if time.monotonic() + delay > deadline:
-                    raise
-                log.warning("no cell took %s (%s: %s); trying again", request.req_id, type(cause).__name__, cause)
+            self.gone = {c: t for c, t in self.gone.items() if time.monotonic() - t < AVOID_S}
+            live = live_cells(self.app_name)
+            if live is None:  # Serve's router for the cells starts with a first call through it
+                self.handle.check_health.remote()
+            cells = [c for c in live or () if c not in self.gone]
+            error: BaseException = RuntimeError("no cell is running")
+            if cells:
+                cell = self.chooser.choose(request, cells, Counter(self.where.values()))
+                try:
+                    scheduler, submissions = await self._link(cell)
+                    wait_s = min(self.attempt_timeout_s, max(0.1, deadline - time.monotonic()))
+                    instance = await asyncio.wait_for(submissions.submit(request, consumer), wait_s)
+                    self.chooser.placed(request, cell)
+                    self.where[request.req_id] = cell
+                    return Placement(instance, scheduler, replica=cell)
+                except ValueError as e:  # (QueueFullError too; a continuation was admitted once: it can only wait)
+                    if not failing_over:
+                        raise
+                    error = e
+                except Exception as e:  # draining (CellClosed), gone, or not answering
+                    error = unwrap(e)
+                    self._avoid(cell)
+            if time.monotonic() + delay > deadline:
+                raise error
+            log.warning("no cell took %s (%s: %s); trying again", request.req_id, type(error).__name__, error)
             await asyncio.sleep(delay)
             delay = min(1.0, delay * 2)
+
+    async def _link(self, cell: str) -> tuple[Any, Submissions]:
+        """The cell's scheduler actor (looked up once) and the submissions to it."""
+        if cell not in self.links:
+            self.links[cell] = asyncio.ensure_future(self._connect(cell))
+        return await asyncio.shield(self.links[cell])
+
+    async def _connect(self, cell: str) -> tuple[Any, Submissions]:
+        scheduler = await asyncio.to_thread(ray.get_actor, cell_name(self.app_name, cell), NAMESPACE)
+        return scheduler, Submissions(scheduler)
 
 
 async def cell_stats(app_name: str) -> dict[str, dict[str, Any]]:
     """Every live cell's scheduler stats, by cell name (the scheduler actors' names)."""
-    prefix = f"{app_name}-cell-"
+    prefix = cell_name(app_name, "")
     names = sorted(a["name"] for a in await asyncio.to_thread(ray.util.list_named_actors, all_namespaces=True)
                    if a["namespace"] == NAMESPACE and a["name"].startswith(prefix))
     handles = await asyncio.gather(*(asyncio.to_thread(ray.get_actor, n, NAMESPACE) for n in names),

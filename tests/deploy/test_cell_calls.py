@@ -1,14 +1,16 @@
-"""Calls to a scheduler actor: the requests that reach a cell replica or the driver together go in one
-submission, and one call at a time asks which of a replica's requests ended (a fake scheduler handle;
-no Ray, no Serve)."""
+"""Calls to scheduler actors: the requests that reach the driver or an ingress together go in one
+submission per scheduler, and the ingress places requests on running cells only, elsewhere when one
+refuses (fake scheduler handles; no Ray, no Serve)."""
 
 import asyncio
 
 import pytest
 
 from deploy.engine_client import EngineClient, complete
-from deploy.serving.cells import Cell
+from deploy.serving import cell_choice
+from deploy.serving.cells import ServeCells
 from deploy.submissions import Submissions
+from scheduler.cell import CellClosed
 from scheduler.outputs import RequestOutput
 from scheduler.policy import QueueFullError
 from scheduler.request import Request
@@ -25,9 +27,9 @@ class _Method:
 class FakeScheduler:
     """Answers `submit_many` after a little while; a request ends when the test says so."""
 
-    def __init__(self, full=()):
-        self.submissions, self.asked, self.live, self.full, self.dead = [], [], set(), set(full), False
-        self.submit_many, self.wait_ended = _Method(self._submit_many), _Method(self._wait_ended)
+    def __init__(self, full=(), closed=False):
+        self.submissions, self.live, self.full, self.dead, self.closed = [], set(), set(full), False, closed
+        self.submit_many = _Method(self._submit_many)
         self.aborted = []
         self.abort = _Method(self._abort)
 
@@ -38,34 +40,30 @@ class FakeScheduler:
             raise RuntimeError("the scheduler died")
         answers = []
         for request, _ in entries:
-            if request.req_id in self.full:
+            if self.closed:
+                answers.append(CellClosed("draining"))
+            elif request.req_id in self.full:
                 answers.append(QueueFullError("too many waiting"))
             else:
                 self.live.add(request.req_id)
                 answers.append("instance-1")
         return answers
 
-    async def _wait_ended(self, req_ids, timeout_s=2.0):
-        self.asked.append(list(req_ids))
-        for _ in range(100):
-            if self.dead:
-                raise RuntimeError("the scheduler died")
-            gone = [r for r in req_ids if r not in self.live]
-            if gone:
-                return gone
-            await asyncio.sleep(0.005)
-        return []
-
     async def _abort(self, req_id):
         self.aborted.append(req_id)
         self.live.discard(req_id)
 
 
-def cell(scheduler):
-    replica = object.__new__(Cell.func_or_class)
-    replica.scheduler, replica.replica = scheduler, "r1"
-    replica.submissions, replica.running, replica.watcher = Submissions(scheduler), {}, None
-    return replica
+def serve_cells(schedulers, live):
+    """`ServeCells` of app "app" over fake schedulers by cell, with Serve's list of running cells `live`."""
+    cell_choice._LIVE["app"] = tuple(live)
+    cells = ServeCells(handle=None, app_name="app", failover_timeout_s=5.0)
+
+    async def connect(cell):
+        return schedulers[cell], Submissions(schedulers[cell])
+
+    cells._connect = connect
+    return cells
 
 
 def request(i):
@@ -137,24 +135,26 @@ def test_the_driver_submits_a_burst_in_one_call_and_streams_every_request():
     asyncio.run(main())
 
 
-def test_one_call_at_a_time_watches_every_request_and_a_lost_scheduler_ends_them_all():
+def test_the_ingress_submits_a_burst_in_one_call_per_cell_and_places_a_refused_request_on_a_cell_that_runs():
     async def main():
-        scheduler = FakeScheduler()
-        replica = cell(scheduler)
-        scheduler.live |= {"a", "b", "c"}
-        waits = {r: asyncio.ensure_future(replica._ended(r)) for r in ("a", "b")}
-        await asyncio.sleep(0.01)
-        waits["c"] = asyncio.ensure_future(replica._ended("c"))
-        scheduler.live.discard("a")
-        await asyncio.wait_for(waits["a"], 1.0)
-        assert not waits["b"].done() and not waits["c"].done()
-        await asyncio.sleep(0.01)
-        # one call at a time for all of them, not one each: "c", placed while the first was out, is in the next
-        assert scheduler.asked[0] == ["a", "b"] and scheduler.asked[1:] == [["b", "c"]]
-        scheduler.dead = True
-        for r in ("b", "c"):
-            with pytest.raises(RuntimeError, match="died"):
-                await asyncio.wait_for(waits[r], 1.0)
-        assert replica.running == {}
+        a, b = FakeScheduler(), FakeScheduler()
+        cells = serve_cells({"a": a, "b": b}, live=["a"])
+        placed = await asyncio.gather(*(cells.place(request(i), "c") for i in range(10)))
+        assert {p.replica for p in placed} == {"a"} and a.submissions == [[f"q{i}" for i in range(10)]]
+        # a drains (Serve no longer lists it, but this ingress may not know yet); b starts a little later
+        a.closed = True
+        asyncio.get_running_loop().call_later(0.2, lambda: cell_choice._LIVE.update(app=("a", "b")))
+        moved = await cells.place(request(10), "c")
+        assert moved.replica == "b" and a.submissions[-1] == ["q10"] and b.submissions == [["q10"]]
+        assert "a" in cells.gone  # avoided a while, though Serve still lists it
+        assert (await cells.place(request(11), "c")).replica == "b"
+        # a request the engine refuses fails at once (a continuation would wait for room instead)
+        b.full.add("q12")
+        with pytest.raises(QueueFullError):
+            await cells.place(request(12), "c")
+        # load: the open requests of each cell; an ended one no longer counts
+        assert cells.where == {f"q{i}": "a" for i in range(10)} | {"q10": "b", "q11": "b"}
+        cells.done("q10")
+        assert "q10" not in cells.where
 
     asyncio.run(main())

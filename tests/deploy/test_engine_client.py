@@ -146,7 +146,7 @@ class FakeCell(FakeScheduler):
 
 
 class FakeCells:
-    """Places each request on the first live cell, as ServeCells would through Serve's router."""
+    """Places each request on the first live cell (ServeCells would choose among the running ones)."""
 
     def __init__(self, cells, failover_timeout_s=2.0):
         self.cells, self.failover_timeout_s = cells, failover_timeout_s
@@ -160,6 +160,9 @@ class FakeCells:
         raise RuntimeError("no live cell")
 
     def lost(self, placement):
+        pass
+
+    def done(self, req_id):
         pass
 
 

@@ -15,6 +15,7 @@ from deploy.config import EngineConfig
 from deploy.driver import RayEngine, open_engine
 from deploy.engine_client import EngineClient, complete
 from deploy.ray_engine import start_scheduler
+from scheduler.cell import CellClosed
 from scheduler.policy import QueueFullError
 from tests.factories import make_request, make_requests, wait_for_stats
 
@@ -145,6 +146,31 @@ def test_full_queue_and_oversized_requests_are_rejected_at_once(ray_session, tin
         asyncio.run(scenario())
     finally:
         ray.get(handle.shutdown.remote())
+
+
+def test_a_draining_cell_refuses_new_requests_and_ends_when_its_open_ones_have(ray_session, tiny_checkpoint):
+    """What a Cell replica being scaled down does: the open request runs to its end, a new one is refused
+    (the ingress places it on another cell), and the drain returns only after the open one ended."""
+    handle = start_scheduler(crowded_config(tiny_checkpoint))
+    stream = streamer(handle)
+
+    async def scenario():
+        running = asyncio.create_task(stream(req("open", 4, 400)))
+        await wait_for_stats(handle, lambda s: s["workers"]["decode-0"]["running"] == 1)
+        assert await handle.num_open.remote() == 1
+        drained = asyncio.wrap_future(handle.drain.remote().future())
+        with pytest.raises(CellClosed, match="draining"):
+            await stream(req("late", 4, 5))
+        assert not drained.done() and not running.done()
+        done = await running
+        await asyncio.wait_for(drained, 30)
+        return done, await handle.num_open.remote()
+
+    try:
+        done, still_open = asyncio.run(scenario())
+    finally:
+        ray.get(handle.shutdown.remote())
+    assert done.finish_reason == "length" and len(done.token_ids) == 400 and still_open == 0
 
 
 def long_context(checkpoint, tmp_path, context=8192):
