@@ -32,6 +32,7 @@ from scheduler.call_clock import CallClock
 from scheduler.cell import CellClosed, CellConfig, WorkerState
 from scheduler.coordinator import Coordinator
 from scheduler.gc_pauses import freeze_startup_objects
+from scheduler.messages import pack_plans
 from scheduler.outputs import RequestOutput, coalesce
 from scheduler.request import Request
 from scheduler.timeline import StepTimeline
@@ -189,7 +190,7 @@ class SchedulerActor:
             if call is not None:
                 plans, imports = call
                 t1 = time.perf_counter()
-                sent = (plans, handle.step.remote(plans, imports), t1 - t0, t1)
+                sent = (plans, handle.step.remote(pack_plans(plans), imports), t1 - t0, t1)
                 if worker.kind == "prefill" and any(c.sample for c in plans[0].prefill):
                     self.clock.finishing_sent(worker.name, t1, _tokens(plans), queued=in_flight is not None)
             elif in_flight is None:

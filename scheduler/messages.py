@@ -2,14 +2,23 @@
 
 They live in the pure `scheduler` package so that the coordinator can read them and `workers/` can
 build them, with imports pointing one way (workers -> scheduler).
+
+A step call's plans travel packed (`pack_plans`): pickled by the standard library's C pickler before
+Ray sees them. Ray pickles a call's arguments with cloudpickle, whose hook on every object made a
+64-chunk decode plan cost 281 us to pickle and 133 us to load against 87 and 104 us (a script timing
+both on one plan). Plans hold no object refs; the KV imports, which do, stay Ray's to serialize.
 """
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scheduler.request import TokenLogprob
+
+if TYPE_CHECKING:
+    from scheduler.plan import StepPlan
 
 
 @dataclass(frozen=True)
@@ -82,3 +91,13 @@ class StepResult:
     import_s: dict[str, float] = field(default_factory=dict)  # decode workers: seconds to fetch and copy in
     step_s: float = 0.0  # wall time of the step on the worker
     forward_s: float = 0.0  # of which inside the model's forward
+
+
+def pack_plans(plans: list[StepPlan]) -> bytes:
+    """A step call's plans as the bytes the worker unpacks (`unpack_plans`)."""
+    return pickle.dumps(plans, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unpack_plans(packed: bytes) -> list[StepPlan]:
+    plans: list[StepPlan] = pickle.loads(packed)
+    return plans

@@ -14,7 +14,7 @@ import ray
 import torch
 
 from scheduler.gc_pauses import freeze_startup_objects
-from scheduler.messages import KVImport, KVPiece, StepResult
+from scheduler.messages import KVImport, KVPiece, StepResult, unpack_plans
 from scheduler.plan import StepPlan
 from workers.loader import load_model, resolve_device
 from workers.runner import ModelRunner
@@ -44,9 +44,9 @@ class PrefillWorker(_ModelWorker):
     """Runs prompt chunks, and puts each chunk's KV rows into the object store as soon as it is computed
     (the plan's exports): when a prompt's last chunk is done, only that piece is left to send."""
 
-    def step(self, plans: list[StepPlan], imports: list[KVImport]) -> list[StepResult]:
+    def step(self, packed: bytes, imports: list[KVImport]) -> list[StepResult]:
         """Each plan in order (the scheduler sends one at a time here); a result per plan."""
-        return [self._step(plan) for plan in plans]
+        return [self._step(plan) for plan in unpack_plans(packed)]
 
     def _step(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
@@ -79,10 +79,11 @@ class DecodeWorker(_ModelWorker):
         the import, which reports it lost."""
         self.fetcher.submit(_pull, refs)
 
-    def step(self, plans: list[StepPlan], imports: list[KVImport]) -> list[StepResult]:
+    def step(self, packed: bytes, imports: list[KVImport]) -> list[StepResult]:
         """Import the KV pieces (of handoffs, and of prompts still prefilling into their reserved slots),
-        then run each plan in order; a result per plan (the first one reports the imports)."""
-        start = time.perf_counter()
+        then run each plan (`packed`: `pack_plans`) in order; a result per plan (the first one reports the
+        imports)."""
+        start, plans = time.perf_counter(), unpack_plans(packed)
         failed: list[str] = []
         import_s: dict[str, float] = {}
         for item in imports:

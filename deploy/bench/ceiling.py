@@ -26,8 +26,7 @@ from deploy.engine_client import EngineClient, Placement, complete
 from deploy.submissions import Submissions
 from scheduler.actor import SchedulerActor
 from scheduler.cell import CellConfig
-from scheduler.messages import KVImport, KVPiece, Samples, StepResult
-from scheduler.plan import StepPlan
+from scheduler.messages import KVImport, KVPiece, Samples, StepResult, unpack_plans
 from scheduler.request import Request
 
 STUB_TOKEN = 5
@@ -42,9 +41,9 @@ class StubWorker:
     def ready(self) -> dict[str, Any]:
         return {"index": self.index, "stub": True}
 
-    def step(self, plans: list[StepPlan], imports: list[KVImport]) -> list[StepResult]:
+    def step(self, packed: bytes, imports: list[KVImport]) -> list[StepResult]:
         results = []
-        for plan in plans:
+        for plan in unpack_plans(packed):
             start = time.perf_counter()
             sampled = {c.req_id: STUB_TOKEN for c in plan.chunks if c.sample}
             pieces = [KVPiece(req_id, first, end - first, None, 0, 0.0) for req_id, _, first, end in plan.exports]
