@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from scheduler.plan import StepPlan
 from scheduler.request import TokenLogprob
-
-if TYPE_CHECKING:
-    from scheduler.plan import StepPlan
 
 
 @dataclass(frozen=True)

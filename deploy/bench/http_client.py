@@ -97,13 +97,12 @@ def run_http(url: str, model: str, prompts: list[list[int]], output_lens: list[i
     return the completions of those sent by id ("0", "1", ...), and the seconds from the first request
     sent to the last one ended (the client's own set-up, such as its TLS context, is not timed)."""
     url = url.rstrip("/")
-    span: list[float] = []  # when the first request was sent, and when the last one ended
 
-    async def everything() -> list[Completion]:
+    async def everything() -> tuple[list[Completion], float]:
         limits = httpx.Limits(max_connections=len(prompts) + 4)
         async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits,
                                      headers=auth_headers(api_key)) as http:
-            span.append(time.perf_counter())
+            start = time.perf_counter()
 
             async def send(i: int) -> Completion:
                 body = {"model": model, "prompt": prompts[i], "max_tokens": output_lens[i], "temperature": 0.0,
@@ -120,11 +119,10 @@ def run_http(url: str, model: str, prompts: list[list[int]], output_lens: list[i
                 schedule = ArrivalSchedule.by_key(range(len(prompts)), dict(enumerate(arrival_s)),
                                                   dict(enumerate(after or [])), key=lambda i: i)
                 done = await run_at_arrivals(schedule, send)
-            span.append(time.perf_counter())
-            return done
+            return done, time.perf_counter() - start
 
-    completions = asyncio.run(everything())
-    return {c.req_id: c for c in completions}, span[1] - span[0]
+    completions, elapsed = asyncio.run(everything())
+    return {c.req_id: c for c in completions}, elapsed
 
 
 def wait_ready(url: str, timeout_s: float = 120.0) -> None:

@@ -91,7 +91,8 @@ class ServeCells:
         self.handle, self.app_name, self.failover_timeout_s = handle, app_name, failover_timeout_s
         self.chooser = CellChooser()
         self.links: dict[str, asyncio.Future[tuple[Any, Submissions]]] = {}  # cell (replica id) -> its scheduler
-        self.where: dict[str, str] = {}  # request -> the cell it was last placed on, while open: the load
+        self.where: dict[str, str] = {}  # open request -> the cell it was last placed on
+        self.load: Counter[str] = Counter()  # open requests per cell (of `where`)
         self.gone: dict[str, float] = {}  # cells lost or refusing, when: avoided a while
 
     def lost(self, placement: Placement) -> None:
@@ -99,7 +100,9 @@ class ServeCells:
             self._avoid(placement.replica)
 
     def done(self, req_id: str) -> None:
-        self.where.pop(req_id, None)
+        cell = self.where.pop(req_id, None)
+        if cell is not None:
+            self.load[cell] -= 1
 
     def _avoid(self, cell: str) -> None:
         self.gone[cell] = time.monotonic()
@@ -116,13 +119,15 @@ class ServeCells:
             cells = [c for c in live or () if c not in self.gone]
             error: BaseException = RuntimeError("no cell is running")
             if cells:
-                cell = self.chooser.choose(request, cells, Counter(self.where.values()))
+                cell = self.chooser.choose(request, cells, self.load)
                 try:
                     scheduler, submissions = await self._link(cell)
                     wait_s = min(self.attempt_timeout_s, max(0.1, deadline - time.monotonic()))
                     instance = await asyncio.wait_for(submissions.submit(request, consumer), wait_s)
                     self.chooser.placed(request, cell)
+                    self.done(request.req_id)  # (a continuation: it left the cell it was on)
                     self.where[request.req_id] = cell
+                    self.load[cell] += 1
                     return Placement(instance, scheduler, replica=cell)
                 except ValueError as e:  # (QueueFullError too; a continuation was admitted once: it can only wait)
                     if not failing_over:

@@ -56,7 +56,7 @@ class FakeScheduler:
 
 def serve_cells(schedulers, live):
     """`ServeCells` of app "app" over fake schedulers by cell, with Serve's list of running cells `live`."""
-    cell_choice._LIVE["app"] = tuple(live)
+    cell_choice.set_live("app", live)
     cells = ServeCells(handle=None, app_name="app", failover_timeout_s=5.0)
 
     async def connect(cell):
@@ -143,7 +143,7 @@ def test_the_ingress_submits_a_burst_in_one_call_per_cell_and_places_a_refused_r
         assert {p.replica for p in placed} == {"a"} and a.submissions == [[f"q{i}" for i in range(10)]]
         # a drains (Serve no longer lists it, but this ingress may not know yet); b starts a little later
         a.closed = True
-        asyncio.get_running_loop().call_later(0.2, lambda: cell_choice._LIVE.update(app=("a", "b")))
+        asyncio.get_running_loop().call_later(0.2, lambda: cell_choice.set_live("app", ("a", "b")))
         moved = await cells.place(request(10), "c")
         assert moved.replica == "b" and a.submissions[-1] == ["q10"] and b.submissions == [["q10"]]
         assert "a" in cells.gone  # avoided a while, though Serve still lists it
@@ -154,7 +154,8 @@ def test_the_ingress_submits_a_burst_in_one_call_per_cell_and_places_a_refused_r
             await cells.place(request(12), "c")
         # load: the open requests of each cell; an ended one no longer counts
         assert cells.where == {f"q{i}": "a" for i in range(10)} | {"q10": "b", "q11": "b"}
+        assert cells.load == {"a": 10, "b": 2}
         cells.done("q10")
-        assert "q10" not in cells.where
+        assert "q10" not in cells.where and cells.load == {"a": 10, "b": 1}
 
     asyncio.run(main())
