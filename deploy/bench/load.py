@@ -12,16 +12,16 @@ import random
 import time
 from typing import Any
 
-import httpx
+import aiohttp
 
-from deploy.bench.http_client import auth_headers, stream_request
+from deploy.bench.http_client import session, stream_request
 from deploy.bench.stats import percentile
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain what a CPU does.",
            "Name three colours.", "How many legs does a spider have?", "Say hello in Spanish."]
 
 
-async def _client(http: httpx.AsyncClient, url: str, model: str, max_tokens: int, deadline: float,
+async def _client(http: aiohttp.ClientSession, url: str, model: str, max_tokens: int, deadline: float,
                   rng: random.Random, stats: dict[str, Any]) -> None:
     while time.monotonic() < deadline:
         body = {"model": model, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens,
@@ -41,8 +41,7 @@ async def _client(http: httpx.AsyncClient, url: str, model: str, max_tokens: int
 async def run_load(url: str, model: str, clients: int, duration_s: float, max_tokens: int, seed: int = 0,
                    api_key: str | None = None) -> dict[str, Any]:
     stats: dict[str, Any] = {"ok": 0, "chunks": 0, "ttft": [], "failures": []}
-    limits = httpx.Limits(max_connections=clients + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits, headers=auth_headers(api_key)) as http:
+    async with session(clients + 4, 300.0, api_key) as http:
         deadline = time.monotonic() + duration_s
         start = time.perf_counter()
         await asyncio.gather(*(_client(http, url, model, max_tokens, deadline, random.Random(seed + i), stats)
@@ -50,7 +49,8 @@ async def run_load(url: str, model: str, clients: int, duration_s: float, max_to
         elapsed = time.perf_counter() - start
         await asyncio.sleep(1.0)
         base = url.removesuffix("/v1")
-        server = (await http.get(f"{base}/stats")).json()
+        async with http.get(f"{base}/stats") as reply:
+            server = await reply.json()
     slots_in_use = sum(w["slots_used"] for w in server["workers"].values())
     return {"clients": clients, "duration_s": round(elapsed, 1), "requests_ok": stats["ok"],
             "failed": len(stats["failures"]), "failures": stats["failures"][:5],

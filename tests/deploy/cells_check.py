@@ -21,7 +21,7 @@ import ray
 from ray import serve
 from ray.cluster_utils import Cluster
 
-from deploy.bench.http_client import stream_request
+from deploy.bench.http_client import session, stream_request
 from deploy.serving.app import build_app
 from deploy.serving.cells import NAMESPACE
 from tests.factories import free_port
@@ -37,8 +37,7 @@ def prompts(n: int) -> list[str]:
 
 
 async def stream_all(base: str, texts: list[str], max_tokens: int) -> list[Any]:
-    limits = httpx.Limits(max_connections=len(texts) + 8)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as http:
+    async with session(len(texts) + 8, 300.0) as http:
         return await asyncio.gather(*(stream_request(
             http, f"{base}/v1/completions", {"model": "tiny", "prompt": text, "max_tokens": max_tokens,
                                              "temperature": 0, "ignore_eos": True, "stream": True,
