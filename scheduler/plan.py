@@ -19,7 +19,9 @@ class Chunk:
     start_pos: int  # position of token_ids[0] in the request's sequence
     sample: bool  # the last token's logits choose the request's next output token
     output_index: int  # index that next token will have in the output; seeds its draw
-    sampling: SamplingParams
+    # sent with the request's first chunk on a worker (and again after its cache there was lost); None
+    # otherwise: the worker keeps them (`scheduler/worker_copy.py`)
+    sampling: SamplingParams | None
     # (prompt, output so far): the worker (re)builds the request's sampling state from it. Sent with a
     # request's first sampling chunk on a worker, and again after its cache was lost, when its sampling
     # needs history (penalties, a grammar); None otherwise.

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from scheduler.plan import Chunk, StepPlan, StepUpdate, WaitingEntry
 from scheduler.prefix_cache import PrefixCache
 from scheduler.request import FinishReason, Request, RequestStatus, TokenLogprob
+from scheduler.worker_copy import WorkerCopy
 
 
 class Scheduler:
@@ -41,8 +42,7 @@ class Scheduler:
         self.waiting: list[WaitingEntry] = []  # sorted by admission key
         self.running: list[Request] = []  # most urgent, then oldest (re-sorted by every plan)
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
-        self.synced: set[str] = set()  # requests whose sampling state the worker holds (history sent)
-        self.released: list[str] = []  # left since the last plan: the worker may drop what it keeps for them
+        self.worker_copy = WorkerCopy()  # what the worker holds per request: each chunk sends only what it lacks
         self._order = itertools.count()
         # the worker's prefix cache, this many blocks of BLOCK_SIZE tokens; None: no cache
         self.prefix_cache = PrefixCache(prefix_cache_blocks) if prefix_cache_blocks else None
@@ -152,9 +152,7 @@ class Scheduler:
                 exports.append((chunk.req_id, chunk.slot, request.num_exported, request.num_computed))
                 request.num_exported = request.num_computed
         saves = self.prefix_cache.save(self.running) if self.prefix_cache is not None else []
-        released: list[str] = []
-        if decode or prefill:  # an empty plan is not sent: keep them for the next one
-            released, self.released = self.released, []
+        released = self.worker_copy.take_released() if decode or prefill else []  # an empty plan is not sent
         return StepPlan(decode=decode, prefill=prefill, preempted=preempted, released=released, copies=copies,
                         loads=loads, saves=saves, exports=exports)
 
@@ -199,19 +197,16 @@ class Scheduler:
         self.num_recomputed_tokens += request.num_computed
         request.reset_cache()
         request.num_preemptions += 1
-        self.synced.discard(request.req_id)  # what the worker sampled for it in flight is void: resend
+        self.worker_copy.forget(request.req_id)  # what the worker sampled for it in flight is void: resend
         if self.prefix_cache is not None:
             self.prefix_cache.forget(request.req_id)
         self._enqueue(request)
 
     def _chunk(self, request: Request, length: int) -> Chunk:
         assert request.slot is not None, f"{request.req_id} is running without a slot"
-        start, params = request.num_computed, request.sampling
+        start = request.num_computed
         sample = start + length == request.num_tokens + request.num_pending
-        history = None
-        if sample and params.needs_history and request.req_id not in self.synced:
-            history = (tuple(request.prompt_ids), tuple(request.output_ids))
-            self.synced.add(request.req_id)
+        params, history = self.worker_copy.send(request, sample)
         num_prompt = len(request.prompt_ids)
         targets: tuple[int, ...] = ()
         if request.wants_prompt_logprobs:
@@ -282,9 +277,7 @@ class Scheduler:
         request = self.requests.pop(req_id, None)
         if request is None:
             return None
-        if req_id in self.synced:
-            self.synced.discard(req_id)
-            self.released.append(req_id)
+        self.worker_copy.forget(req_id)
         if self.prefix_cache is not None:
             self.prefix_cache.forget(req_id)
         if request.status is RequestStatus.WAITING:

@@ -1,4 +1,5 @@
-"""What a worker keeps per request between steps: the tokens penalties count, and its grammar matcher."""
+"""What a worker keeps per request between steps: its sampling parameters, the tokens penalties count, and
+its grammar matcher."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any, Protocol
 
 import torch
 
+from scheduler.plan import Chunk
 from scheduler.request import SamplingParams
 
 
@@ -58,12 +60,26 @@ class RequestState:
 
 
 class RequestStates:
-    """A worker's states by request id. `grammars` compiles response formats (built on first use)."""
+    """A worker's sampling parameters and states by request id. `grammars` compiles response formats (built on
+    first use)."""
 
     def __init__(self, grammar_factory: Any = None) -> None:
+        self.params: dict[str, SamplingParams] = {}  # from each request's first chunk here
         self.states: dict[str, RequestState] = {}
         self._grammar_factory = grammar_factory  # () -> GrammarCompiler, or None: no structured output here
         self._compiler: Any = None
+
+    def remember(self, chunks: list[Chunk]) -> None:
+        """Keep the sampling parameters that came with a request's first chunk here."""
+        for c in chunks:
+            if c.sampling is not None:
+                self.params[c.req_id] = c.sampling
+
+    def params_of(self, chunk: Chunk) -> SamplingParams:
+        params = self.params.get(chunk.req_id) if chunk.sampling is None else chunk.sampling
+        if params is None:
+            raise RuntimeError(f"{chunk.req_id}: its sampling parameters never came to this worker")
+        return params
 
     def get(self, req_id: str) -> RequestState | None:
         return self.states.get(req_id)
@@ -81,4 +97,5 @@ class RequestStates:
 
     def drop(self, req_ids: list[str]) -> None:
         for req_id in req_ids:
+            self.params.pop(req_id, None)
             self.states.pop(req_id, None)

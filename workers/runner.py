@@ -55,6 +55,7 @@ class ModelRunner:
         sampled (its request's cache was lost here) is dropped: no result comes back for it.
         """
         self.states.drop(plan.released)
+        self.states.remember(plan.chunks)
         for src, dst, length in plan.copies:
             self.cache.copy_rows(src, dst, length)
         for block, slot, start in plan.loads:
@@ -86,7 +87,7 @@ class ModelRunner:
         for c, _ in echo:
             rows = logits[row : row + len(c.prompt_targets)]
             row += len(c.prompt_targets)
-            num_top = c.sampling.prompt_logprobs or 0
+            num_top = self.states.params_of(c).prompt_logprobs or 0
             samples.prompt_logprobs[c.req_id] = token_logprobs(rows, list(c.prompt_targets), [num_top] * len(rows))
         self.last_sampled = samples.tokens
         return samples
@@ -96,22 +97,22 @@ class ModelRunner:
             self.cache.save_block(slot, start, block)
 
     def _sample(self, logits: torch.Tensor, chunks: list[Chunk], samples: Samples) -> dict[str, int]:
+        params = [self.states.params_of(c) for c in chunks]
         states = []
-        for c in chunks:
+        for c, p in zip(chunks, params, strict=True):
             if c.history is not None:
-                self.states.rebuild(c.req_id, c.sampling, c.history)
-            state = self.states.get(c.req_id) if c.sampling.needs_history else None
-            if c.sampling.needs_history and (state is None or state.num_outputs != c.output_index):
+                self.states.rebuild(c.req_id, p, c.history)
+            state = self.states.get(c.req_id) if p.needs_history else None
+            if p.needs_history and (state is None or state.num_outputs != c.output_index):
                 raise RuntimeError(f"{c.req_id}: no sampling state for output {c.output_index} on this worker")
             states.append(state)
-        tokens = sample(logits, [c.sampling for c in chunks], [c.output_index for c in chunks], states)
+        tokens = sample(logits, params, [c.output_index for c in chunks], states)
         for state, token in zip(states, tokens, strict=True):
             if state is not None:
                 state.consume(token)
-        asked = [i for i, c in enumerate(chunks) if c.sampling.logprobs is not None]
+        asked = [i for i, p in enumerate(params) if p.logprobs is not None]
         if asked:
-            lps = token_logprobs(logits[asked], [tokens[i] for i in asked],
-                                 [chunks[i].sampling.logprobs or 0 for i in asked])
+            lps = token_logprobs(logits[asked], [tokens[i] for i in asked], [params[i].logprobs or 0 for i in asked])
             samples.logprobs = {chunks[i].req_id: lp for i, lp in zip(asked, lps, strict=True)}
         return {c.req_id: t for c, t in zip(chunks, tokens, strict=True)}
 

@@ -149,3 +149,16 @@ def test_a_token_sampled_for_a_request_evicted_meanwhile_is_not_taken():
     assert sched.plan().preempted == ["low"]
     assert sched.update(in_flight, {"low": 9}) == ({}, [])
     assert low.output_ids == [5] and low.num_computed == 0 and low.num_pending == 0
+
+
+def test_a_request_s_sampling_parameters_go_to_its_worker_once():
+    """Delta step messages: a request's first chunk on a worker carries its sampling parameters, later ones do
+    not (the worker keeps them); once it leaves, the next plan tells the worker to drop them."""
+    sched = Scheduler(num_slots=2, capacity=64, token_budget=8, prefill_chunk=4)
+    sched.submit(req("a", prompt_len=6, max_tokens=3))
+    plans = [fake_step(sched)[0] for _ in range(4)]  # prompt 4, prompt 2 + first token, then 2 decodes
+    assert plans[0].chunks[0].sampling == SamplingParams()
+    assert [p.chunks[0].sampling for p in plans[1:]] == [None, None, None] and not any(p.released for p in plans)
+    sched.submit(req("b", prompt_len=2))
+    plan, _ = fake_step(sched)
+    assert plan.released == ["a"] and plan.chunks[0].req_id == "b" and plan.chunks[0].sampling is not None

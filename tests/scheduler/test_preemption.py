@@ -65,8 +65,9 @@ def test_preempted_request_recomputes_prompt_and_output_then_continues():
     step(sched)
     step(sched)  # a has outputs [7, 7], 7 tokens computed
     sched.submit(req("u", prompt_len=3, max_tokens=1, priority=0, arrival_s=1))
-    step(sched)  # u runs to completion in a's slot
+    assert step(sched).released == ["a"]  # u runs to completion in a's slot; the worker drops a's state
     plan = step(sched)  # a is back: recomputes prompt + both outputs, sampling its third token
     chunk = plan.chunks[0]
+    assert chunk.sampling is not None  # sent again with the recompute's first chunk
     assert chunk.req_id == "a" and chunk.start_pos == 0 and chunk.token_ids == [1, 2, 3, 4, 5, 6, 7, 7]
     assert chunk.sample and chunk.output_index == 2
