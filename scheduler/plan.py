@@ -8,6 +8,8 @@ from typing import NamedTuple
 
 from scheduler.request import Request, SamplingParams
 
+History = tuple[tuple[int, ...], tuple[int, ...]]  # a request's (prompt, output so far)
+
 
 @dataclass(slots=True)
 class Chunk:
@@ -25,7 +27,7 @@ class Chunk:
     # (prompt, output so far): the worker (re)builds the request's sampling state from it. Sent with a
     # request's first sampling chunk on a worker, and again after its cache was lost, when its sampling
     # needs history (penalties, a grammar); None otherwise.
-    history: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    history: History | None = None
     # echo: prompt tokens start_pos+1.. whose log-probs this chunk returns; target i is predicted by
     # position start_pos + i
     prompt_targets: tuple[int, ...] = ()

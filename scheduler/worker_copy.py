@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+from scheduler.plan import History
 from scheduler.request import Request, SamplingParams
-
-History = tuple[tuple[int, ...], tuple[int, ...]]  # (prompt, output so far)
 
 
 class WorkerCopy:

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 import torch
 
-from scheduler.plan import Chunk
+from scheduler.plan import Chunk, History
 from scheduler.request import SamplingParams
 
 
@@ -84,7 +84,7 @@ class RequestStates:
     def get(self, req_id: str) -> RequestState | None:
         return self.states.get(req_id)
 
-    def rebuild(self, req_id: str, params: SamplingParams, history: tuple[tuple[int, ...], tuple[int, ...]]) -> None:
+    def rebuild(self, req_id: str, params: SamplingParams, history: History) -> None:
         """(Re)build a request's state from its prompt and outputs so far."""
         matcher = None
         if params.structured is not None:

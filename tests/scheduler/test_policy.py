@@ -151,7 +151,7 @@ def test_a_token_sampled_for_a_request_evicted_meanwhile_is_not_taken():
     assert low.output_ids == [5] and low.num_computed == 0 and low.num_pending == 0
 
 
-def test_a_request_s_sampling_parameters_go_to_its_worker_once():
+def test_sampling_parameters_go_to_a_worker_once_per_request():
     """Delta step messages: a request's first chunk on a worker carries its sampling parameters, later ones do
     not (the worker keeps them); once it leaves, the next plan tells the worker to drop them."""
     sched = Scheduler(num_slots=2, capacity=64, token_budget=8, prefill_chunk=4)

@@ -134,8 +134,8 @@ def test_penalties_bias_and_min_tokens_equal_a_plain_reference(preempt):
     if preempt:
         assert echo.num_preemptions > 0
     engine.run([request("after", 4, 2, 19)])  # the next plan carries what left: the worker drops its states
-    assert engine.runner.states.states == {} and set(engine.runner.states.params) == {"after"}  # (its own
-    # release rides on the next plan)
+    assert engine.runner.states.states == {}
+    assert set(engine.runner.states.params) == {"after"}  # its own release rides on the next plan
 
 
 @pytest.mark.parametrize("prompt_len", [1, 2, 29])
