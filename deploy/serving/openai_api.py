@@ -64,69 +64,76 @@ class OpenAIServer:
                                             "owned_by": "pdserve", "max_model_len": self.model.capacity}]}
 
     # ---- request building -------------------------------------------------------------------------
-    def _build(self, body: _SamplingBody, prompt_ids: list[int], max_tokens: int | None, prefix: str, *,
+    def _build(self, body: _SamplingBody, prompts: list[list[int]], max_tokens: int | None, prefix: str, *,
                logprobs: int | None = None, prompt_logprobs: int | None = None) -> tuple[str, list[Request]]:
-        """The response id and one Request per choice. Choice i samples as a single request with seed + i
-        would (one random base seed when none is given); choices after the first may share the first's
-        prompt KV (`fork_of`)."""
-        num_prompt = len(prompt_ids)
-        if not prompt_ids:
-            raise APIError(400, "The prompt is empty.", param="prompt")
-        if max_tokens is None:
-            max_tokens = max(1, self.model.capacity - num_prompt)
-        if num_prompt + max_tokens > self.model.capacity:
-            raise APIError(400, f"This model's maximum context length is {self.model.capacity} tokens. However, "
-                           f"you requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
-                           f"{max_tokens} for the completion).", param="max_tokens",
-                           code="context_length_exceeded")
+        """The response id and `n` Requests per prompt, prompt by prompt: choice p * n + i is choice i of
+        prompt p. Choice i of a prompt samples as a single request of that prompt with seed + i would (one
+        random base seed when none is given), so a list of prompts gives what one request per prompt with the
+        same seed gives; a prompt's choices after its first may share the first's prompt KV (`fork_of`)."""
         resp_id = f"{prefix}-{uuid.uuid4().hex}"
-        req_ids = [f"{resp_id}-{i}" for i in range(body.num_choices)]
+        n = body.num_choices
         seed = body.seed if body.seed is not None else random.getrandbits(62)
         try:
             logit_bias = parse_logit_bias(body.logit_bias, len(self.model.tokenizer))
             structured = structured_format(body.response_format)
-            return resp_id, [build_request(
-                req_id, prompt_ids, max_tokens=max_tokens, eos_token_ids=self.model.eos_token_ids,
-                temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=seed + i, stop=body.stop,
-                ignore_eos=body.ignore_eos, priority=body.priority,
-                presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-                min_tokens=body.min_tokens or 0, logit_bias=logit_bias, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs, structured=structured, fork_of=req_ids[0] if i else None)
-                for i, req_id in enumerate(req_ids)]
+            requests = []
+            for p, prompt_ids in enumerate(prompts):
+                limit = self._max_tokens(prompt_ids, max_tokens, f"prompt {p}: " if len(prompts) > 1 else "")
+                first = f"{resp_id}-{p * n}"
+                requests += [build_request(
+                    f"{resp_id}-{p * n + i}", prompt_ids, max_tokens=limit, eos_token_ids=self.model.eos_token_ids,
+                    temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=seed + i, stop=body.stop,
+                    ignore_eos=body.ignore_eos, priority=body.priority,
+                    presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+                    repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                    min_tokens=body.min_tokens or 0, logit_bias=logit_bias, logprobs=logprobs,
+                    prompt_logprobs=prompt_logprobs, structured=structured, fork_of=first if i else None)
+                    for i in range(n)]
+            return resp_id, requests
         except ParameterError as e:
             raise APIError(400, str(e), param=e.param) from None
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
+    def _max_tokens(self, prompt_ids: list[int], max_tokens: int | None, which: str) -> int:
+        """The completion's length for one prompt (default: the rest of the context); 400 if it cannot fit."""
+        num_prompt = len(prompt_ids)
+        if not prompt_ids:
+            raise APIError(400, f"{which}The prompt is empty.", param="prompt")
+        if max_tokens is None:
+            max_tokens = max(1, self.model.capacity - num_prompt)
+        if num_prompt + max_tokens > self.model.capacity:
+            raise APIError(400, f"{which}This model's maximum context length is {self.model.capacity} tokens. "
+                           f"However, you requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
+                           f"{max_tokens} for the completion).", param="max_tokens", code="context_length_exceeded")
+        return max_tokens
+
     def completion_job(self, body: CompletionBody) -> Job:
+        """A completion of each prompt: `prompt` is a text, a list of token ids, or a list of either (a batch:
+        `n` choices per prompt, numbered prompt by prompt, as vLLM and OpenAI do)."""
         self._check_model(body.model)
-        prompt: Any = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(400, "Only one prompt per request is supported.", param="prompt")
-            prompt = prompt[0]
+        batch = body.prompt if isinstance(body.prompt, list) and body.prompt and isinstance(
+            body.prompt[0], (str, list)) else [body.prompt]
         try:
-            if isinstance(prompt, str):
-                ids = encode_prompt(self.model.tokenizer, prompt=prompt)
-            else:
-                ids = encode_prompt(self.model.tokenizer, prompt_token_ids=list(prompt))
+            prompts = [encode_prompt(self.model.tokenizer, prompt=prompt) if isinstance(prompt, str)
+                       else encode_prompt(self.model.tokenizer, prompt_token_ids=list(prompt)) for prompt in batch]
         except ValueError as e:
             raise APIError(400, str(e), param="prompt") from None
         max_tokens = MAX_COMPLETION_DEFAULT if body.max_tokens is None else body.max_tokens
         echo = bool(body.echo)
         # max_tokens 0 (echo only): the engine generates one token, which the reply leaves out (see Job)
-        resp_id, requests = self._build(body, ids, max(max_tokens, 1), "cmpl", logprobs=body.logprobs,
+        resp_id, requests = self._build(body, prompts, max(max_tokens, 1), "cmpl", logprobs=body.logprobs,
                                         prompt_logprobs=body.logprobs if echo else None)
-        echo_text = (prompt if isinstance(prompt, str) else self.model.tokenizer.decode(ids)) if echo else None
-        return Job(resp_id, requests, chat=False, logprobs=body.logprobs is not None, echo=echo_text,
-                   drop_generation=max_tokens == 0)
+        echo_texts = tuple(prompt if isinstance(prompt, str) else self.model.tokenizer.decode(ids)
+                           for prompt, ids in zip(batch, prompts, strict=True)) if echo else None
+        return Job(resp_id, requests, chat=False, logprobs=body.logprobs is not None, echo=echo_texts,
+                   drop_generation=max_tokens == 0, choices_per_prompt=body.num_choices)
 
     def chat_job(self, body: ChatBody) -> Job:
         self._check_model(body.model)
         ids = self._chat_ids(body.messages)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        resp_id, requests = self._build(body, ids, body.max_completion_tokens or body.max_tokens, "chatcmpl",
+        resp_id, requests = self._build(body, [ids], body.max_completion_tokens or body.max_tokens, "chatcmpl",
                                         logprobs=logprobs)
         return Job(resp_id, requests, chat=True, logprobs=logprobs is not None)
 

@@ -23,18 +23,20 @@ class Job:
     """One HTTP request: its engine requests (one per choice) and how their outputs are returned."""
 
     resp_id: str
-    requests: list[Request]  # choice i is requests[i]; all have the same prompt
+    requests: list[Request]  # choice i is requests[i]; a prompt's choices are consecutive
     chat: bool
     logprobs: bool = False  # the reply carries log-probs (the requests asked the engine for them)
-    echo: str | None = None  # completions' `echo`: the prompt's text, returned before each choice's text
+    echo: tuple[str, ...] | None = None  # completions' `echo`: each prompt's text, returned before its choices' text
     # echo with max_tokens 0 (how lm-eval-harness scores a prompt): the engine needs max_tokens >= 1, so it
     # generates one token, which the reply leaves out of text, log-probs and usage. (vLLM does the same, but
     # counts that token in usage.completion_tokens; we report 0, what the reply holds.)
     drop_generation: bool = False
+    choices_per_prompt: int = 1  # `n`: choice i answers prompt i // n (completions take a list of prompts)
 
     @property
-    def prompt_ids(self) -> list[int]:
-        return self.requests[0].prompt_ids
+    def num_prompt_tokens(self) -> int:
+        """Every prompt's tokens, each prompt counted once however many choices it has (as usage counts them)."""
+        return sum(len(r.prompt_ids) for r in self.requests[::self.choices_per_prompt])
 
 
 async def aclose(stream: AsyncIterator[RequestOutput]) -> None:
@@ -95,13 +97,13 @@ class Replier:
         self.job, self.model_name, self.texts = job, model_name, texts
         self.created = int(time.time())
 
-    def _piece(self, out: RequestOutput, with_prompt: bool, text_offset: int) -> tuple[str, Any, int]:
-        """Text, log-probs and number of tokens one choice returns for `out` (the prompt first, if echoed)."""
+    def _piece(self, index: int, out: RequestOutput, with_prompt: bool, text_offset: int) -> tuple[str, Any, int]:
+        """Text, log-probs and number of tokens choice `index` returns for `out` (its prompt first, if echoed)."""
         job, text = self.job, ""
         token_ids: list[int] = []
         entries: list[TokenLogprob | None] = []
         if with_prompt and job.echo is not None:
-            text, token_ids = job.echo, list(job.prompt_ids)
+            text, token_ids = job.echo[index // job.choices_per_prompt], list(job.requests[index].prompt_ids)
             entries = [None, *(out.prompt_logprobs or [])] if job.logprobs else []
         if not job.drop_generation:
             text += out.text
@@ -128,7 +130,7 @@ class Replier:
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def usage(self, num_completion: int) -> dict[str, int]:
-        num_prompt = len(self.job.prompt_ids)
+        num_prompt = self.job.num_prompt_tokens
         return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
                 "total_tokens": num_prompt + num_completion}
 
@@ -151,7 +153,7 @@ class Replier:
                 done.finish_reason = out.finish_reason
         choices = []
         for index, done in enumerate(outs):
-            text, logprobs, _ = self._piece(done, True, 0)
+            text, logprobs, _ = self._piece(index, done, True, 0)
             choices.append(self._choice(index, text, logprobs, self._finish_reason(done), stream=False))
         return {"id": self.job.resp_id, "object": "chat.completion" if self.job.chat else "text_completion",
                 "created": self.created, "model": self.model_name, "choices": choices,
@@ -181,7 +183,7 @@ class Replier:
                     yield f"data: {json.dumps(_failed(out).body())}\n\n"
                     break
                 num_tokens += self._num_generated(out)
-                text, logprobs, num_piece_tokens = self._piece(out, not started[index], text_lens[index])
+                text, logprobs, num_piece_tokens = self._piece(index, out, not started[index], text_lens[index])
                 started[index] = True
                 if not text and not out.finished and not (logprobs and num_piece_tokens):
                     continue

@@ -3,6 +3,7 @@ transformers and against the local engine."""
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -91,6 +92,22 @@ def test_n_seeded_choices_equal_separate_requests(client):
     whole = client.chat.completions.create(model="tiny", messages=MESSAGES, n=2, seed=9, temperature=0.9,
                                            max_tokens=10)
     assert texts == {c.index: c.message.content for c in whole.choices}
+
+
+def test_a_list_of_prompts_equals_one_request_per_prompt(client):
+    prompts = ["once upon a time", "paris is in", "the cat sat on the"]
+    got = client.completions.create(model="tiny", prompt=prompts, n=2, seed=3, temperature=0.9, max_tokens=8)
+    alone = [client.completions.create(model="tiny", prompt=p, n=2, seed=3, temperature=0.9, max_tokens=8)
+             for p in prompts]
+    assert [c.index for c in got.choices] == list(range(6))
+    assert [c.text for c in got.choices] == [c.text for a in alone for c in a.choices]
+    assert got.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert got.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    root = str(client.base_url).removesuffix("/").removesuffix("/v1")
+    ids = httpx.post(f"{root}/tokenize", json={"model": "tiny", "prompt": prompts[1]}).json()["tokens"]
+    by_ids = client.completions.create(model="tiny", prompt=[ids, ids], temperature=0, max_tokens=6)
+    greedy = client.completions.create(model="tiny", prompt=prompts[1], temperature=0, max_tokens=6).choices[0].text
+    assert [c.text for c in by_ids.choices] == [greedy, greedy]
 
 
 def test_penalties_bias_and_min_tokens_equal_the_local_engine(client, tiny_checkpoint):

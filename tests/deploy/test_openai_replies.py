@@ -134,6 +134,47 @@ def test_n_choices_sample_as_single_requests_with_seed_plus_i():
     assert sorted(c["choices"][0]["index"] for c in chat[:2]) == [0, 1]
 
 
+def test_a_list_of_prompts_gets_n_choices_each_numbered_prompt_by_prompt():
+    engine = FakeEngine()
+    server = make_server(engine)
+    prompts = ["hello world", "paris is in france"]
+    body = dict(model="tiny", n=2, seed=4, max_tokens=5, echo=True, logprobs=1)
+    whole = reply(server, CompletionBody(prompt=prompts, **body))
+    singles = [reply(server, CompletionBody(prompt=prompt, **body)) for prompt in prompts]
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2, 3]
+    assert [{k: v for k, v in c.items() if k != "index"} for c in whole["choices"]] == \
+        [{k: v for k, v in c.items() if k != "index"} for s in singles for c in s["choices"]]
+    assert [c["text"][:len(prompts[i // 2])] for i, c in enumerate(whole["choices"])] == \
+        [prompts[0], prompts[0], prompts[1], prompts[1]]
+    num_prompt = sum(s["usage"]["prompt_tokens"] for s in singles)  # each prompt once, not once per choice
+    assert whole["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 20, "total_tokens": num_prompt + 20}
+    forks = [r.fork_of for r in engine.requests.values()][:4]
+    assert forks == [None, f"{whole['id']}-0", None, f"{whole['id']}-2"]
+
+    chunks = reply(server, CompletionBody(prompt=prompts, stream=True, stream_options={"include_usage": True},
+                                          **body))
+    by_index = streamed_choices(chunks)
+    assert ["".join(c["text"] for c in by_index[i]) for i in range(4)] == [c["text"] for c in whole["choices"]]
+    assert chunks[-1]["usage"] == whole["usage"]
+
+    ids = tiny_tokenizer()("paris is in france").input_ids
+    by_ids = reply(server, CompletionBody(model="tiny", prompt=[ids, ids[:2]], seed=4, max_tokens=5))
+    assert by_ids["choices"][0]["text"] == singles[1]["choices"][0]["text"][len(prompts[1]):]
+    assert len(by_ids["choices"]) == 2
+
+
+def test_a_prompt_of_a_list_that_cannot_fit_fails_the_request_before_any_runs():
+    engine = FakeEngine()
+    with pytest.raises(APIError) as info:
+        reply(make_server(engine), CompletionBody(model="tiny", prompt=["hello", "hello " * 600], max_tokens=8))
+    assert info.value.status == 400 and "prompt 1: " in info.value.message and "maximum context length" in \
+        info.value.message
+    with pytest.raises(APIError) as info:
+        reply(make_server(engine), CompletionBody(model="tiny", prompt=[[5, 6], []], max_tokens=8))
+    assert info.value.status == 400 and "prompt 1: The prompt is empty." in info.value.message
+    assert not engine.requests
+
+
 def test_a_failed_choice_fails_the_reply_and_aborts_the_others():
     engine = FakeEngine(fail={"1"})
     server = make_server(engine)
