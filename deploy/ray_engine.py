@@ -41,7 +41,7 @@ def scheduler_args(config: EngineConfig, info: TokenizerInfo | None = None) -> t
 
 def create_scheduler(config: EngineConfig, info: TokenizerInfo | None = None, **options: Any) -> Any:
     """Create the scheduler actor (which creates the workers); `options` are Ray actor options (a name)."""
-    options = {"num_cpus": 0, "max_concurrency": 100_000} | options
+    options = {"num_cpus": 0, "max_concurrency": 100_000, "enable_task_events": False} | options
     return ray.remote(SchedulerActor).options(**options).remote(*scheduler_args(config, info))
 
 

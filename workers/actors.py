@@ -131,7 +131,7 @@ def spawn_worker(config: Any, capacity: int, kind: str, index: int, num_slots: i
     """
     gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
     cls = PrefillWorker if kind == "prefill" else DecodeWorker
-    options = {"max_restarts": config.max_worker_restarts, "max_task_retries": 0,
+    options = {"max_restarts": config.max_worker_restarts, "max_task_retries": 0, "enable_task_events": False,
                "num_cpus": config.num_cpus_per_worker, "num_gpus": gpus,
                "resources": config.prefill_resources if kind == "prefill" else config.decode_resources}
     return ray.remote(cls).options(**options).remote(

@@ -53,7 +53,7 @@ class StubWorker:
 
 
 def spawn_stub(kind: str, index: int, num_slots: int, prefix_blocks: int = 0) -> Any:
-    return ray.remote(StubWorker).options(num_cpus=0).remote(kind, index)
+    return ray.remote(StubWorker).options(num_cpus=0, enable_task_events=False).remote(kind, index)
 
 
 class RoundRobin:
@@ -82,7 +82,7 @@ def measure(mode: str, slots: int, num_requests: int, prompt_len: int, output_le
     capacity = prompt_len + output_len
     cell = CellConfig(mode=mode, num_decode_workers=1, num_prefill_workers=1, decode_slots=slots, prefill_slots=slots,
                       capacity=capacity, token_budget=max(256, slots), prefill_chunk=max(128, prompt_len))
-    handles = [ray.remote(SchedulerActor).options(num_cpus=0, max_concurrency=100_000).remote(
+    handles = [ray.remote(SchedulerActor).options(num_cpus=0, max_concurrency=100_000, enable_task_events=False).remote(
         cell, functools.partial(spawn_stub)) for _ in range(cells)]
     ray.get([h.ready.remote() for h in handles])
     client = EngineClient(RoundRobin(handles))
