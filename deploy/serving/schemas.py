@@ -41,7 +41,7 @@ class _SamplingBody(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str
+    model: str | None = Field(None, description="The served model's name; optional, as in vLLM.")
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)

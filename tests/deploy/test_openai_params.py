@@ -81,6 +81,16 @@ def test_descriptive_fields_and_no_op_values_are_accepted(schema, fields):
     parse(schema, **fields)
 
 
+@pytest.mark.parametrize("schema", [ChatBody, CompletionBody])
+def test_a_body_without_model_is_for_the_served_model_and_another_name_gets_404(schema):
+    server = make_server()
+    job = server.chat_job if schema is ChatBody else server.completion_job
+    assert job(parse(schema, model=None)).requests
+    with pytest.raises(APIError) as info:
+        job(parse(schema, model="gpt-4"))
+    assert info.value.status == 404 and info.value.code == "model_not_found"
+
+
 def test_values_checked_against_the_tokenizer_and_grammar_get_400_when_the_request_is_built():
     server = make_server()
     cases = [
