@@ -18,7 +18,7 @@ VOCAB = 384
 def tiny_hf_config(kind: str = "llama"):  # type: ignore[no-untyped-def]
     """A two-layer config. A large initializer_range spreads the logits so argmax has clear margins:
     greedy tokens then do not flip on the last-bit differences between batched and solo matmuls."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
@@ -29,6 +29,8 @@ def tiny_hf_config(kind: str = "llama"):  # type: ignore[no-untyped-def]
         return LlamaConfig(**common, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
                            "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                            "original_max_position_embeddings": 256})
+    if kind == "mistral":  # a window as long as the context: full attention, as Mistral 7B v0.1 at 4k
+        return MistralConfig(**common, sliding_window=1024, tie_word_embeddings=False)
     if kind == "qwen2":
         return Qwen2Config(**common)
     if kind == "qwen3":

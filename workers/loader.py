@@ -125,11 +125,27 @@ def resolve_checkpoint(name: str) -> str:
     return name  # a hub id; loading it needs a network
 
 
+def model_context(config: Any) -> int:
+    """The longest sequence served: the checkpoint's context, capped at its sliding window where any layer
+    attends through one (Mistral; Qwen2/3 with `use_sliding_window`). Our attention is full attention, which
+    equals a window's up to the window's length, so outputs stay those of `transformers`."""
+    context = int(getattr(config, "max_position_embeddings", MAX_DEFAULT_CONTEXT))
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window and (layer_types is None or "sliding_attention" in layer_types) and window < context:
+        log.warning("%s attends through a sliding window of %d tokens: serving at most %d tokens per request",
+                    config.model_type, window, window)
+        return int(window)
+    return context
+
+
 def spec_from_hf(config: Any, state: dict[str, torch.Tensor]) -> ModelSpec:
     """Read the architecture from a HF config; biases and q/k norms from which weights exist."""
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model type {config.model_type!r} is not supported; "
                          f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"activation {config.hidden_act!r} is not supported (the MLP is SwiGLU with silu)")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     tie = bool(getattr(config, "tie_word_embeddings", False)) or "lm_head.weight" not in state
     return ModelSpec(
@@ -198,8 +214,7 @@ def load_tokenizer(name: str = DEFAULT_MODEL) -> TokenizerInfo:
         generation = GenerationConfig.from_pretrained(checkpoint)
     except OSError:
         generation = None
-    return TokenizerInfo(tokenizer, eos_token_ids(config, generation, tokenizer),
-                         int(getattr(config, "max_position_embeddings", MAX_DEFAULT_CONTEXT)))
+    return TokenizerInfo(tokenizer, eos_token_ids(config, generation, tokenizer), model_context(config))
 
 
 def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto") -> LoadedModel:
@@ -212,7 +227,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     model = from_hf_model(hf, torch_dtype, device)
-    max_context = int(getattr(hf.config, "max_position_embeddings", MAX_DEFAULT_CONTEXT))
+    max_context = model_context(hf.config)
     eos = eos_token_ids(hf.config, getattr(hf, "generation_config", None), tokenizer)
     del hf
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, eos_token_ids=eos, max_context=max_context)

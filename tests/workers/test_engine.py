@@ -27,7 +27,7 @@ def mixed_requests(**kw):
     return make_requests(6, prompt_lens=[5, 31, 12, 47, 9, 20], max_tokens=[17, 6, 25, 9, 3, 12], **kw)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral"])
 def test_batched_greedy_equals_solo_and_transformers_generate(kind):
     eos = frozenset({VOCAB - 1})
     engine = make_engine(kind)

@@ -19,7 +19,7 @@ def _run(model, cache, rows, decode_first: int):
 # (2, 0): decode rows out of slot order with an idle row in their span; (0, 1): rows are the span
 @pytest.mark.parametrize(("slot_a", "slot_b"), [(2, 0), (0, 1)], ids=["scattered-slots", "span-slots"])
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernels", "torch"])
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "llama3-scaled"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "llama3-scaled", "mistral"])
 def test_logits_match_transformers_for_chunks_and_batched_decode(kind, slot_a, slot_b, kernel, monkeypatch):
     if not kernel:  # SDPA and eager ops, as where the kernels cannot be built
         monkeypatch.setattr(kernels, "load_kernels", lambda: None)
@@ -101,3 +101,35 @@ def test_bf16_model_keeps_fp32_rotary_frequencies():
     model = tiny_model("llama").to(torch.bfloat16)
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     torch.testing.assert_close(model.inv_freq, tiny_hf_model("llama").model.rotary_emb.inv_freq, atol=0, rtol=0)
+
+
+def test_sliding_window_checkpoints_are_served_up_to_their_window_where_full_attention_is_exact():
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from tests.factories import tiny_hf_config
+    from workers.loader import from_hf_model, model_context
+
+    common = {k: v for k, v in tiny_hf_config("qwen2").to_dict().items() if k != "layer_types"}
+    config = Qwen2Config(**(common | {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}))
+    assert model_context(config) == 16
+    assert model_context(tiny_hf_config("mistral")) == 1024 == model_context(tiny_hf_config("llama"))
+    torch.manual_seed(1234)
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    model = from_hf_model(hf)
+    cache = SlotKVCache(model.spec.num_layers, 1, model.spec.num_kv_heads, 32, model.spec.head_dim)
+    seq = prompt_ids(17, seed=3)
+    with torch.no_grad():
+        ref = hf(torch.tensor([seq])).logits[0]
+        ours = _run(model, cache, [(0, seq, 0)], 0)
+    torch.testing.assert_close(ours[:16], ref[:16], atol=2e-5, rtol=1e-4)  # within the window: the same
+    assert not torch.allclose(ours[16], ref[16], atol=1e-3)  # one past it, the window drops a key: hence the cap
+
+
+def test_an_activation_other_than_silu_is_refused_by_name():
+    from tests.factories import tiny_hf_config
+    from workers.loader import spec_from_hf
+
+    config = tiny_hf_config("llama")
+    config.hidden_act = "gelu"
+    with pytest.raises(ValueError, match="activation 'gelu'"):
+        spec_from_hf(config, {})
