@@ -255,6 +255,8 @@ def _run_one(run: Run, config: EngineConfig, args: argparse.Namespace, loaded: A
                       "priorities": run.priorities, "prefix_cache": run.prefix_cache, "decode_workers": workers,
                       "prefill_workers": config.prefill_workers if run.mode == "disaggregated" else 0,
                       "cache_routing": run.cache_routing}
+    if run.mode == "url":  # the server's deployment is its own: these describe nothing that ran
+        summary |= dict.fromkeys(("prefix_cache", "decode_workers", "prefill_workers", "cache_routing"))
     summary |= summarize_run(work, results, elapsed, args.slo_ttft_ms, args.slo_tpot_ms,
                              exact=run.mode != "url") | extra
     if summary.get("prefill_tok_s_busy") and summary.get("decode_tok_s_busy"):

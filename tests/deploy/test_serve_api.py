@@ -184,6 +184,7 @@ def test_bench_against_the_running_endpoint(server, tiny_checkpoint, tmp_path):
     runs = [(s["mode"], s["served_model"], s["rate"]) for s in summaries]
     assert runs == [("url", "tiny", 0.0), ("url", "tiny", 100.0)]
     assert all(s["ttft_ms_p50"] > 0 and s["itl_ms_mean"] > 0 and s["output_tok_s"] > 0 for s in summaries)
+    assert all(s["prefill_workers"] is None and s["prefix_cache"] is None for s in summaries)  # not the bench's to say
     asked = make_workload(5, "4:20", "3:9", 384, seed=0).output_lens
     for rate in (0.0, 100.0):
         assert [line["tokens"] for line in lines if line.get("rid") and line["rate"] == rate] == asked
