@@ -24,6 +24,7 @@ from deploy.serving.schemas import (
     APIError,
     ChatBody,
     ChatMessage,
+    ChatTemplateOptions,
     CompletionBody,
     DetokenizeBody,
     TokenizeBody,
@@ -131,13 +132,13 @@ class OpenAIServer:
 
     def chat_job(self, body: ChatBody) -> Job:
         self._check_model(body.model)
-        ids = self._chat_ids(body.messages)
+        ids = self._chat_ids(body.messages, body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         resp_id, requests = self._build(body, [ids], body.max_completion_tokens or body.max_tokens, "chatcmpl",
                                         logprobs=logprobs)
         return Job(resp_id, requests, chat=True, logprobs=logprobs is not None)
 
-    def _chat_ids(self, chat: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    def _chat_ids(self, chat: list[ChatMessage], options: ChatTemplateOptions) -> list[int]:
         messages = []
         for m in chat:
             content = m.content
@@ -146,11 +147,11 @@ class OpenAIServer:
                     raise APIError(400, "Only text content parts are supported.", param="messages")
                 content = "".join(str(part.get("text", "")) for part in content)
             messages.append({"role": m.role, "content": content or ""})
-        try:
-            if not add_generation_prompt:
-                text = self.model.tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
-                return self.model.tokenizer(text, add_special_tokens=False).input_ids
-            return encode_prompt(self.model.tokenizer, messages=messages)
+        try:  # as encode_prompt does, with the request's template options
+            text = self.model.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=options.add_generation_prompt, tokenize=False,
+                continue_final_message=options.continue_final_message, **(options.chat_template_kwargs or {}))
+            return self.model.tokenizer(text, add_special_tokens=False).input_ids
         except Exception as e:  # a chat template can raise anything on odd input
             raise APIError(400, f"The messages do not fit the model's chat template: {e}", param="messages") from None
 
@@ -164,7 +165,7 @@ class OpenAIServer:
         """The ids a completion (`prompt`) or a chat request (`messages`) would be given."""
         self._check_model(body.model)
         if body.messages is not None:
-            ids = self._chat_ids(body.messages, body.add_generation_prompt)
+            ids = self._chat_ids(body.messages, body)
         else:
             assert body.prompt is not None
             ids = self.model.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids

@@ -111,7 +111,32 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class ChatBody(_SamplingBody):
+# apply_chat_template's own arguments, which chat_template_kwargs may not set
+_TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                                 "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors"})
+
+
+class ChatTemplateOptions(BaseModel):
+    """How messages become a prompt (vLLM's extensions): the generation prompt, continuing the last
+    (assistant) message instead, and extra variables for the template (e.g. Qwen3's `enable_thinking`)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = Field(False, description="Continue the last message, an assistant's.")
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_template_options(self, messages: list[ChatMessage] | None) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ParameterError("continue_final_message", "`continue_final_message` needs "
+                                                           "`add_generation_prompt: false`")
+        if self.continue_final_message and messages and messages[-1].role != "assistant":
+            raise ParameterError("continue_final_message", "`continue_final_message` continues the last "
+                                                           "message, which must be the assistant's")
+        reserved = sorted(_TEMPLATE_ARGUMENTS & set(self.chat_template_kwargs or {}))
+        if reserved:
+            raise ParameterError("chat_template_kwargs", f"`chat_template_kwargs` may not set {reserved}")
+
+
+class ChatBody(_SamplingBody, ChatTemplateOptions):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = Field(False, description="Return each output token's log-prob.")
@@ -122,10 +147,11 @@ class ChatBody(_SamplingBody):
     def _logprobs_asked(self) -> ChatBody:
         if self.top_logprobs and not self.logprobs:
             raise ParameterError("top_logprobs", "`top_logprobs` needs `logprobs: true`")
+        self.check_template_options(self.messages)
         return self
 
 
-class TokenizeBody(BaseModel):
+class TokenizeBody(ChatTemplateOptions):
     """vLLM's `/tokenize`: a prompt (text) or chat messages, tokenized as a generation request would be."""
 
     model_config = ConfigDict(extra="forbid")
@@ -134,12 +160,12 @@ class TokenizeBody(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeBody:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        self.check_template_options(self.messages)
         return self
 
 

@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from deploy.serving.app import _from_validation
-from deploy.serving.schemas import APIError, ChatBody, CompletionBody
+from deploy.serving.schemas import APIError, ChatBody, CompletionBody, TokenizeBody
 from tests.deploy.fake_engine import make_server
 
 MESSAGES = [{"role": "user", "content": "paris is in"}]
@@ -45,6 +45,9 @@ def refusal(schema, **fields) -> APIError:  # type: ignore[no-untyped-def]
     (CompletionBody, {"n": 2, "best_of": 3}, "best_of"),
     (CompletionBody, {"max_tokens": 0}, "max_tokens"),
     (ChatBody, {"response_format": "json"}, "response_format"),
+    (ChatBody, {"continue_final_message": True}, "continue_final_message"),  # with the generation prompt
+    (ChatBody, {"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),  # user last
+    (ChatBody, {"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
 ])
 def test_out_of_range_values_get_400_naming_the_parameter(schema, fields, param):
     error = refusal(schema, **fields)
@@ -150,3 +153,29 @@ def test_echo_with_max_tokens_0_runs_one_token_and_drops_it():
     assert job.requests[0].max_tokens == 1 and job.drop_generation and job.echo == ("hello world",)
     by_ids = make_server().completion_job(parse(CompletionBody, prompt=[275, 288, 304], echo=True))
     assert by_ids.echo == ("héllo world",) and not by_ids.drop_generation
+
+
+def test_chat_template_options_shape_the_prompt():
+    """vLLM's extensions: no generation prompt, continuing the assistant's last message, template variables."""
+    import copy
+
+    from deploy.serving.openai_api import OpenAIServer, ServedModel
+    from tests.deploy.fake_engine import FakeEngine
+    from tests.factories import CHAT_TEMPLATE, tiny_tokenizer
+
+    tokenizer = copy.deepcopy(tiny_tokenizer())
+    tokenizer.chat_template = "{{ hint | default('') }}" + CHAT_TEMPLATE
+    server = OpenAIServer(FakeEngine(), ServedModel("tiny", tokenizer, frozenset({tokenizer.eos_token_id}), 256))
+    talk = MESSAGES + [{"role": "assistant", "content": "the capital"}]
+
+    def prompt(**fields) -> str:  # type: ignore[no-untyped-def]
+        (request,) = server.chat_job(parse(ChatBody, messages=talk, **fields)).requests
+        tokenized = server.tokenize(TokenizeBody(messages=talk, **fields))["tokens"]
+        assert tokenized == request.prompt_ids  # /tokenize gives the ids the request is given
+        return tokenizer.decode(request.prompt_ids)
+
+    assert prompt() == "<|user|>paris is in\n<|assistant|>the capital\n<|assistant|>"
+    assert prompt(add_generation_prompt=False) == "<|user|>paris is in\n<|assistant|>the capital\n"
+    assert prompt(add_generation_prompt=False, continue_final_message=True) == \
+        "<|user|>paris is in\n<|assistant|>the capital"
+    assert prompt(chat_template_kwargs={"hint": "be brief "}).startswith("be brief <|user|>")
