@@ -217,7 +217,9 @@ class OpenAIServer:
         merged = merge_streams(await self._start_all(job.requests))
         replier = Replier(job, self.model.name, self.texts)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(replier.sse(merged, include_usage), media_type="text/event-stream")
+            options = body.stream_options
+            include_usage = bool(options and options.include_usage)
+            continuous = include_usage and bool(options and options.continuous_usage_stats)
+            return StreamingResponse(replier.sse(merged, include_usage, continuous), media_type="text/event-stream")
         return JSONResponse(await replier.whole(merged))
 

@@ -159,9 +159,12 @@ class Replier:
                 "created": self.created, "model": self.model_name, "choices": choices,
                 "usage": self.usage(sum(self._num_generated(done) for done in outs))}
 
-    async def sse(self, merged: AsyncIterator[tuple[int, RequestOutput]], include_usage: bool) -> AsyncIterator[str]:
+    async def sse(self, merged: AsyncIterator[tuple[int, RequestOutput]], include_usage: bool,
+                  continuous_usage: bool = False) -> AsyncIterator[str]:
         """The SSE stream: chunks of different choices interleave, each naming its choice's index. A chunk carries
-        the log-probs of the tokens it brings, even when their text is still held back (empty)."""
+        the log-probs of the tokens it brings, even when their text is still held back (empty). With usage, a
+        last chunk carries it (and every chunk `usage: null`); with `continuous_usage` too (vLLM's
+        `continuous_usage_stats`), every chunk carries the usage so far."""
         kind = "chat.completion.chunk" if self.job.chat else "text_completion"
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
@@ -172,10 +175,13 @@ class Replier:
             return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
         num_choices = len(self.job.requests)
+        def so_far(num_tokens: int) -> dict[str, int] | None:
+            return self.usage(num_tokens) if continuous_usage else None
+
         if self.job.chat:
             for index in range(num_choices):
                 yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}])
+                              "finish_reason": None}], so_far(0))
         started, text_lens, num_tokens = [False] * num_choices, [0] * num_choices, 0
         async with aclosing(merged):
             async for index, out in merged:
@@ -189,7 +195,8 @@ class Replier:
                     continue
                 text_lens[index] += len(text)
                 logprobs = logprobs if num_piece_tokens else None
-                yield chunk([self._choice(index, text, logprobs, self._finish_reason(out), stream=True)])
+                yield chunk([self._choice(index, text, logprobs, self._finish_reason(out), stream=True)],
+                            so_far(num_tokens))
         if include_usage:
             yield chunk([], self.usage(num_tokens))
         yield "data: [DONE]\n\n"

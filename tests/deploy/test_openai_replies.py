@@ -175,6 +175,18 @@ def test_a_prompt_of_a_list_that_cannot_fit_fails_the_request_before_any_runs():
     assert not engine.requests
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk():
+    server = make_server()
+    body = dict(model="tiny", messages=MESSAGES, n=2, seed=1, max_tokens=6, stream=True)
+    whole = reply(server, ChatBody(**{**body, "stream": False}))
+    chunks = reply(server, ChatBody(**body, stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[0] == 0 and chunks[-1]["usage"] == whole["usage"]
+    assert all(c["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"] for c in chunks)
+    plain = reply(server, ChatBody(**body, stream_options={"include_usage": True}))
+    assert all(c["usage"] is None for c in plain[:-1]) and plain[-1]["usage"] == whole["usage"]
+
+
 def test_a_failed_choice_fails_the_reply_and_aborts_the_others():
     engine = FakeEngine(fail={"1"})
     server = make_server(engine)
