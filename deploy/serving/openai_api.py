@@ -115,11 +115,13 @@ class OpenAIServer:
         self._check_model(body.model)
         batch = body.prompt if isinstance(body.prompt, list) and body.prompt and isinstance(
             body.prompt[0], (str, list)) else [body.prompt]
-        try:
-            prompts = [encode_prompt(self.model.tokenizer, prompt=prompt) if isinstance(prompt, str)
-                       else encode_prompt(self.model.tokenizer, prompt_token_ids=list(prompt)) for prompt in batch]
-        except ValueError as e:
-            raise APIError(400, str(e), param="prompt") from None
+        prompts = []
+        for p, prompt in enumerate(batch):
+            try:
+                prompts.append(encode_prompt(self.model.tokenizer, prompt=prompt) if isinstance(prompt, str)
+                               else encode_prompt(self.model.tokenizer, prompt_token_ids=list(prompt)))
+            except ValueError as e:
+                raise APIError(400, f"prompt {p}: {e}" if len(batch) > 1 else str(e), param="prompt") from None
         max_tokens = MAX_COMPLETION_DEFAULT if body.max_tokens is None else body.max_tokens
         echo = bool(body.echo)
         # max_tokens 0 (echo only): the engine generates one token, which the reply leaves out (see Job)

@@ -172,6 +172,10 @@ def test_a_prompt_of_a_list_that_cannot_fit_fails_the_request_before_any_runs():
     with pytest.raises(APIError) as info:
         reply(make_server(engine), CompletionBody(model="tiny", prompt=[[5, 6], []], max_tokens=8))
     assert info.value.status == 400 and "prompt 1: The prompt is empty." in info.value.message
+    with pytest.raises(APIError) as info:
+        reply(make_server(engine), CompletionBody(model="tiny", prompt=[[5, 6], [7, 384]], max_tokens=8))
+    assert info.value.status == 400 and info.value.message.startswith("prompt 1: ") and "vocabulary" in \
+        info.value.message
     assert not engine.requests
 
 
