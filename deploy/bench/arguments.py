@@ -67,6 +67,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput counts requests under this TTFT")
     parser.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput counts requests under this TPOT")
     parser.add_argument("--seed", type=int, default=0, help="prompts, lengths and arrivals depend only on it")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run every configuration this many times, the order reversed every other round, "
+                        "then print each one's median, range and (beside local) per-round ratio")
     parser.add_argument("--output", default=None, help="also write the JSON lines to this file "
                         "(and the figure next to it, as .png)")
     parser.add_argument("--plot", default=None, help="write the figure here (PNG; default: --output with .png)")

@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from deploy.bench.baselines import copy_bandwidth, run_baselines
+from deploy.bench.repeats import median_lines, repeat_lines, rounds
 from deploy.bench.stats import summarize, summarize_run
 from deploy.bench.workload import (
     Workload,
@@ -118,6 +119,8 @@ def run_bench(config: EngineConfig, args: argparse.Namespace) -> list[dict[str, 
     """Print JSON lines, one summary per configuration as it finishes (per-request lines after them, or
     only in the `--output` file, which gets each run's lines as soon as it ends); draw the figure."""
     runs = plan_runs(args, config)
+    if args.repeat < 1:
+        raise ValueError("--repeat must be at least 1")
     baselines = [b for b in args.baselines.split(",") if b and b != "none"]
     if set(baselines) - {"serial", "static"}:
         raise ValueError(f"--baselines: unknown {sorted(set(baselines) - {'serial', 'static'})} "
@@ -134,14 +137,22 @@ def run_bench(config: EngineConfig, args: argparse.Namespace) -> list[dict[str, 
     lines: list[dict[str, Any]] = []
     series: dict[str, Any] = {}
     with open(args.output, "w") if args.output else contextlib.nullcontext() as out:
-        for run in runs:
+        for r, run in rounds(runs, args.repeat):
             summary, per_request = _run_one(run, config, args, loaded, head, base, series)
+            if args.repeat > 1:
+                for line in [summary, *per_request]:
+                    line["round"] = r
             print(json.dumps(_rounded(summary)), flush=True)
             lines += [summary] + per_request
             if out is not None:  # each run's lines as it ends: a later failure loses nothing before it
                 out.writelines(json.dumps(line) + "\n" for line in [summary] + per_request)
                 out.flush()
-    _compare_modes(lines)
+    summaries = [line for line in lines if "rid" not in line]
+    if args.repeat > 1:
+        for line in repeat_lines(summaries):
+            print(json.dumps(line), flush=True)
+        summaries = median_lines(summaries)  # the comparisons and the figure: each configuration's median round
+    _compare_modes(summaries)
     for line in lines:
         if "rid" in line:
             print(json.dumps(line), file=sys.stderr if args.output else sys.stdout)
@@ -149,7 +160,7 @@ def run_bench(config: EngineConfig, args: argparse.Namespace) -> list[dict[str, 
     if plot_path:
         from deploy.bench.plot import plot_bench
 
-        plot_bench([line for line in lines if "rid" not in line], plot_path)
+        plot_bench(summaries, plot_path)
         print(f"figure: {plot_path}", file=sys.stderr)
         if series:
             from deploy.bench.plot import plot_interference
@@ -281,8 +292,7 @@ def _run_one(run: Run, config: EngineConfig, args: argparse.Namespace, loaded: A
     return summary, per_request
 
 
-def _compare_modes(lines: list[dict[str, Any]]) -> None:
-    summaries = [line for line in lines if "rid" not in line]
+def _compare_modes(summaries: list[dict[str, Any]]) -> None:
     by_mode = {line["mode"]: line for line in summaries}
     if "colocated" in by_mode and "disaggregated" in by_mode:
         ratio = by_mode["disaggregated"]["ttft_ms_mean"] / by_mode["colocated"]["ttft_ms_mean"]

@@ -61,10 +61,27 @@ def test_bench_sweeps_write_json_and_png(tiny_checkpoint, tmp_path, capsys):
     assert "no bench summary lines" in capsys.readouterr().err
 
 
+def test_repeated_rounds_alternate_the_order_and_end_with_medians(tiny_checkpoint, tmp_path, capsys):
+    out = tmp_path / "repeat.jsonl"
+    assert main(["bench", "--model", tiny_checkpoint, "--num-requests", "4", "--prompt-len", "4:12", "--output-len",
+                 "2:6", "--sweep-slots", "1,2", "--repeat", "3", "--baselines", "none", "--output", str(out),
+                 "--quiet"]) == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    summaries = [line for line in lines if "rid" not in line]
+    assert [(s["round"], s["slots"]) for s in summaries] == [(0, 1), (0, 2), (1, 2), (1, 1), (2, 1), (2, 2)]
+    assert all(line["round"] in (0, 1, 2) for line in lines if "rid" in line)
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    repeats = [p for p in printed if "repeat" in p]
+    assert [(r["repeat"], r["slots"], r["rounds"]) for r in repeats] == [("local", 1, 3), ("local", 2, 3)]
+    for r in repeats:
+        mine = sorted(s["output_tok_s"] for s in summaries if s["slots"] == r["slots"])
+        assert r["output_tok_s"] == {"median": round(mine[1], 3), "min": round(mine[0], 3), "max": round(mine[2], 3)}
+
+
 def test_bench_rejects_bad_input_before_running(tiny_checkpoint, tmp_path, capsys):
     for extra in (["--rate", "1,x"], ["--sweep-slots", "0"], ["--modes", "remote"],
                   ["--url", "http://127.0.0.1:9/v1", "--sweep-slots", "2"], ["--prompt-len", "9:3"],
-                  ["--max-model-len", "64", "--prompt-len", "60", "--output-len", "8"]):
+                  ["--max-model-len", "64", "--prompt-len", "60", "--output-len", "8"], ["--repeat", "0"]):
         assert main(["bench", "--model", tiny_checkpoint, "--baselines", "none", "--quiet", *extra]) == 2, extra
         assert "pdserve bench: error:" in capsys.readouterr().err
     assert main(["bench", "--url", "http://127.0.0.1:9/v1", "--ready-timeout", "0", "--quiet"]) == 2
