@@ -18,7 +18,10 @@ T = TypeVar("T")
 
 # what identifies one configuration across rounds (the mode aside, for pairing with local)
 SETTINGS = ("slots", "token_budget", "rate", "priorities", "prefix_cache", "cache_routing")
-FIGURES = ("output_tok_s", "ttft_ms_p50", "tpot_ms_mean", "itl_ms_p99")
+# the figures a repeat line summarizes, those a run reported (the interference workload adds its own)
+FIGURES = ("output_tok_s", "ttft_ms_p50", "tpot_ms_mean", "itl_ms_p50", "itl_ms_p99", "goodput_req_s",
+           "handoff_gap_ms_p50", "steady_itl_ms_p50", "steady_itl_ms_p99", "long_ttft_ms_p50",
+           "long_handoff_gap_ms_p50")
 
 
 def rounds(runs: Sequence[T], repeat: int) -> Iterator[tuple[int, T]]:
