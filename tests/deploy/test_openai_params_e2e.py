@@ -72,6 +72,14 @@ def test_echo_scores_the_prompt_as_transformers_does(client, tiny_checkpoint):
     done, _ = local(tiny_checkpoint, 5, prompt=prompt, temperature=0)
     assert with_output.choices[0].text == prompt + done.text
     assert len(with_output.choices[0].logprobs.token_logprobs) == len(ids) + len(done.token_ids)
+    # as lm-eval-harness batches them: several prompts in one request, each scored as it is alone
+    batch = client.completions.create(model="tiny", prompt=["paris is in france", prompt], echo=True, logprobs=1,
+                                      max_tokens=0)
+    alone = client.completions.create(model="tiny", prompt="paris is in france", echo=True, logprobs=1, max_tokens=0)
+    assert [c.text for c in batch.choices] == ["paris is in france", prompt]
+    assert batch.choices[0].logprobs.token_logprobs == alone.choices[0].logprobs.token_logprobs
+    assert batch.choices[1].logprobs.token_logprobs == choice.logprobs.token_logprobs
+    assert batch.usage.prompt_tokens == alone.usage.prompt_tokens + got.usage.prompt_tokens
 
 
 def test_n_seeded_choices_equal_separate_requests(client):
