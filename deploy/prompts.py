@@ -11,9 +11,10 @@ from scheduler.request import Request, SamplingParams
 
 
 def encode_prompt(tokenizer: Any, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,
-                  prompt_token_ids: list[int] | None = None) -> list[int]:
+                  prompt_token_ids: list[int] | None = None, template: dict[str, Any] | None = None) -> list[int]:
     """Exactly one of: text (tokenized with the tokenizer's special tokens), chat messages (through the
-    model's chat template, generation prompt added) or token ids (checked against the vocabulary)."""
+    model's chat template, generation prompt added unless `template`, the template's arguments, says
+    otherwise) or token ids (checked against the vocabulary)."""
     given = [x is not None for x in (prompt, messages, prompt_token_ids)]
     if sum(given) != 1:
         raise ValueError("give exactly one of prompt, messages or prompt_token_ids")
@@ -26,7 +27,8 @@ def encode_prompt(tokenizer: Any, prompt: str | None = None, messages: list[dict
     if messages is not None:
         if not messages:
             raise ValueError("messages is empty")
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **({"add_generation_prompt": True}
+                                                                          | (template or {})))
         return tokenizer(text, add_special_tokens=False).input_ids
     assert prompt is not None
     return tokenizer(prompt).input_ids

@@ -49,6 +49,11 @@ class ServedModel:
     capacity: int  # tokens per request: prompt + completion
 
 
+def _name(index: int, count: int) -> str:
+    """How an error names the prompt at fault: by its index when the request has several."""
+    return f"prompt {index}: " if count > 1 else ""
+
+
 def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
@@ -79,7 +84,7 @@ class OpenAIServer:
             structured = structured_format(body.response_format)
             requests = []
             for p, prompt_ids in enumerate(prompts):
-                limit = self._max_tokens(prompt_ids, max_tokens, f"prompt {p}: " if len(prompts) > 1 else "")
+                limit = self._max_tokens(prompt_ids, max_tokens, _name(p, len(prompts)))
                 first = f"{resp_id}-{p * n}"
                 requests += [build_request(
                     f"{resp_id}-{p * n + i}", prompt_ids, max_tokens=limit, eos_token_ids=self.model.eos_token_ids,
@@ -121,7 +126,7 @@ class OpenAIServer:
                 prompts.append(encode_prompt(self.model.tokenizer, prompt=prompt) if isinstance(prompt, str)
                                else encode_prompt(self.model.tokenizer, prompt_token_ids=list(prompt)))
             except ValueError as e:
-                raise APIError(400, f"prompt {p}: {e}" if len(batch) > 1 else str(e), param="prompt") from None
+                raise APIError(400, f"{_name(p, len(batch))}{e}", param="prompt") from None
         max_tokens = MAX_COMPLETION_DEFAULT if body.max_tokens is None else body.max_tokens
         echo = bool(body.echo)
         # max_tokens 0 (echo only): the engine generates one token, which the reply leaves out (see Job)
@@ -149,11 +154,10 @@ class OpenAIServer:
                     raise APIError(400, "Only text content parts are supported.", param="messages")
                 content = "".join(str(part.get("text", "")) for part in content)
             messages.append({"role": m.role, "content": content or ""})
-        try:  # as encode_prompt does, with the request's template options
-            text = self.model.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=options.add_generation_prompt, tokenize=False,
-                continue_final_message=options.continue_final_message, **(options.chat_template_kwargs or {}))
-            return self.model.tokenizer(text, add_special_tokens=False).input_ids
+        template = {"add_generation_prompt": options.add_generation_prompt,
+                    "continue_final_message": options.continue_final_message, **(options.chat_template_kwargs or {})}
+        try:
+            return encode_prompt(self.model.tokenizer, messages=messages, template=template)
         except Exception as e:  # a chat template can raise anything on odd input
             raise APIError(400, f"The messages do not fit the model's chat template: {e}", param="messages") from None
 
