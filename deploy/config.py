@@ -119,6 +119,9 @@ class ServiceConfig(EngineConfig):
     served_model_name: str | None = Field(None, description="The `model` clients send; default: --model.")
     ingress_replicas: int = Field(1, ge=1, description="Replicas of the HTTP ingress deployment.")
     api_key: str | None = Field(None, description="If set, requests need `Authorization: Bearer <key>`.")
+    tool_call_parser: Literal["hermes"] | None = Field(None, description="Reads the tool calls of tool_choice "
+                                                       "auto out of the text (hermes: <tool_call> blocks, as Qwen2.5/3 "
+                                                       "and Hermes write them); unset: auto is refused.")
     max_request_bytes: int = Field(1_000_000, ge=1024, description="Larger request bodies get 413.")
     cells: int = Field(1, ge=1, description="Cells (a scheduler with its own prefill and decode workers); the "
                                             "minimum when max_cells is set.")

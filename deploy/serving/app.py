@@ -56,9 +56,9 @@ def _from_validation(errors: Any) -> APIError:
     cause = (errors[0].get("ctx") or {}).get("error") if errors else None
     if isinstance(cause, ParameterError):
         return APIError(400, str(cause), param=cause.param, code=cause.code)
-    where = ".".join(str(p) for p in (errors[0].get("loc", ()) if errors else ()) if p != "body")
+    where = [p for p in (errors[0].get("loc", ()) if errors else ()) if p != "body"]
     return APIError(400, f"Invalid request: {format_validation_errors(errors, skip=('body',))}",
-                    param=where or None)
+                    param=str(where[0]) if where else None)  # the request's parameter; the message says where in it
 
 
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
@@ -72,7 +72,7 @@ class OpenAIIngress:
         self.config = ServiceConfig(**config)
         info = load_tokenizer(self.config.model)
         model = ServedModel(self.config.model_name, info.tokenizer, info.eos_token_ids,
-                            self.config.context_len(info.max_context))
+                            self.config.context_len(info.max_context), self.config.tool_call_parser)
         self.cells = cells
         app_name = serve.get_replica_context().app_name
         self.client = EngineClient(ServeCells(cells, app_name, self.config.failover_timeout_s))

@@ -7,6 +7,7 @@ the same code serves through Ray Serve or against a fake in tests.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import uuid
 from collections.abc import AsyncIterator
@@ -27,9 +28,11 @@ from deploy.serving.schemas import (
     ChatTemplateOptions,
     CompletionBody,
     DetokenizeBody,
+    NamedToolChoice,
     TokenizeBody,
     _SamplingBody,
 )
+from deploy.serving.tools import ToolUse
 from scheduler.outputs import RequestOutput
 from scheduler.policy import QueueFullError
 from scheduler.request import Request
@@ -47,11 +50,26 @@ class ServedModel:
     tokenizer: Any
     eos_token_ids: frozenset[int]
     capacity: int  # tokens per request: prompt + completion
+    tool_call_parser: str | None = None  # reads the calls of tool_choice auto out of the text (tools.py)
 
 
 def _name(index: int, count: int) -> str:
     """How an error names the prompt at fault: by its index when the request has several."""
     return f"prompt {index}: " if count > 1 else ""
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An earlier tool call as chat templates read it: its arguments as an object when they are JSON text
+    (OpenAI sends a string; templates such as Qwen's write `arguments | tojson`), as vLLM passes them."""
+    function = call.get("function")
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            arguments = json.loads(function["arguments"])
+        except json.JSONDecodeError:
+            return call
+        if isinstance(arguments, dict):
+            return {**call, "function": {**function, "arguments": arguments}}
+    return call
 
 
 def error_response(error: APIError) -> JSONResponse:
@@ -71,7 +89,8 @@ class OpenAIServer:
 
     # ---- request building -------------------------------------------------------------------------
     def _build(self, body: _SamplingBody, prompts: list[list[int]], max_tokens: int | None, prefix: str, *,
-               logprobs: int | None = None, prompt_logprobs: int | None = None) -> tuple[str, list[Request]]:
+               logprobs: int | None = None, prompt_logprobs: int | None = None,
+               response_format: dict[str, Any] | None = None) -> tuple[str, list[Request]]:
         """The response id and `n` Requests per prompt, prompt by prompt: choice p * n + i is choice i of
         prompt p. Choice i of a prompt samples as a single request of that prompt with seed + i would (one
         random base seed when none is given), so a list of prompts gives what one request per prompt with the
@@ -81,7 +100,7 @@ class OpenAIServer:
         seed = body.seed if body.seed is not None else random.getrandbits(62)
         try:
             logit_bias = parse_logit_bias(body.logit_bias, len(self.model.tokenizer))
-            structured = structured_format(body.response_format)
+            structured = structured_format(response_format or body.response_format)
             requests = []
             for p, prompt_ids in enumerate(prompts):
                 limit = self._max_tokens(prompt_ids, max_tokens, _name(p, len(prompts)))
@@ -139,11 +158,37 @@ class OpenAIServer:
 
     def chat_job(self, body: ChatBody) -> Job:
         self._check_model(body.model)
+        tools = self._tool_use(body)
         ids = self._chat_ids(body.messages, body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         resp_id, requests = self._build(body, [ids], body.max_completion_tokens or body.max_tokens, "chatcmpl",
-                                        logprobs=logprobs)
-        return Job(resp_id, requests, chat=True, logprobs=logprobs is not None)
+                                        logprobs=logprobs, response_format=tools and tools.response_format)
+        return Job(resp_id, requests, chat=True, logprobs=logprobs is not None, tools=tools)
+
+    def _tool_use(self, body: ChatBody) -> ToolUse | None:
+        """How the request uses its tools (None: it has none); 400 for auto without a parser, or a function
+        whose parameters the grammar cannot force."""
+        if not body.tools:
+            return None
+        choice, name = body.tool_choice or "auto", None
+        if isinstance(choice, NamedToolChoice):
+            choice, name = "named", choice.function.name
+        if choice == "auto" and self.model.tool_call_parser is None:
+            raise APIError(400, '`tool_choice` "auto" (the default with `tools`) needs a server started with '
+                           '--tool-call-parser (e.g. hermes) to read the calls out of the text; "required" or a '
+                           'named function need none', param="tool_choice")
+        tools = ToolUse(choice, tuple(t.model_dump(exclude_none=True) for t in body.tools), name,
+                        body.parallel_tool_calls)
+        if choice in ("named", "required"):
+            for tool in tools.tools:
+                function = tool["function"]
+                if choice == "required" or function["name"] == name:
+                    try:
+                        structured_format({"type": "json_schema", "json_schema": {
+                            "name": function["name"], "schema": function.get("parameters") or {"type": "object"}}})
+                    except ParameterError as e:
+                        raise APIError(400, f"tools: function {function['name']!r}: {e}", param="tools") from None
+        return tools
 
     def _chat_ids(self, chat: list[ChatMessage], options: ChatTemplateOptions) -> list[int]:
         messages = []
@@ -153,9 +198,18 @@ class OpenAIServer:
                 if any(part.get("type") != "text" for part in content):
                     raise APIError(400, "Only text content parts are supported.", param="messages")
                 content = "".join(str(part.get("text", "")) for part in content)
-            messages.append({"role": m.role, "content": content or ""})
+            message: dict[str, Any] = {"role": m.role, "content": content or ""}
+            if m.name is not None:
+                message["name"] = m.name
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                message["tool_calls"] = [_template_call(call) for call in m.tool_calls]
+            messages.append(message)
         template = {"add_generation_prompt": options.add_generation_prompt,
                     "continue_final_message": options.continue_final_message, **(options.chat_template_kwargs or {})}
+        if options.tools:
+            template["tools"] = [tool.model_dump(exclude_none=True) for tool in options.tools]
         try:
             return encode_prompt(self.model.tokenizer, messages=messages, template=template)
         except Exception as e:  # a chat template can raise anything on odd input

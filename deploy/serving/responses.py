@@ -12,6 +12,7 @@ from typing import Any
 
 from deploy.serving.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from deploy.serving.schemas import APIError
+from deploy.serving.tools import CallReader, Delta, ToolUse, gather_calls
 from scheduler.outputs import RequestOutput
 from scheduler.request import Request, TokenLogprob
 
@@ -32,6 +33,11 @@ class Job:
     # counts that token in usage.completion_tokens; we report 0, what the reply holds.)
     drop_generation: bool = False
     choices_per_prompt: int = 1  # `n`: choice i answers prompt i // n (completions take a list of prompts)
+    tools: ToolUse | None = None  # chat with tools: how the text becomes content and tool calls
+
+    def readers(self) -> list[CallReader | None]:
+        """One tool-call reader per choice (None for each when the replies are plain text)."""
+        return [self.tools.reader() if self.tools is not None else None for _ in self.requests]
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -115,18 +121,28 @@ class Replier:
             return text, chat_logprobs(out.logprobs, self.texts), len(token_ids)
         return text, completion_logprobs(token_ids, entries, self.texts, text_offset), len(token_ids)
 
-    def _finish_reason(self, out: RequestOutput) -> str | None:
+    def _finish_reason(self, out: RequestOutput, num_calls: int = 0) -> str | None:
         if self.job.drop_generation and out.finished:
             return "length"  # max_tokens 0 was reached, whatever the one token generated said
+        if self.job.tools is not None:
+            return self.job.tools.finish_reason(out.finish_reason, num_calls)
         return out.finish_reason
 
-    def _choice(self, index: int, text: str, logprobs: Any, finish_reason: str | None, stream: bool) -> dict:
+    def _choice(self, index: int, text: str, logprobs: Any, finish_reason: str | None, stream: bool,
+                tools: Delta | None = None) -> dict:
+        """One choice of a reply or chunk; `tools`: the choice's text read as content and tool calls."""
         if not self.job.chat:
             return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if tools is not None:
+            text = tools.content
         if stream:
-            delta = {"content": text} if text else {}
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if tools is not None and tools.calls:
+                delta["tool_calls"] = [call.as_json() for call in tools.calls]
             return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        message = {"role": "assistant", "content": text}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if tools is not None and tools.calls:
+            message |= {"content": text or None, "tool_calls": gather_calls(tools.calls)}
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def usage(self, num_completion: int) -> dict[str, int]:
@@ -152,9 +168,12 @@ class Replier:
                     done.prompt_logprobs = out.prompt_logprobs
                 done.finish_reason = out.finish_reason
         choices = []
-        for index, done in enumerate(outs):
+        for index, (done, reader) in enumerate(zip(outs, self.job.readers(), strict=True)):
             text, logprobs, _ = self._piece(index, done, True, 0)
-            choices.append(self._choice(index, text, logprobs, self._finish_reason(done), stream=False))
+            tools = reader.feed(text) + reader.finish() if reader is not None else None
+            num_calls = len(tools.calls) if tools is not None else 0
+            choices.append(self._choice(index, text, logprobs, self._finish_reason(done, num_calls), stream=False,
+                                        tools=tools))
         return {"id": self.job.resp_id, "object": "chat.completion" if self.job.chat else "text_completion",
                 "created": self.created, "model": self.model_name, "choices": choices,
                 "usage": self.usage(sum(self._num_generated(done) for done in outs))}
@@ -183,6 +202,7 @@ class Replier:
                 yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}], so_far(0))
         started, text_lens, num_tokens = [False] * num_choices, [0] * num_choices, 0
+        readers, num_calls = self.job.readers(), [0] * num_choices
         async with aclosing(merged):
             async for index, out in merged:
                 if out.finish_reason == "error":
@@ -191,12 +211,17 @@ class Replier:
                 num_tokens += self._num_generated(out)
                 text, logprobs, num_piece_tokens = self._piece(index, out, not started[index], text_lens[index])
                 started[index] = True
-                if not text and not out.finished and not (logprobs and num_piece_tokens):
-                    continue
                 text_lens[index] += len(text)
+                tools = None
+                if (reader := readers[index]) is not None:
+                    tools = reader.feed(text) + (reader.finish() if out.finished else Delta())
+                    num_calls[index] += len({call.index for call in tools.calls if call.id is not None})
+                if not (tools if tools is not None else text) and not out.finished \
+                        and not (logprobs and num_piece_tokens):
+                    continue
                 logprobs = logprobs if num_piece_tokens else None
-                yield chunk([self._choice(index, text, logprobs, self._finish_reason(out), stream=True)],
-                            so_far(num_tokens))
+                yield chunk([self._choice(index, text, logprobs, self._finish_reason(out, num_calls[index]),
+                                          stream=True, tools=tools)], so_far(num_tokens))
         if include_usage:
             yield chunk([], self.usage(num_tokens))
         yield "data: [DONE]\n\n"

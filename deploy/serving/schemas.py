@@ -105,10 +105,41 @@ class CompletionBody(_SamplingBody):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # `name`, `tool_call_id`, ...: the chat template decides
+    model_config = ConfigDict(extra="ignore")  # `refusal`, `audio`, ...: nothing a template reads
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(None, description="An assistant's earlier tool calls.")
+    tool_call_id: str | None = Field(None, description="A tool message: the call it answers.")
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON schema; none: the function takes no "
+                                                                 "arguments")
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionName
 
 
 # apply_chat_template's own arguments, which chat_template_kwargs may not set
@@ -123,8 +154,12 @@ class ChatTemplateOptions(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = Field(False, description="Continue the last message, an assistant's.")
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDef] | None = Field(None, description="Functions the model may call (shown to the template).")
 
     def check_template_options(self, messages: list[ChatMessage] | None) -> None:
+        names = [tool.function.name for tool in self.tools or ()]
+        if len(set(names)) < len(names):
+            raise ParameterError("tools", "`tools` names a function twice")
         if self.continue_final_message and self.add_generation_prompt:
             raise ParameterError("continue_final_message", "`continue_final_message` needs "
                                                            "`add_generation_prompt: false`")
@@ -142,12 +177,26 @@ class ChatBody(_SamplingBody, ChatTemplateOptions):
     logprobs: bool | None = Field(False, description="Return each output token's log-prob.")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                      description="With logprobs: also the k most likely tokens at each position.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="Default: auto when tools are given (it needs the server's --tool-call-parser).")
+    parallel_tool_calls: bool = Field(True, description="false: at most one call (tool_choice required)")
 
     @model_validator(mode="after")
     def _logprobs_asked(self) -> ChatBody:
         if self.top_logprobs and not self.logprobs:
             raise ParameterError("top_logprobs", "`top_logprobs` needs `logprobs: true`")
         self.check_template_options(self.messages)
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ParameterError("tool_choice", "`tool_choice` needs `tools` (the functions to choose from)")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tools and \
+                self.tool_choice.function.name not in [tool.function.name for tool in self.tools]:
+            raise ParameterError("tool_choice", f"`tool_choice` names {self.tool_choice.function.name!r}, which "
+                                                "is not one of `tools`")
+        forced = self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+        if forced and self.response_format not in (None, {"type": "text"}):
+            raise ParameterError("response_format", "`response_format` cannot be combined with a forced "
+                                                    "`tool_choice` (required or a named function): the call's "
+                                                    "own schema decides the output")
         return self
 
 

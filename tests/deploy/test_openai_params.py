@@ -55,8 +55,8 @@ def test_out_of_range_values_get_400_naming_the_parameter(schema, fields, param)
 
 
 @pytest.mark.parametrize("schema, name, value", [
-    (ChatBody, "tools", [{"type": "function", "function": {"name": "f"}}]),
-    (ChatBody, "tool_choice", "auto"),
+    (CompletionBody, "tools", [{"type": "function", "function": {"name": "f"}}]),  # chat has them (tools.py)
+    (CompletionBody, "tool_choice", "auto"),
     (ChatBody, "functions", [{"name": "f"}]),
     (CompletionBody, "suffix", "the end"),
     (CompletionBody, "guided_json", {"type": "object"}),

@@ -142,3 +142,46 @@ def test_json_schema_replies_validate(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="tiny", messages=MESSAGES, response_format={"type": "xml"})
     assert err.value.body["param"] == "response_format"
+
+
+WEATHER = {"type": "object", "required": ["city", "days"], "properties": {
+    "city": {"enum": ["paris", "oslo", "lima"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "now"}}]  # no parameters: its arguments are {}
+SCHEMAS = {"get_weather": WEATHER, "now": {"type": "object", "additionalProperties": False}}
+
+
+def streamed_calls(stream) -> tuple[list[tuple[str, str]], str | None]:
+    """(name, arguments) of each call a stream sent, joined by index as the openai client does; its finish reason."""
+    calls: dict[int, list[str]] = {}
+    reason = None
+    for chunk in stream:
+        for piece in chunk.choices[0].delta.tool_calls or []:
+            call = calls.setdefault(piece.index, ["", ""])
+            call[0] += piece.function.name or ""
+            call[1] += piece.function.arguments or ""
+        reason = chunk.choices[0].finish_reason or reason
+    return [tuple(calls[i]) for i in sorted(calls)], reason
+
+
+def test_forced_tool_calls_follow_their_schemas_whole_and_streamed(client):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for tool_choice, parallel in ((named, True), ("required", False), ("required", True)):
+        for seed in range(2):
+            ask = dict(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice, max_tokens=120,
+                       temperature=1.0, seed=seed, parallel_tool_calls=parallel)
+            choice = client.chat.completions.create(**ask).choices[0]
+            calls = choice.message.tool_calls
+            if choice.finish_reason == "length" and tool_choice == "required" and parallel:  # calls without end
+                rest = choice.message.content  # the call cut short, if the cut was inside one
+                assert rest is None or rest.startswith('{"name": ')
+            else:
+                assert choice.finish_reason == ("stop" if tool_choice is named else "tool_calls"), choice
+                assert choice.message.content is None
+            assert len({call.id for call in calls}) == len(calls)
+            assert len(calls) == 1 or tool_choice == "required" and parallel
+            for call in calls:
+                assert call.function.name in (["get_weather"] if tool_choice is named else SCHEMAS)
+                jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+            assert streamed_calls(client.chat.completions.create(**ask, stream=True)) == (
+                [(call.function.name, call.function.arguments) for call in calls], choice.finish_reason)

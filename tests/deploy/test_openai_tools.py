@@ -1,0 +1,226 @@
+"""Tool calling at the HTTP edge: what each tool_choice asks of the engine, how generated text becomes
+content and tool calls (whole and streamed, which must say the same), the refusals, and what the chat
+template is given. A scripted engine stands in for the model; tests/deploy/test_openai_params_e2e.py runs
+the grammar for real."""
+
+import asyncio
+import copy
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from deploy.serving.app import _from_validation
+from deploy.serving.openai_api import OpenAIServer, ServedModel
+from deploy.serving.schemas import APIError, ChatBody, CompletionBody, TokenizeBody
+from scheduler.outputs import RequestOutput
+from scheduler.request import Request
+from tests.deploy.fake_engine import FakeEngine, reply
+from tests.factories import tiny_tokenizer
+
+MESSAGES = [{"role": "user", "content": "weather in paris?"}]
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+           "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Forecast", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "now"}}]
+HERMES = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
+          '</tool_call>\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>\n')
+
+
+class Says:
+    """An engine whose every request generates `text`, in pieces of `step` characters, then stops."""
+
+    def __init__(self, text: str, step: int = 3, finish_reason: str = "stop") -> None:
+        self.text, self.step, self.finish_reason = text, step, finish_reason
+        self.requests: list[Request] = []
+
+    async def generate(self, request: Request):  # type: ignore[no-untyped-def]
+        self.requests.append(request)
+        pieces = [self.text[i:i + self.step] for i in range(0, len(self.text), self.step)]
+        for j, piece in enumerate(pieces):
+            await asyncio.sleep(0)
+            yield RequestOutput(request.req_id, [10 + j], piece,
+                                finish_reason=self.finish_reason if j == len(pieces) - 1 else None)
+
+
+def server(engine, parser: str | None = "hermes", tokenizer=None) -> OpenAIServer:  # type: ignore[no-untyped-def]
+    tokenizer = tokenizer or tiny_tokenizer()
+    return OpenAIServer(engine, ServedModel("tiny", tokenizer, frozenset({tokenizer.eos_token_id}), 256, parser))
+
+
+def chat(**fields) -> ChatBody:  # type: ignore[no-untyped-def]
+    return ChatBody.model_validate_json(json.dumps({"messages": MESSAGES, "tools": TOOLS, **fields}))
+
+
+def streamed(chunks: list[dict]) -> tuple[str, list[dict], str | None]:
+    """A stream's content, its tool calls joined by index (as the openai client joins them), its finish reason."""
+    content, calls, reason = "", {}, None
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            delta = choice["delta"]
+            content += delta.get("content") or ""
+            for piece in delta.get("tool_calls", []):
+                call = calls.setdefault(piece["index"], {"id": None, "type": None,
+                                                         "function": {"name": None, "arguments": ""}})
+                if "id" in piece:
+                    assert call["id"] is None, "a call's id and name come once, with its first piece"
+                    call["id"], call["type"], call["function"]["name"] = \
+                        piece["id"], piece["type"], piece["function"]["name"]
+                call["function"]["arguments"] += piece["function"]["arguments"]
+            reason = choice["finish_reason"] or reason
+    return content, [calls[i] for i in sorted(calls)], reason
+
+
+def without_ids(calls: list[dict]) -> list[tuple[str, dict]]:
+    assert all(call["id"].startswith("call_") and call["type"] == "function" for call in calls)
+    return [(call["function"]["name"], json.loads(call["function"]["arguments"])) for call in calls]
+
+
+@pytest.mark.parametrize("step", [1, 3, 7, 1000])
+def test_auto_reads_hermes_calls_whole_and_streamed_alike(step):
+    whole = reply(server(Says(HERMES, step)), chat(tool_choice="auto"))
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Let me check."
+    expected = [("get_weather", {"city": "Paris", "days": 2}), ("now", {})]
+    assert without_ids(choice["message"]["tool_calls"]) == expected
+    content, calls, reason = streamed(reply(server(Says(HERMES, step)), chat(stream=True)))  # auto: the default
+    assert (content, without_ids(calls), reason) == ("Let me check.", expected, "tool_calls")
+
+
+@pytest.mark.parametrize("text, content", [
+    ("Paris is sunny. <tool_ca", "Paris is sunny. <tool_ca"),  # a tag never finished is text
+    ('<tool_call>{"name": oops}</tool_call> done', '<tool_call>{"name": oops}</tool_call> done'),
+    ("  just text, no call \n", "just text, no call"),
+])
+def test_auto_keeps_what_is_not_a_call_as_content(text, content):
+    for step in (1, 4):
+        choice = reply(server(Says(text, step)), chat())["choices"][0]
+        assert (choice["message"]["content"], choice["finish_reason"]) == (content, "stop")
+        assert "tool_calls" not in choice["message"]
+        assert streamed(reply(server(Says(text, step)), chat(stream=True))) == (content, [], "stop")
+
+
+def test_an_unclosed_call_at_the_end_is_still_a_call():
+    text = '<tool_call>\n{"name": "now", "arguments": {}}'
+    choice = reply(server(Says(text)), chat())["choices"][0]
+    assert without_ids(choice["message"]["tool_calls"]) == [("now", {})]
+    assert choice["message"]["content"] is None
+
+
+def test_a_named_function_forces_its_schema_and_streams_its_arguments():
+    args = '{"city": "Paris", "days": 3}'
+    engine = Says(args, step=4)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    whole = reply(server(engine, parser=None), chat(tool_choice=named))
+    (request,) = engine.requests
+    assert json.loads(request.sampling.structured)["json_schema"] == {"name": "get_weather", "schema": WEATHER,
+                                                                       "strict": False}
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "stop"  # forced, not chosen: OpenAI's reason for a named call
+    assert choice["message"]["content"] is None
+    assert without_ids(choice["message"]["tool_calls"]) == [("get_weather", json.loads(args))]
+    chunks = reply(server(Says(args, step=4), parser=None),
+                   chat(stream=True, tool_choice=named))
+    pieces = [c["choices"][0]["delta"]["tool_calls"][0] for c in chunks if c["choices"][0]["delta"].get("tool_calls")]
+    assert len(pieces) == -(-len(args) // 4) and "id" in pieces[0] and all("id" not in p for p in pieces[1:])
+    assert streamed(chunks)[1:] == ([{"id": pieces[0]["id"], "type": "function",
+                                      "function": {"name": "get_weather", "arguments": args}}], "stop")
+
+
+def test_required_forces_an_array_of_calls_one_when_not_parallel():
+    text = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "now", "parameters": {}}]'
+    engine = Says(text, step=5)
+    choice = reply(server(engine, parser=None), chat(tool_choice="required"))["choices"][0]
+    assert (choice["finish_reason"], choice["message"]["content"]) == ("tool_calls", None)
+    assert without_ids(choice["message"]["tool_calls"]) == [("get_weather", {"city": "Oslo"}), ("now", {})]
+    schema = json.loads(engine.requests[0].sampling.structured)["json_schema"]["schema"]
+    assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
+    assert [item["properties"]["name"]["enum"] for item in schema["items"]["anyOf"]] == [["get_weather"], ["now"]]
+    assert schema["items"]["anyOf"][0]["properties"]["parameters"] == WEATHER
+    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object"}  # no arguments: {}
+    content, calls, reason = streamed(reply(server(Says(text, step=5), parser=None),
+                                            chat(tool_choice="required", stream=True)))
+    assert (content, without_ids(calls), reason) == ("", [("get_weather", {"city": "Oslo"}), ("now", {})],
+                                                     "tool_calls")
+    engine = Says(text)
+    reply(server(engine, parser=None), chat(tool_choice="required", parallel_tool_calls=False))
+    assert json.loads(engine.requests[0].sampling.structured)["json_schema"]["schema"]["maxItems"] == 1
+
+
+def test_a_required_reply_cut_by_max_tokens_keeps_its_finished_calls_and_the_rest_as_content():
+    text = '[{"name": "now", "parameters": {}}, {"name": "get_weather", "parameters": {"ci'
+    for body in (chat(tool_choice="required"), chat(tool_choice="required", stream=True)):
+        got = reply(server(Says(text, finish_reason="length"), parser=None), body)
+        if isinstance(got, dict):
+            message = got["choices"][0]["message"]
+            content, calls, reason = message["content"], message["tool_calls"], got["choices"][0]["finish_reason"]
+        else:
+            content, calls, reason = streamed(got)
+        assert (without_ids(calls), reason) == ([("now", {})], "length")
+        assert content == '{"name": "get_weather", "parameters": {"ci'
+
+
+def test_none_and_no_tools_reply_with_text():
+    for body in (chat(tool_choice="none"), ChatBody(messages=MESSAGES)):
+        choice = reply(server(Says(HERMES)), body)["choices"][0]
+        assert choice["message"] == {"role": "assistant", "content": HERMES} and choice["finish_reason"] == "stop"
+
+
+def refusal(schema, **fields) -> APIError:  # type: ignore[no-untyped-def]
+    needed = {"messages": MESSAGES} if schema is ChatBody else {"prompt": "hi"}
+    with pytest.raises(ValidationError) as info:
+        schema.model_validate_json(json.dumps({**needed, **fields}))
+    return _from_validation(info.value.errors())
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tool_choice": "required"}, "tool_choice"),  # nothing to call
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "fly"}}}, "tool_choice"),
+    ({"tools": TOOLS + TOOLS[:1]}, "tools"),  # a name twice
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
+    ({"tools": [{"type": "retrieval"}]}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_bad_tool_requests_get_400_naming_the_parameter(fields, param):
+    error = refusal(ChatBody, **fields)
+    assert (error.status, error.param) == (400, param), error.message
+
+
+def test_what_the_server_cannot_do_is_refused_with_nothing_run():
+    engine = FakeEngine()
+    with pytest.raises(APIError) as info:  # auto without a parser: the calls could not be read
+        server(engine, parser=None).chat_job(chat())
+    assert (info.value.status, info.value.param) == (400, "tool_choice") and "--tool-call-parser" in info.value.message
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "string", "pattern": "(?<=a)b"}}}}}]  # a look-behind: no grammar can force it
+    with pytest.raises(APIError) as info:
+        server(engine).chat_job(chat(tools=bad, tool_choice="required"))
+    assert (info.value.status, info.value.param) == (400, "tools") and "'f'" in info.value.message
+    assert not engine.requests
+    error = refusal(CompletionBody, tools=TOOLS)  # completions have no tools
+    assert (error.status, error.param, error.code) == (400, "tools", "unsupported_parameter")
+
+
+TOOL_TEMPLATE = (
+    "{% if tools %}<|tools|>{{ tools | map(attribute='function') | map(attribute='name') | join(',') }}\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}"
+    "[call {{ c['function']['name'] }} {{ c['function']['arguments'] | tojson }}]"
+    "{% endfor %}{% if m.get('tool_call_id') %}[for {{ m['tool_call_id'] }}]{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_the_template_sees_the_tools_earlier_calls_and_tool_results():
+    tokenizer = copy.deepcopy(tiny_tokenizer())
+    tokenizer.chat_template = TOOL_TEMPLATE
+    messages = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    ids = server(FakeEngine(), tokenizer=tokenizer).tokenize(TokenizeBody(messages=messages, tools=TOOLS))["tokens"]
+    assert tokenizer.decode(ids) == ("<|tools|>get_weather,now\n<|user|>weather in paris?\n"
+                                     '<|assistant|>[call get_weather {"city": "Paris"}]\n'  # arguments as an object
+                                     "<|tool|>sunny[for call_1]\n<|assistant|>")
