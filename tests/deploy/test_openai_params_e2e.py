@@ -15,7 +15,7 @@ from deploy.prompts import build_request, encode_prompt
 from tests.factories import served_app, tiny_hf_model
 
 pytestmark = pytest.mark.slow
-ARGS = dict(mode="colocated", slots=4, max_model_len=256, token_budget=32, prefill_chunk=8)
+ARGS = dict(mode="colocated", slots=4, max_model_len=256, token_budget=32, prefill_chunk=8, tool_call_parser="hermes")
 MESSAGES = [{"role": "user", "content": "paris is in"}]
 
 
@@ -185,3 +185,11 @@ def test_forced_tool_calls_follow_their_schemas_whole_and_streamed(client):
                 jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
             assert streamed_calls(client.chat.completions.create(**ask, stream=True)) == (
                 [(call.function.name, call.function.arguments) for call in calls], choice.finish_reason)
+
+
+def test_auto_with_a_parser_answers_in_text_when_the_model_calls_nothing(client, tiny_checkpoint):
+    done, _ = local(tiny_checkpoint, 12, messages=MESSAGES, temperature=0)  # the tiny template shows no tools
+    got = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=12, temperature=0)
+    choice = got.choices[0]
+    assert (choice.message.content, choice.message.tool_calls) == (done.text.strip(), None)
+    assert choice.finish_reason == done.finish_reason
