@@ -7,6 +7,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from deploy.prompts import read_chat_template
 from deploy.serving.autoscaling import POLICY as AUTOSCALING_POLICY
 from scheduler.cell import MODES_ON_RAY, CellConfig
 from scheduler.prefix_cache import BLOCK_SIZE
@@ -57,6 +58,8 @@ class EngineConfig(BaseModel):
                                      "this many prompt tokens (blocks of 16) kept for reuse; 0 turns it off.")
     cache_routing: bool = Field(True, description="Send each prompt to the worker where the most of its prefix "
                                 "is cached, weighed against queued work; false: by load only.")
+    chat_template: str | None = Field(None, description="A Jinja chat template, or a file holding one, for chat "
+                                      "requests instead of the model's own (e.g. one that shows tools).")
     max_burst_ms: float = Field(20.0, ge=0, description="Ray modes: while a decode worker only decodes, one "
                                 "call to it carries several steps, up to this many milliseconds of them, so "
                                 "Ray's per-call cost (about a millisecond) is paid once for several tokens; "
@@ -67,6 +70,8 @@ class EngineConfig(BaseModel):
         if self.prefill_chunk > self.token_budget:
             raise ValueError(f"prefill_chunk ({self.prefill_chunk}) must not exceed token_budget "
                              f"({self.token_budget}): a chunk larger than a step's budget never runs whole")
+        if self.chat_template is not None:
+            read_chat_template(self.chat_template)  # a missing file fails at start, not on the first chat
         return self
 
     def num_workers(self) -> int:

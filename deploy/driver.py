@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from deploy.config import EngineConfig
+from deploy.prompts import use_chat_template
 from scheduler.arrivals import ArrivalSchedule, run_at_arrivals
 from scheduler.outputs import Completion
 from scheduler.policy import Scheduler
@@ -69,7 +70,8 @@ class InProcessEngine(Engine):
 
         loaded = loaded or load_model(config.model, config.dtype, config.device)
         self.capacity = config.context_len(loaded.max_context)
-        self.tokenizer, self.eos_token_ids = loaded.tokenizer, loaded.eos_token_ids
+        self.tokenizer = use_chat_template(loaded.tokenizer, config.chat_template)
+        self.eos_token_ids = loaded.eos_token_ids
         runner = ModelRunner(loaded.model, num_slots=config.slots, capacity=self.capacity, tokenizer=loaded.tokenizer,
                              prefix_blocks=config.prefix_blocks)
         scheduler = Scheduler(config.slots, self.capacity, config.token_budget, config.prefill_chunk,
@@ -119,7 +121,7 @@ class RayEngine(Engine):
 
         info = load_tokenizer(config.model)
         self.capacity = config.context_len(info.max_context)
-        self.tokenizer, self.eos_token_ids = info.tokenizer, info.eos_token_ids
+        self.tokenizer, self.eos_token_ids = use_chat_template(info.tokenizer, config.chat_template), info.eos_token_ids
         self.handle = start_scheduler(config, info=info)
 
     def run(self, requests: list[Request], arrival_s: dict[str, float] | None = None,

@@ -4,10 +4,29 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from deploy.params import ParameterError
 from scheduler.request import Request, SamplingParams
+
+
+def read_chat_template(value: str) -> str:
+    """`--chat-template`, as vLLM takes it: a file holding a Jinja chat template, or the template itself.
+    Raises ValueError for a value that is neither."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template")
+
+
+def use_chat_template(tokenizer: Any, chat_template: str | None) -> Any:
+    """The tokenizer with `chat_template` (a file or a template; None: the model's own) for its chats."""
+    if chat_template is not None:
+        tokenizer.chat_template = read_chat_template(chat_template)
+    return tokenizer
 
 
 def encode_prompt(tokenizer: Any, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,

@@ -37,6 +37,7 @@ from deploy.bench.workload import (
 )
 from deploy.config import MODES, EngineConfig
 from deploy.driver import open_engine
+from deploy.prompts import use_chat_template
 from scheduler.gc_pauses import startup_frozen
 from scheduler.outputs import Completion
 
@@ -187,6 +188,7 @@ def _prepare(config: EngineConfig, args: argparse.Namespace) -> tuple[Any, dict[
 
         loaded = load_model(config.model, config.dtype, config.device)
         tokenizer = loaded.tokenizer
+    tokenizer = use_chat_template(tokenizer, config.chat_template)  # a prompts file's chats
     vocab = loaded.model.spec.vocab_size if loaded is not None else len(tokenizer)
     if args.prompts_file:
         base = load_workload(args.prompts_file, tokenizer, args.num_requests, args.output_len, args.seed,

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from deploy.config import ServiceConfig, format_validation_errors
 from deploy.engine_client import EngineClient
 from deploy.params import ParameterError
+from deploy.prompts import use_chat_template
 from deploy.serving.cells import Cell, ServeCells, cell_stats, combine_stats
 from deploy.serving.openai_api import OpenAIServer, ServedModel, error_response
 from deploy.serving.schemas import (
@@ -71,7 +72,8 @@ class OpenAIIngress:
 
         self.config = ServiceConfig(**config)
         info = load_tokenizer(self.config.model)
-        model = ServedModel(self.config.model_name, info.tokenizer, info.eos_token_ids,
+        model = ServedModel(self.config.model_name, use_chat_template(info.tokenizer, self.config.chat_template),
+                            info.eos_token_ids,
                             self.config.context_len(info.max_context), self.config.tool_call_parser)
         self.cells = cells
         app_name = serve.get_replica_context().app_name

@@ -100,3 +100,17 @@ def test_every_engine_setting_is_a_flag_booleans_included():
     assert config_from_args(build_parser().parse_args(["generate", "--input", "i", "--output", "o"])).cache_routing
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--input", "i", "--output", "o", "--cache-routing", "maybe"])
+
+
+def test_a_chat_template_given_replaces_the_models_and_a_bad_one_fails_at_start(checkpoint, tmp_path, capsys):
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}")
+    rows = [{"id": "c", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3, "temperature": 0}]
+    base = ["generate", "--model", str(checkpoint), "--input", str(write_jsonl(tmp_path / "in.jsonl", rows)),
+            "--output", str(tmp_path / "out.jsonl"), "--mode", "local", "--quiet"]
+    for given in (str(template), template.read_text()):  # a file, or the template itself (as vLLM takes them)
+        assert main([*base, "--chat-template", given]) == 0
+        (line,) = read_jsonl(tmp_path / "out.jsonl")
+        assert line["prompt_tokens"] == len(tiny_tokenizer()("[user] hello", add_special_tokens=False).input_ids)
+    assert main([*base, "--chat-template", str(tmp_path / "missing.jinja")]) != 0
+    assert "neither a file nor a Jinja template" in capsys.readouterr().err
