@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deploy.prompts import read_chat_template
 from deploy.serving.autoscaling import POLICY as AUTOSCALING_POLICY
+from deploy.serving.reasoning import ReasoningParser
 from scheduler.cell import MODES_ON_RAY, CellConfig
 from scheduler.prefix_cache import BLOCK_SIZE
 from workers.catalog import DEFAULT_MODEL, MAX_DEFAULT_CONTEXT
@@ -127,6 +128,9 @@ class ServiceConfig(EngineConfig):
     tool_call_parser: Literal["hermes"] | None = Field(None, description="Reads the tool calls of tool_choice "
                                                        "auto out of the text (hermes: <tool_call> blocks, as Qwen2.5/3 "
                                                        "and Hermes write them); unset: auto is refused.")
+    reasoning_parser: ReasoningParser | None = Field(None, description="Returns a reasoning model's <think> part "
+                                                     "as reasoning_content (qwen3: when the reply opens with "
+                                                     "<think>; deepseek_r1: the reply starts inside it).")
     max_request_bytes: int = Field(1_000_000, ge=1024, description="Larger request bodies get 413.")
     cells: int = Field(1, ge=1, description="Cells (a scheduler with its own prefill and decode workers); the "
                                             "minimum when max_cells is set.")

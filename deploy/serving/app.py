@@ -74,7 +74,8 @@ class OpenAIIngress:
         info = load_tokenizer(self.config.model)
         model = ServedModel(self.config.model_name, use_chat_template(info.tokenizer, self.config.chat_template),
                             info.eos_token_ids,
-                            self.config.context_len(info.max_context), self.config.tool_call_parser)
+                            self.config.context_len(info.max_context), self.config.tool_call_parser,
+                            self.config.reasoning_parser)
         self.cells = cells
         app_name = serve.get_replica_context().app_name
         self.client = EngineClient(ServeCells(cells, app_name, self.config.failover_timeout_s))

@@ -51,6 +51,7 @@ class ServedModel:
     eos_token_ids: frozenset[int]
     capacity: int  # tokens per request: prompt + completion
     tool_call_parser: str | None = None  # reads the calls of tool_choice auto out of the text (tools.py)
+    reasoning_parser: str | None = None  # splits a reasoning model's thinking off its replies (reasoning.py)
 
 
 def _name(index: int, count: int) -> str:
@@ -163,7 +164,8 @@ class OpenAIServer:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         resp_id, requests = self._build(body, [ids], body.max_completion_tokens or body.max_tokens, "chatcmpl",
                                         logprobs=logprobs, response_format=tools and tools.response_format)
-        return Job(resp_id, requests, chat=True, logprobs=logprobs is not None, tools=tools)
+        return Job(resp_id, requests, chat=True, logprobs=logprobs is not None, tools=tools,
+                   reasoning=self.model.reasoning_parser)
 
     def _tool_use(self, body: ChatBody) -> ToolUse | None:
         """How the request uses its tools (None: it has none); 400 for auto without a parser, or a function

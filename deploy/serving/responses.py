@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from deploy.serving.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from deploy.serving.reasoning import MessageReader, ThinkSplitter
 from deploy.serving.schemas import APIError
-from deploy.serving.tools import CallReader, Delta, ToolUse, gather_calls
+from deploy.serving.tools import Delta, ToolUse, gather_calls
 from scheduler.outputs import RequestOutput
 from scheduler.request import Request, TokenLogprob
 
@@ -34,10 +35,14 @@ class Job:
     drop_generation: bool = False
     choices_per_prompt: int = 1  # `n`: choice i answers prompt i // n (completions take a list of prompts)
     tools: ToolUse | None = None  # chat with tools: how the text becomes content and tool calls
+    reasoning: str | None = None  # chat: the server's reasoning parser (reasoning.py)
 
-    def readers(self) -> list[CallReader | None]:
-        """One tool-call reader per choice (None for each when the replies are plain text)."""
-        return [self.tools.reader() if self.tools is not None else None for _ in self.requests]
+    def readers(self) -> list[MessageReader | None]:
+        """One reader per choice, turning its text into message deltas (None: the text is the content)."""
+        if self.tools is None and self.reasoning is None:
+            return [None] * len(self.requests)
+        return [MessageReader(ThinkSplitter(self.reasoning) if self.reasoning is not None else None,
+                              self.tools.reader() if self.tools is not None else None) for _ in self.requests]
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -129,20 +134,24 @@ class Replier:
         return out.finish_reason
 
     def _choice(self, index: int, text: str, logprobs: Any, finish_reason: str | None, stream: bool,
-                tools: Delta | None = None) -> dict:
-        """One choice of a reply or chunk; `tools`: the choice's text read as content and tool calls."""
+                read: Delta | None = None) -> dict:
+        """One choice of a reply or chunk; `read`: the choice's text read as content, reasoning and tool calls."""
         if not self.job.chat:
             return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        if tools is not None:
-            text = tools.content
+        if read is not None:
+            text = read.content
         if stream:
             delta: dict[str, Any] = {"content": text} if text else {}
-            if tools is not None and tools.calls:
-                delta["tool_calls"] = [call.as_json() for call in tools.calls]
+            if read is not None and read.reasoning:
+                delta["reasoning_content"] = read.reasoning
+            if read is not None and read.calls:
+                delta["tool_calls"] = [call.as_json() for call in read.calls]
             return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         message: dict[str, Any] = {"role": "assistant", "content": text}
-        if tools is not None and tools.calls:
-            message |= {"content": text or None, "tool_calls": gather_calls(tools.calls)}
+        if self.job.reasoning is not None and read is not None:
+            message["reasoning_content"] = read.reasoning or None
+        if read is not None and read.calls:
+            message |= {"content": text or None, "tool_calls": gather_calls(read.calls)}
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def usage(self, num_completion: int) -> dict[str, int]:
@@ -170,10 +179,10 @@ class Replier:
         choices = []
         for index, (done, reader) in enumerate(zip(outs, self.job.readers(), strict=True)):
             text, logprobs, _ = self._piece(index, done, True, 0)
-            tools = reader.feed(text) + reader.finish() if reader is not None else None
-            num_calls = len(tools.calls) if tools is not None else 0
+            read = reader.feed(text) + reader.finish() if reader is not None else None
+            num_calls = len(read.calls) if read is not None else 0
             choices.append(self._choice(index, text, logprobs, self._finish_reason(done, num_calls), stream=False,
-                                        tools=tools))
+                                        read=read))
         return {"id": self.job.resp_id, "object": "chat.completion" if self.job.chat else "text_completion",
                 "created": self.created, "model": self.model_name, "choices": choices,
                 "usage": self.usage(sum(self._num_generated(done) for done in outs))}
@@ -212,16 +221,16 @@ class Replier:
                 text, logprobs, num_piece_tokens = self._piece(index, out, not started[index], text_lens[index])
                 started[index] = True
                 text_lens[index] += len(text)
-                tools = None
+                read = None
                 if (reader := readers[index]) is not None:
-                    tools = reader.feed(text) + (reader.finish() if out.finished else Delta())
-                    num_calls[index] += len({call.index for call in tools.calls if call.id is not None})
-                if not (tools if tools is not None else text) and not out.finished \
+                    read = reader.feed(text) + (reader.finish() if out.finished else Delta())
+                    num_calls[index] += len({call.index for call in read.calls if call.id is not None})
+                if not (read if read is not None else text) and not out.finished \
                         and not (logprobs and num_piece_tokens):
                     continue
                 logprobs = logprobs if num_piece_tokens else None
                 yield chunk([self._choice(index, text, logprobs, self._finish_reason(out, num_calls[index]),
-                                          stream=True, tools=tools)], so_far(num_tokens))
+                                          stream=True, read=read)], so_far(num_tokens))
         if include_usage:
             yield chunk([], self.usage(num_tokens))
         yield "data: [DONE]\n\n"

@@ -51,12 +51,13 @@ class Delta:
 
     content: str = ""
     calls: list[CallDelta] = field(default_factory=list)
+    reasoning: str = ""  # a reasoning model's thinking (deploy/serving/reasoning.py)
 
     def __bool__(self) -> bool:
-        return bool(self.content or self.calls)
+        return bool(self.content or self.calls or self.reasoning)
 
     def __add__(self, other: Delta) -> Delta:
-        return Delta(self.content + other.content, self.calls + other.calls)
+        return Delta(self.content + other.content, self.calls + other.calls, self.reasoning + other.reasoning)
 
 
 def gather_calls(calls: list[CallDelta]) -> list[dict[str, Any]]:

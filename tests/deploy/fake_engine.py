@@ -76,6 +76,22 @@ class FakeEngine:
                 self.aborted.append(request.req_id)
 
 
+class Says:
+    """An engine whose every request generates `text`, in pieces of `step` characters, then stops."""
+
+    def __init__(self, text: str, step: int = 3, finish_reason: str = "stop") -> None:
+        self.text, self.step, self.finish_reason = text, step, finish_reason
+        self.requests: list[Request] = []
+
+    async def generate(self, request: Request):  # type: ignore[no-untyped-def]
+        self.requests.append(request)
+        pieces = [self.text[i:i + self.step] for i in range(0, len(self.text), self.step)]
+        for j, piece in enumerate(pieces):
+            await asyncio.sleep(0)
+            yield RequestOutput(request.req_id, [10 + j], piece,
+                                finish_reason=self.finish_reason if j == len(pieces) - 1 else None)
+
+
 def make_server(engine: FakeEngine | None = None, capacity: int = 256) -> OpenAIServer:
     tokenizer = tiny_tokenizer()
     model = ServedModel("tiny", tokenizer, frozenset({tokenizer.eos_token_id}), capacity)

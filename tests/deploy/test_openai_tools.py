@@ -1,9 +1,8 @@
-"""Tool calling at the HTTP edge: what each tool_choice asks of the engine, how generated text becomes
-content and tool calls (whole and streamed, which must say the same), the refusals, and what the chat
-template is given. A scripted engine stands in for the model; tests/deploy/test_openai_params_e2e.py runs
+"""Tool calling and reasoning at the HTTP edge: what each tool_choice asks of the engine, how generated text
+becomes content, reasoning and tool calls (whole and streamed, which must say the same), the refusals, and
+what the chat template is given. A scripted engine stands in for the model; tests/deploy/test_openai_params_e2e.py runs
 the grammar for real."""
 
-import asyncio
 import copy
 import json
 
@@ -13,9 +12,7 @@ from pydantic import ValidationError
 from deploy.serving.app import _from_validation
 from deploy.serving.openai_api import OpenAIServer, ServedModel
 from deploy.serving.schemas import APIError, ChatBody, CompletionBody, TokenizeBody
-from scheduler.outputs import RequestOutput
-from scheduler.request import Request
-from tests.deploy.fake_engine import FakeEngine, reply
+from tests.deploy.fake_engine import FakeEngine, Says, reply
 from tests.factories import tiny_tokenizer
 
 MESSAGES = [{"role": "user", "content": "weather in paris?"}]
@@ -27,38 +24,27 @@ HERMES = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"cit
           '</tool_call>\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>\n')
 
 
-class Says:
-    """An engine whose every request generates `text`, in pieces of `step` characters, then stops."""
-
-    def __init__(self, text: str, step: int = 3, finish_reason: str = "stop") -> None:
-        self.text, self.step, self.finish_reason = text, step, finish_reason
-        self.requests: list[Request] = []
-
-    async def generate(self, request: Request):  # type: ignore[no-untyped-def]
-        self.requests.append(request)
-        pieces = [self.text[i:i + self.step] for i in range(0, len(self.text), self.step)]
-        for j, piece in enumerate(pieces):
-            await asyncio.sleep(0)
-            yield RequestOutput(request.req_id, [10 + j], piece,
-                                finish_reason=self.finish_reason if j == len(pieces) - 1 else None)
-
-
-def server(engine, parser: str | None = "hermes", tokenizer=None) -> OpenAIServer:  # type: ignore[no-untyped-def]
+def server(engine, parser: str | None = "hermes", tokenizer=None,  # type: ignore[no-untyped-def]
+           reasoning: str | None = None) -> OpenAIServer:
     tokenizer = tokenizer or tiny_tokenizer()
-    return OpenAIServer(engine, ServedModel("tiny", tokenizer, frozenset({tokenizer.eos_token_id}), 256, parser))
+    return OpenAIServer(engine, ServedModel("tiny", tokenizer, frozenset({tokenizer.eos_token_id}), 256, parser,
+                                            reasoning))
 
 
 def chat(**fields) -> ChatBody:  # type: ignore[no-untyped-def]
     return ChatBody.model_validate_json(json.dumps({"messages": MESSAGES, "tools": TOOLS, **fields}))
 
 
-def streamed(chunks: list[dict]) -> tuple[str, list[dict], str | None]:
-    """A stream's content, its tool calls joined by index (as the openai client joins them), its finish reason."""
+def streamed(chunks: list[dict], reasoning: list[str] | None = None) -> tuple[str, list[dict], str | None]:
+    """A stream's content, its tool calls joined by index (as the openai client joins them), its finish reason;
+    its reasoning, if asked, appended to `reasoning`."""
     content, calls, reason = "", {}, None
     for chunk in chunks:
         for choice in chunk["choices"]:
             delta = choice["delta"]
             content += delta.get("content") or ""
+            if reasoning is not None:
+                reasoning.append(delta.get("reasoning_content") or "")
             for piece in delta.get("tool_calls", []):
                 call = calls.setdefault(piece["index"], {"id": None, "type": None,
                                                          "function": {"name": None, "arguments": ""}})
@@ -224,3 +210,38 @@ def test_the_template_sees_the_tools_earlier_calls_and_tool_results():
     assert tokenizer.decode(ids) == ("<|tools|>get_weather,now\n<|user|>weather in paris?\n"
                                      '<|assistant|>[call get_weather {"city": "Paris"}]\n'  # arguments as an object
                                      "<|tool|>sunny[for call_1]\n<|assistant|>")
+
+
+@pytest.mark.parametrize("parser, text, reasoning, content", [
+    ("qwen3", "<think>\nweather is a tool job</think>\n\nIt is sunny.", "\nweather is a tool job", "\n\nIt is sunny."),
+    ("qwen3", "It is sunny.", None, "It is sunny."),  # enable_thinking false: no <think>, all content
+    ("qwen3", "<think>still thinking when cut", "still thinking when cut", ""),
+    ("deepseek_r1", "weather...</think>It is sunny.", "weather...", "It is sunny."),  # <think> was in the prompt
+    ("deepseek_r1", "<think>weather...</think>It is sunny.", "weather...", "It is sunny."),
+])
+def test_a_reasoning_parser_splits_the_thinking_off_whole_and_streamed(parser, text, reasoning, content):
+    for step in (1, 4, 1000):
+        whole = reply(server(Says(text, step), reasoning=parser), ChatBody(messages=MESSAGES))
+        message = whole["choices"][0]["message"]
+        assert (message["reasoning_content"], message["content"]) == (reasoning, content)
+        pieces: list[str] = []
+        got = streamed(reply(server(Says(text, step), reasoning=parser), ChatBody(messages=MESSAGES, stream=True)),
+                       pieces)
+        assert ("".join(pieces) or None, got[0]) == (reasoning, content)
+    plain = reply(server(Says(text)), ChatBody(messages=MESSAGES))["choices"][0]["message"]  # no parser: all text
+    assert plain == {"role": "assistant", "content": text}
+
+
+def test_tool_calls_are_read_after_the_reasoning():
+    text = "<think>call it</think>" + HERMES
+    for body in (chat(), chat(stream=True)):
+        got = reply(server(Says(text, 5), reasoning="qwen3"), body)
+        if isinstance(got, dict):
+            message = got["choices"][0]["message"]
+            found = (message["reasoning_content"], message["content"], message["tool_calls"])
+        else:
+            pieces: list[str] = []
+            content, calls, _ = streamed(got, pieces)
+            found = ("".join(pieces), content, calls)
+        assert found[:2] == ("call it", "Let me check.")
+        assert without_ids(found[2]) == [("get_weather", {"city": "Paris", "days": 2}), ("now", {})]
