@@ -39,6 +39,7 @@ class GenerateLine(BaseModel):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0, le=1)
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
@@ -93,7 +94,7 @@ def to_requests(lines: list[GenerateLine], tokenizer: Any, eos_token_ids: frozen
             prompt_ids = encode_prompt(tokenizer, line.prompt, line.messages, line.prompt_token_ids)
             request = build_request(
                 str(line.id), prompt_ids, max_tokens=line.max_tokens, eos_token_ids=eos_token_ids,
-                temperature=line.temperature, top_p=line.top_p, top_k=line.top_k, seed=line.seed,
+                temperature=line.temperature, top_p=line.top_p, top_k=line.top_k, min_p=line.min_p, seed=line.seed,
                 stop=line.stop, stop_token_ids=line.stop_token_ids, ignore_eos=line.ignore_eos,
                 priority=line.priority, presence_penalty=line.presence_penalty,
                 frequency_penalty=line.frequency_penalty, repetition_penalty=line.repetition_penalty,

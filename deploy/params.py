@@ -37,6 +37,14 @@ def parse_logit_bias(logit_bias: dict[str, float] | None, vocab_size: int | None
     return ids
 
 
+def check_token_ids(param: str, token_ids: list[int], vocab_size: int) -> list[int]:
+    """`token_ids`, if every one is in the vocabulary; else ParameterError naming `param`."""
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ParameterError(param, f"{param} has ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    return token_ids
+
+
 def structured_format(response_format: dict[str, Any] | None) -> str | None:
     """The canonical JSON of a `response_format` that constrains the output, or None for plain text.
     Raises ParameterError naming response_format for a format the grammar cannot serve."""

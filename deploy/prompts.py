@@ -62,6 +62,7 @@ def build_request(
     temperature: float = 1.0,
     top_p: float = 1.0,
     top_k: int = 0,
+    min_p: float = 0.0,
     seed: int | None = None,
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] = (),
@@ -84,7 +85,8 @@ def build_request(
     if min_tokens > max_tokens:
         raise ParameterError("min_tokens", f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})")
     sampling = SamplingParams(
-        temperature=temperature, top_p=top_p, top_k=top_k, seed=random.getrandbits(62) if seed is None else seed,
+        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+        seed=random.getrandbits(62) if seed is None else seed,
         presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
         repetition_penalty=repetition_penalty, min_tokens=min_tokens,
         suppress_ids=stops if min_tokens else frozenset(),

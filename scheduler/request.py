@@ -38,7 +38,7 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on each logit_bias value
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each token. temperature 0 means greedy; top_k 0 and top_p 1 disable those filters.
+    """How to pick each token. temperature 0 means greedy; top_k 0, top_p 1 and min_p 0 disable those filters.
 
     Logit processing runs in this order on each row: logit_bias, the penalties, the structured-output
     mask, min_tokens (stop ids masked); then temperature, top-k, top-p and the draw. Log-probs are the
@@ -48,6 +48,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one (after temperature)
     seed: int = 0  # with the token's index, seeds that token's draw: samples never depend on the batch
     presence_penalty: float = 0.0  # subtracted once from every token already in the output
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output
@@ -66,6 +67,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")

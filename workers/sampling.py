@@ -18,8 +18,11 @@ def draw_seed(seed: int, output_index: int) -> int:
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p on one row of logits. Returns new logits `[vocab]`."""
+    """Temperature, then min-p, top-k and top-p on one row of logits. Returns new logits `[vocab]`."""
     logits = logits.float() / params.temperature
+    if params.min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from deploy.engine_client import unwrap
-from deploy.params import ParameterError, parse_logit_bias, structured_format
+from deploy.params import ParameterError, check_token_ids, parse_logit_bias, structured_format
 from deploy.prompts import build_request, encode_prompt
 from deploy.serving.logprobs import TokenTexts
 from deploy.serving.responses import Job, Replier, Started, aclose, merge_streams
@@ -101,6 +101,7 @@ class OpenAIServer:
         seed = body.seed if body.seed is not None else random.getrandbits(62)
         try:
             logit_bias = parse_logit_bias(body.logit_bias, len(self.model.tokenizer))
+            stop_ids = check_token_ids("stop_token_ids", body.stop_token_ids or [], len(self.model.tokenizer))
             structured = structured_format(response_format or body.response_format)
             requests = []
             for p, prompt_ids in enumerate(prompts):
@@ -108,7 +109,8 @@ class OpenAIServer:
                 first = f"{resp_id}-{p * n}"
                 requests += [build_request(
                     f"{resp_id}-{p * n + i}", prompt_ids, max_tokens=limit, eos_token_ids=self.model.eos_token_ids,
-                    temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=seed + i, stop=body.stop,
+                    temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+                    seed=seed + i, stop=body.stop, stop_token_ids=stop_ids,
                     ignore_eos=body.ignore_eos, priority=body.priority,
                     presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
                     repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,

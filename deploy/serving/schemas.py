@@ -45,7 +45,10 @@ class _SamplingBody(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0, description="pdserve extension: 0 disables")
+    top_k: int = Field(0, ge=0, description="extension: 0 disables")
+    min_p: float = Field(0.0, ge=0, le=1, description="extension (vLLM's): tokens less likely than min_p times "
+                                                      "the most likely are dropped; 0 disables")
+    stop_token_ids: list[int] | None = Field(None, description="extension (vLLM's): token ids that end the reply")
     seed: int | None = None
     stop: str | list[str] | None = Field(None, description="Up to 4 strings; the text stops before any of them.")
     stream: bool = False

@@ -48,6 +48,8 @@ def refusal(schema, **fields) -> APIError:  # type: ignore[no-untyped-def]
     (ChatBody, {"continue_final_message": True}, "continue_final_message"),  # with the generation prompt
     (ChatBody, {"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),  # user last
     (ChatBody, {"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    (ChatBody, {"min_p": 1.5}, "min_p"),
+    (CompletionBody, {"min_p": -0.1}, "min_p"),
 ])
 def test_out_of_range_values_get_400_naming_the_parameter(schema, fields, param):
     error = refusal(schema, **fields)
@@ -101,6 +103,7 @@ def test_values_checked_against_the_tokenizer_and_grammar_get_400_when_the_reque
         (parse(ChatBody, response_format={"type": "xml"}), "response_format", "response_format"),
         (parse(ChatBody, min_tokens=5, max_completion_tokens=4), "min_tokens", "max_tokens (4)"),
         (parse(CompletionBody, min_tokens=5, max_tokens=4), "min_tokens", "max_tokens (4)"),
+        (parse(ChatBody, stop_token_ids=[3, 384]), "stop_token_ids", "vocabulary"),
     ]
     for body, param, contains in cases:
         with pytest.raises(APIError) as info:

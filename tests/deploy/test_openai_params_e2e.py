@@ -130,6 +130,19 @@ def test_penalties_bias_and_min_tokens_equal_the_local_engine(client, tiny_check
     assert got.usage.completion_tokens == len(done.token_ids) >= 10 and 7 not in done.token_ids
 
 
+def test_min_p_and_stop_token_ids_equal_the_local_engine(client, tiny_checkpoint):
+    got = client.completions.create(model="tiny", prompt="paris is in", max_tokens=12, temperature=1.2, seed=4,
+                                    extra_body={"min_p": 0.2})
+    done, _ = local(tiny_checkpoint, 12, prompt="paris is in", temperature=1.2, seed=4, min_p=0.2)
+    loose, _ = local(tiny_checkpoint, 12, prompt="paris is in", temperature=1.2, seed=4)
+    assert got.choices[0].text == done.text and done.token_ids != loose.token_ids
+    stop = done.token_ids[5]
+    cut = client.completions.create(model="tiny", prompt="paris is in", max_tokens=12, temperature=1.2, seed=4,
+                                    extra_body={"min_p": 0.2, "stop_token_ids": [stop]})
+    first = done.token_ids.index(stop)
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == first + 1
+
+
 def test_json_schema_replies_validate(client):
     schema = {"type": "object", "required": ["color", "size"], "properties": {
         "color": {"enum": ["red", "green", "blue"]}, "size": {"type": "integer", "minimum": 0, "maximum": 99}}}

@@ -99,6 +99,7 @@ def processed_requests() -> list[Request]:
         request("sampled", 15, 12, 17, temperature=0.8, top_k=50, seed=5, frequency_penalty=1.0,
                 presence_penalty=0.5, repetition_penalty=1.2, logit_bias=((9, 3.0),)),
         request("plain", 20, 10, 18),
+        request("min_p", 11, 12, 20, temperature=1.3, min_p=0.2, seed=9),
     ]
 
 
@@ -164,3 +165,12 @@ def test_n_choices_share_one_prefill_and_equal_separate_requests(prompt_len):
         assert [t.logprob for t in forked[f"x-{i}"].logprobs] == pytest.approx(
             [t.logprob for t in alone["solo"].logprobs], abs=1e-5)
     assert len({tuple(forked[f"x-{i}"].output_ids) for i in range(3)}) > 1  # the seeds differ
+
+
+def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_top_one():
+    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(0)) * 3
+    kept = torch.isfinite(filter_logits(logits, SamplingParams(temperature=0.7, min_p=0.05, seed=1)))
+    probs = (logits / 0.7).softmax(-1).tolist()
+    assert kept.tolist() == [q >= 0.05 * max(probs) for q in probs]
+    assert 1 < int(kept.sum()) < VOCAB  # the filter did something, and not everything
+    assert torch.isfinite(filter_logits(logits, SamplingParams(temperature=0.7, seed=1))).all()  # 0: off
