@@ -183,15 +183,13 @@ class OpenAIServer:
                            'named function need none', param="tool_choice")
         tools = ToolUse(choice, tuple(t.model_dump(exclude_none=True) for t in body.tools), name,
                         body.parallel_tool_calls)
-        if choice in ("named", "required"):
-            for tool in tools.tools:
-                function = tool["function"]
-                if choice == "required" or function["name"] == name:
-                    try:
-                        structured_format({"type": "json_schema", "json_schema": {
-                            "name": function["name"], "schema": function.get("parameters") or {"type": "object"}}})
-                    except ParameterError as e:
-                        raise APIError(400, f"tools: function {function['name']!r}: {e}", param="tools") from None
+        forced = [t["function"] for t in tools.tools if choice == "required" or t["function"]["name"] == name]
+        for function in forced:  # each schema on its own, so the error names the function
+            try:
+                structured_format({"type": "json_schema", "json_schema": {
+                    "name": function["name"], "schema": function.get("parameters") or {"type": "object"}}})
+            except ParameterError as e:
+                raise APIError(400, f"tools: function {function['name']!r}: {e}", param="tools") from None
         return tools
 
     def _chat_ids(self, chat: list[ChatMessage], options: ChatTemplateOptions) -> list[int]:

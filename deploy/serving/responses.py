@@ -180,7 +180,7 @@ class Replier:
         for index, (done, reader) in enumerate(zip(outs, self.job.readers(), strict=True)):
             text, logprobs, _ = self._piece(index, done, True, 0)
             read = reader.feed(text) + reader.finish() if reader is not None else None
-            num_calls = len(read.calls) if read is not None else 0
+            num_calls = read.new_calls if read is not None else 0
             choices.append(self._choice(index, text, logprobs, self._finish_reason(done, num_calls), stream=False,
                                         read=read))
         return {"id": self.job.resp_id, "object": "chat.completion" if self.job.chat else "text_completion",
@@ -224,7 +224,7 @@ class Replier:
                 read = None
                 if (reader := readers[index]) is not None:
                     read = reader.feed(text) + (reader.finish() if out.finished else Delta())
-                    num_calls[index] += len({call.index for call in read.calls if call.id is not None})
+                    num_calls[index] += read.new_calls
                 if not (read if read is not None else text) and not out.finished \
                         and not (logprobs and num_piece_tokens):
                     continue

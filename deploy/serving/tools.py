@@ -56,6 +56,11 @@ class Delta:
     def __bool__(self) -> bool:
         return bool(self.content or self.calls or self.reasoning)
 
+    @property
+    def new_calls(self) -> int:
+        """Calls this delta starts (a call's first piece carries its id)."""
+        return sum(call.id is not None for call in self.calls)
+
     def __add__(self, other: Delta) -> Delta:
         return Delta(self.content + other.content, self.calls + other.calls, self.reasoning + other.reasoning)
 
