@@ -18,7 +18,7 @@ class Scheduler:
 
     Each `plan()`: admit waiting requests (most urgent priority, then oldest) while slots are free;
     give every decoding request one token; spend what is left of `token_budget` on chunks of at most
-    `prefill_chunk` tokens for requests still computing their prompt, oldest first. `update()` takes the
+    `prefill_chunk` tokens for requests still computing their prompt (`_prefill_order`). `update()` takes the
     sampled tokens, applies stop conditions and returns the finished requests (their slots are free)."""
 
     def __init__(self, num_slots: int, capacity: int, token_budget: int = 256, prefill_chunk: int = 128,
@@ -133,7 +133,7 @@ class Scheduler:
                 decode.append(self._chunk(request, 1))
                 budget -= 1
         prefill: list[Chunk] = []
-        for request in self.running:
+        for request in self._prefill_order():
             if not budget:
                 break
             # a prefill worker computes whatever is uncomputed (a recompute's last known token too), but
@@ -155,6 +155,13 @@ class Scheduler:
         released = self.worker_copy.take_released() if decode or prefill else []  # an empty plan is not sent
         return StepPlan(decode=decode, prefill=prefill, preempted=preempted, released=released, copies=copies,
                         loads=loads, saves=saves, exports=exports)
+
+    def _prefill_order(self) -> list[Request]:
+        """Running requests in the order their prompts get chunks: most urgent, then oldest, but of each priority only
+        the oldest prompt needing more than one chunk goes ahead of shorter ones (one long one at most, not all)."""
+        long = {id(r): r for r in self.running if r.num_uncomputed > self.prefill_chunk}
+        first = {r.priority: r for r in reversed(long.values())}  # the oldest long prompt of each priority
+        return sorted(self.running, key=lambda r: (r.priority, id(r) in long and first[r.priority] is not r))
 
     def _fork_source(self, request: Request) -> Request | None:
         """n > 1: the sibling on this scheduler with the same prompt, whose prompt KV this request (with an

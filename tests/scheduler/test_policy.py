@@ -44,6 +44,25 @@ def test_decode_first_then_prefill_oldest_first_within_budget():
     assert plan.decode[0].token_ids == [7] and plan.decode[0].start_pos == 10
 
 
+def test_a_short_prompt_waits_for_one_long_prompt_at_most():
+    """Two prompts needing several chunks and a short one behind them: the oldest long one, then the short
+    one, then the other long one gets what is left of the budget (before, the two long ones took it all for
+    as long as both were prefilling). Each priority has its own oldest long prompt; the urgent one goes first."""
+    sched = Scheduler(num_slots=5, capacity=256, token_budget=16, prefill_chunk=8)
+    for name, length in (("long-a", 60), ("long-b", 60), ("short", 5)):
+        sched.submit(req(name, prompt_len=length, arrival_s=len(sched.requests)))
+    plan, _ = fake_step(sched)
+    assert [(c.req_id, c.num_tokens) for c in plan.prefill] == [("long-a", 8), ("short", 5), ("long-b", 3)]
+    sched.submit(req("urgent-long", prompt_len=60, priority=-1, arrival_s=10))
+    sched.submit(req("short-2", prompt_len=6, arrival_s=11))
+    chunks = []
+    for _ in range(9):
+        plan, _ = fake_step(sched)
+        chunks.append([c.req_id for c in plan.prefill])
+    assert chunks[:7] == [["urgent-long", "long-a"]] * 6 + [["urgent-long", "long-a", "long-b"]]  # budget used
+    assert chunks[7:] == [["urgent-long", "long-b", "short-2"], ["long-b", "short-2"]]  # long-a done: long-b next
+
+
 def test_requests_wait_for_slots_and_finish_by_length_returning_them():
     sched = Scheduler(num_slots=2, capacity=64, token_budget=64, prefill_chunk=64)
     for name in "abc":
