@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from deploy.prompts import read_chat_template
 from deploy.serving.autoscaling import POLICY as AUTOSCALING_POLICY
 from deploy.serving.reasoning import ReasoningParser
+from deploy.serving.tools import ToolCallParser
 from scheduler.cell import MODES_ON_RAY, CellConfig
 from scheduler.prefix_cache import BLOCK_SIZE
 from workers.catalog import DEFAULT_MODEL, MAX_DEFAULT_CONTEXT
@@ -125,9 +126,9 @@ class ServiceConfig(EngineConfig):
     served_model_name: str | None = Field(None, description="The `model` clients send; default: --model.")
     ingress_replicas: int = Field(1, ge=1, description="Replicas of the HTTP ingress deployment.")
     api_key: str | None = Field(None, description="If set, requests need `Authorization: Bearer <key>`.")
-    tool_call_parser: Literal["hermes"] | None = Field(None, description="Reads the tool calls of tool_choice "
-                                                       "auto out of the text (hermes: <tool_call> blocks, as Qwen2.5/3 "
-                                                       "and Hermes write them); unset: auto is refused.")
+    tool_call_parser: ToolCallParser | None = Field(None, description="Reads the tool calls of tool_choice auto "
+                                                    "out of the text: hermes (<tool_call> blocks: Qwen2.5/3, Hermes), "
+                                                    "llama3_json (Llama 3.1/3.2), mistral; unset: auto is refused.")
     reasoning_parser: ReasoningParser | None = Field(None, description="Returns a reasoning model's <think> part "
                                                      "as reasoning_content (qwen3: when the reply opens with "
                                                      "<think>; deepseek_r1: the reply starts inside it).")

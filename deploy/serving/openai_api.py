@@ -182,7 +182,7 @@ class OpenAIServer:
                            '--tool-call-parser (e.g. hermes) to read the calls out of the text; "required" or a '
                            'named function need none', param="tool_choice")
         tools = ToolUse(choice, tuple(t.model_dump(exclude_none=True) for t in body.tools), name,
-                        body.parallel_tool_calls)
+                        body.parallel_tool_calls, self.model.tool_call_parser)
         forced = [t["function"] for t in tools.tools if choice == "required" or t["function"]["name"] == name]
         for function in forced:  # each schema on its own, so the error names the function
             try:

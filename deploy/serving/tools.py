@@ -6,8 +6,10 @@ A request's `tool_choice` decides how its tools are used (`ToolUse`):
   arguments (streamed as they are generated);
 * `required`: the grammar forces a JSON array of `{"name", "parameters"}` objects, one per call (at most one
   when `parallel_tool_calls` is false), each call sent as soon as its object is complete;
-* `auto`: the model decides, and the server's tool-call parser (`hermes`: `<tool_call>{"name", "arguments"}
-  </tool_call>` blocks, the format of Qwen2.5/3, Hermes and SmolLM3) reads the calls out of the text.
+* `auto`: the model decides, and the server's tool-call parser reads the calls out of the text: `hermes`
+  (`<tool_call>{"name", "arguments"}</tool_call>` blocks: Qwen2.5/3, Hermes, SmolLM3), `llama3_json` (a reply
+  that is `{"name", "parameters"}` objects: Llama 3.1/3.2) or `mistral` (a reply that is an array of
+  `{"name", "arguments"}`: Mistral 7B v0.3; its [TOOL_CALLS] token is special, so not in the text).
 
 One `CallReader` per choice turns the text, piece by piece, into content and tool-call deltas; a whole reply
 is the same deltas gathered, so a stream and a whole reply always say the same thing.
@@ -18,8 +20,9 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
+ToolCallParser = Literal["hermes", "llama3_json", "mistral"]
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _DECODER = json.JSONDecoder()
 
@@ -105,12 +108,14 @@ class NamedCall(CallReader):
         return Delta() if self.started else Delta(calls=[CallDelta(0, call_id(), self.name, "")])
 
 
-class CallArray(CallReader):
-    """`required`: a JSON array of {"name", "parameters"}; each call goes out when its object is complete.
-    Text the array leaves unparsed (a reply cut by max_tokens) is returned as content at the end."""
+class CallSequence(CallReader):
+    """JSON call objects ({"name", "parameters" or "arguments"}) in a row: in an array (`required`, and the
+    mistral parser) or separated by `;` (llama3_json). Each call goes out when its object is complete; text
+    the sequence leaves unparsed (a reply cut by max_tokens) is returned as content at the end."""
 
-    def __init__(self) -> None:
-        self.text, self.pos, self.count, self.opened, self.closed = "", 0, 0, False, False
+    def __init__(self, bracketed: bool = True) -> None:
+        self.separator = "," if bracketed else ";"
+        self.text, self.pos, self.count, self.opened, self.closed = "", 0, 0, not bracketed, False
 
     def feed(self, text: str) -> Delta:
         self.text += text
@@ -123,9 +128,9 @@ class CallArray(CallReader):
                 if self.text[i] != "[":
                     break
                 self.opened, self.pos = True, i + 1
-            elif self.text[i] == "]":
+            elif self.text[i] == "]" and self.separator == ",":
                 self.closed, self.pos = True, i + 1
-            elif self.text[i] == "," and self.count:
+            elif self.text[i] == self.separator and self.count:
                 self.pos = i + 1
             else:
                 try:
@@ -134,7 +139,8 @@ class CallArray(CallReader):
                     break  # not complete yet
                 if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
                     break
-                calls.append(CallDelta(self.count, call_id(), item["name"], _arguments(item.get("parameters", {}))))
+                arguments = item.get("parameters", item.get("arguments", {}))
+                calls.append(CallDelta(self.count, call_id(), item["name"], _arguments(arguments)))
                 self.count, self.pos = self.count + 1, end
         return Delta(calls=calls)
 
@@ -145,6 +151,34 @@ class CallArray(CallReader):
 
     def finish(self) -> Delta:
         return Delta(self.text[self.pos:].strip())
+
+
+class LeadingCalls(CallReader):
+    """`auto` with the llama3_json or mistral parser: a reply that opens with a call (llama3_json: `{`, Llama
+    3.1's JSON tool calls; mistral: `[`, the array after its [TOOL_CALLS] token, which as a special token is
+    not in the text) is read as calls; any other reply is content, as it is."""
+
+    def __init__(self, bracketed: bool) -> None:
+        self.opener = "[" if bracketed else "{"
+        self.calls: CallSequence | None = CallSequence(bracketed)  # None: the reply is content
+        self.held: str | None = ""  # leading white space until the first character decides; None: decided
+
+    def feed(self, text: str) -> Delta:
+        if self.held is None:
+            return self.calls.feed(text) if self.calls is not None else Delta(text)
+        self.held += text
+        if not self.held.strip():
+            return Delta()
+        text, self.held = self.held, None
+        if not text.lstrip().startswith(self.opener):
+            self.calls = None
+            return Delta(text)
+        return self.calls.feed(text)
+
+    def finish(self) -> Delta:
+        if self.held is not None:
+            return Delta(self.held)
+        return self.calls.finish() if self.calls is not None else Delta()
 
 
 class HermesCalls(CallReader):
@@ -214,6 +248,7 @@ class ToolUse:
     tools: tuple[dict[str, Any], ...]  # as the request gave them (for the chat template)
     name: str | None = None
     parallel: bool = True
+    parser: str | None = None  # auto: the server's tool-call parser (`ToolCallParser`)
 
     @property
     def response_format(self) -> dict[str, Any] | None:
@@ -238,9 +273,9 @@ class ToolUse:
             assert self.name is not None
             return NamedCall(self.name)
         if self.choice == "required":
-            return CallArray()
+            return CallSequence()
         if self.choice == "auto":
-            return HermesCalls()
+            return HermesCalls() if self.parser == "hermes" else LeadingCalls(bracketed=self.parser == "mistral")
         return None
 
     def finish_reason(self, engine_reason: str | None, num_calls: int) -> str | None:

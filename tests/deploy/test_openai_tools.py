@@ -74,6 +74,27 @@ def test_auto_reads_hermes_calls_whole_and_streamed_alike(step):
     assert (content, without_ids(calls), reason) == ("Let me check.", expected, "tool_calls")
 
 
+@pytest.mark.parametrize("parser, text", [
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}; {"name": "now", '
+                    '"parameters": {}}'),
+    ("mistral", ' [{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, {"name": "now", '
+                '"arguments": {}}]'),  # the [TOOL_CALLS] before it is a special token: not in the text
+])
+def test_llama3_json_and_mistral_read_a_reply_that_opens_with_calls(parser, text):
+    expected = [("get_weather", {"city": "Paris", "days": 2}), ("now", {})]
+    for step in (1, 6, 1000):
+        choice = reply(server(Says(text, step), parser=parser), chat())["choices"][0]
+        assert (choice["finish_reason"], choice["message"]["content"]) == ("tool_calls", None)
+        assert without_ids(choice["message"]["tool_calls"]) == expected
+        content, calls, reason = streamed(reply(server(Says(text, step), parser=parser), chat(stream=True)))
+        assert (content, without_ids(calls), reason) == ("", expected, "tool_calls")
+    prose = "  It is sunny in Paris {so no call}."  # not opening with a call: the content, as it is
+    for step in (1, 1000):
+        choice = reply(server(Says(prose, step), parser=parser), chat())["choices"][0]
+        assert choice["message"] == {"role": "assistant", "content": prose} and choice["finish_reason"] == "stop"
+        assert streamed(reply(server(Says(prose, step), parser=parser), chat(stream=True))) == (prose, [], "stop")
+
+
 @pytest.mark.parametrize("text, content", [
     ("Paris is sunny. <tool_ca", "Paris is sunny. <tool_ca"),  # a tag never finished is text
     ('<tool_call>{"name": oops}</tool_call> done', '<tool_call>{"name": oops}</tool_call> done'),
