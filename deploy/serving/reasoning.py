@@ -14,16 +14,11 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-from deploy.serving.tools import CallReader, Delta
+from deploy.serving.tools import CallReader, Delta, partial_tag
 
 ReasoningParser = Literal["qwen3", "deepseek_r1"]
 REASONING_PARSERS: tuple[str, ...] = get_args(ReasoningParser)
 _OPEN, _CLOSE = "<think>", "</think>"
-
-
-def _partial_tag(text: str, tag: str) -> int:
-    """How many characters at the end of `text` may be the start of `tag`."""
-    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
 
 
 class ThinkSplitter:
@@ -59,7 +54,7 @@ class ThinkSplitter:
                     reasoning += self.text[:at]
                     self.text, self.state = self.text[at + len(_CLOSE):], "content"
                 else:
-                    keep = _partial_tag(self.text, _CLOSE)
+                    keep = partial_tag(self.text, _CLOSE)
                     reasoning += self.text[:len(self.text) - keep]
                     self.text = self.text[len(self.text) - keep:]
                     break

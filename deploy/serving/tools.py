@@ -78,6 +78,11 @@ def gather_calls(calls: list[CallDelta]) -> list[dict[str, Any]]:
     return [whole[i] for i in sorted(whole)]
 
 
+def partial_tag(text: str, tag: str) -> int:
+    """How many characters at the end of `text` may be the start of `tag` (held back until the next piece)."""
+    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
+
+
 def _arguments(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
@@ -197,8 +202,7 @@ class HermesCalls(CallReader):
             if not self.inside:
                 at = self.text.find(_OPEN)
                 if at < 0:
-                    keep = next((k for k in range(min(len(_OPEN) - 1, len(self.text)), 0, -1)
-                                 if _OPEN.startswith(self.text[-k:])), 0)  # maybe the start of a tag
+                    keep = partial_tag(self.text, _OPEN)
                     delta.content += self._content(self.text[:len(self.text) - keep])
                     self.text = self.text[len(self.text) - keep:]
                     return delta
