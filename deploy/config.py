@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from deploy.prompts import read_chat_template
 from deploy.serving.autoscaling import POLICY as AUTOSCALING_POLICY
@@ -72,9 +72,14 @@ class EngineConfig(BaseModel):
         if self.prefill_chunk > self.token_budget:
             raise ValueError(f"prefill_chunk ({self.prefill_chunk}) must not exceed token_budget "
                              f"({self.token_budget}): a chunk larger than a step's budget never runs whole")
-        if self.chat_template is not None:
-            read_chat_template(self.chat_template)  # a missing file fails at start, not on the first chat
         return self
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_text(cls, value: str | None) -> str | None:
+        """A file is read here, once: the config carries the template itself to every process and node (a
+        missing file fails at start, not on the first chat)."""
+        return None if value is None else read_chat_template(value)
 
     def num_workers(self) -> int:
         """Worker actors the engine runs (none in local mode)."""

@@ -23,9 +23,10 @@ def read_chat_template(value: str) -> str:
 
 
 def use_chat_template(tokenizer: Any, chat_template: str | None) -> Any:
-    """The tokenizer with `chat_template` (a file or a template; None: the model's own) for its chats."""
+    """The tokenizer with `chat_template` (the template's text, as the config holds it; None: the model's own)
+    for its chats."""
     if chat_template is not None:
-        tokenizer.chat_template = read_chat_template(chat_template)
+        tokenizer.chat_template = chat_template
     return tokenizer
 
 
