@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from deploy.params import ParameterError
+from deploy.params import ParameterError, check_token_ids
 from scheduler.request import Request, SamplingParams
 
 
@@ -39,11 +39,7 @@ def encode_prompt(tokenizer: Any, prompt: str | None = None, messages: list[dict
     if sum(given) != 1:
         raise ValueError("give exactly one of prompt, messages or prompt_token_ids")
     if prompt_token_ids is not None:
-        vocab = len(tokenizer)
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids has ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        return list(prompt_token_ids)
+        return list(check_token_ids("prompt_token_ids", prompt_token_ids, len(tokenizer)))
     if messages is not None:
         if not messages:
             raise ValueError("messages is empty")

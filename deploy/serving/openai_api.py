@@ -183,13 +183,12 @@ class OpenAIServer:
                            'named function need none', param="tool_choice")
         tools = ToolUse(choice, tuple(t.model_dump(exclude_none=True) for t in body.tools), name,
                         body.parallel_tool_calls, self.model.tool_call_parser)
-        forced = [t["function"] for t in tools.tools if choice == "required" or t["function"]["name"] == name]
-        for function in forced:  # each schema on its own, so the error names the function
+        for function in tools.forced:  # each schema on its own, so the error names the function
             try:
-                structured_format({"type": "json_schema", "json_schema": {
-                    "name": function["name"], "schema": function.get("parameters") or {"type": "object"}}})
+                structured_format({"type": "json_schema", "json_schema": {"name": function,
+                                                                          "schema": tools.schemas[function]}})
             except ParameterError as e:
-                raise APIError(400, f"tools: function {function['name']!r}: {e}", param="tools") from None
+                raise APIError(400, f"tools: function {function!r}: {e}", param="tools") from None
         return tools
 
     def _chat_ids(self, chat: list[ChatMessage], options: ChatTemplateOptions) -> list[int]:
@@ -235,10 +234,10 @@ class OpenAIServer:
 
     def detokenize(self, body: DetokenizeBody) -> dict[str, Any]:
         self._check_model(body.model)
-        vocab = len(self.model.tokenizer)
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"tokens has ids outside the vocabulary [0, {vocab}): {bad[:5]}", param="tokens")
+        try:
+            check_token_ids("tokens", body.tokens, len(self.model.tokenizer))
+        except ParameterError as e:
+            raise APIError(400, str(e), param=e.param) from None
         return {"prompt": self.model.tokenizer.decode(body.tokens)}
 
     # ---- running ----------------------------------------------------------------------------------

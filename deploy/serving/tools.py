@@ -83,8 +83,14 @@ def partial_tag(text: str, tag: str) -> int:
     return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
 
 
-def _arguments(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+def _read_call(item: Any, index: int) -> CallDelta | None:
+    """A parsed call object (`{"name", "arguments" or "parameters"}`) as call `index`'s whole delta; None if
+    it is not one."""
+    if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
+        return None
+    arguments = item.get("arguments", item.get("parameters", {}))
+    return CallDelta(index, call_id(), item["name"], arguments if isinstance(arguments, str)
+                     else json.dumps(arguments, ensure_ascii=False))
 
 
 class CallReader:
@@ -142,10 +148,9 @@ class CallSequence(CallReader):
                     item, end = _DECODER.raw_decode(self.text, i)
                 except json.JSONDecodeError:
                     break  # not complete yet
-                if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
+                if (call := _read_call(item, self.count)) is None:
                     break
-                arguments = item.get("parameters", item.get("arguments", {}))
-                calls.append(CallDelta(self.count, call_id(), item["name"], _arguments(arguments)))
+                calls.append(call)
                 self.count, self.pos = self.count + 1, end
         return Delta(calls=calls)
 
@@ -225,11 +230,10 @@ class HermesCalls(CallReader):
             call = json.loads(body)
         except json.JSONDecodeError:
             call = None
-        if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+        if (delta := _read_call(call, self.count)) is None:
             return Delta(self._content(_OPEN + body + (_CLOSE if closed else "")))
-        arguments = call.get("arguments", call.get("parameters", {}))
         self.count += 1
-        return Delta(calls=[CallDelta(self.count - 1, call_id(), call["name"], _arguments(arguments))])
+        return Delta(calls=[delta])
 
     def _content(self, text: str) -> str:
         """Content to send now: leading white space is dropped and trailing white space held back until more
@@ -255,9 +259,19 @@ class ToolUse:
     parser: str | None = None  # auto: the server's tool-call parser (`ToolCallParser`)
 
     @property
+    def schemas(self) -> dict[str, dict[str, Any]]:
+        """Each function's parameters schema, by name (none given: it takes no arguments, `{}`)."""
+        return {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in self.tools}
+
+    @property
+    def forced(self) -> list[str]:
+        """The functions the grammar may force: the named one, or every one for `required`."""
+        return [self.name] if self.choice == "named" else list(self.schemas) if self.choice == "required" else []
+
+    @property
     def response_format(self) -> dict[str, Any] | None:
         """The response_format that forces the call (named, required); None when the model is free."""
-        schemas = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in self.tools}
+        schemas = self.schemas
         if self.choice == "named":
             assert self.name is not None
             return {"type": "json_schema", "json_schema": {"name": self.name, "schema": schemas[self.name]}}
