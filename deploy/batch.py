@@ -55,6 +55,8 @@ class GenerateLine(BaseModel):
                                                                           "most likely; None: none.")
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="The same for the prompt.")
     response_format: dict[str, Any] | None = Field(None, description="OpenAI's: text, json_object or json_schema.")
+    structured_outputs: dict[str, Any] | None = Field(None, description="vLLM's: one of json, regex, choice, grammar "
+                                                                       "or json_object.")
 
     @field_validator("logit_bias")
     @classmethod
@@ -100,7 +102,7 @@ def to_requests(lines: list[GenerateLine], tokenizer: Any, eos_token_ids: frozen
                 frequency_penalty=line.frequency_penalty, repetition_penalty=line.repetition_penalty,
                 min_tokens=line.min_tokens, logit_bias=parse_logit_bias(line.logit_bias, len(tokenizer)),
                 logprobs=line.logprobs, prompt_logprobs=line.prompt_logprobs,
-                structured=structured_format(line.response_format))
+                structured=structured_format(line.response_format, line.structured_outputs))
             Scheduler.check_fits(request, capacity)
         except ValueError as e:
             raise BatchInputError(f"request {line.id!r} (entry {number}): {e}") from None

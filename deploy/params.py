@@ -45,15 +45,23 @@ def check_token_ids(param: str, token_ids: list[int], vocab_size: int) -> list[i
     return token_ids
 
 
-def structured_format(response_format: dict[str, Any] | None) -> str | None:
-    """The canonical JSON of a `response_format` that constrains the output, or None for plain text.
-    Raises ParameterError naming response_format for a format the grammar cannot serve."""
+def structured_format(response_format: dict[str, Any] | None,
+                      structured_outputs: dict[str, Any] | None = None) -> str | None:
+    """The canonical JSON of what constrains the output: OpenAI's `response_format` or vLLM's
+    `structured_outputs` (at most one of them), or None for plain text. Raises ParameterError naming the
+    parameter for a format the grammar cannot serve."""
     # plain text asks for nothing: it never needs the grammar module (nor its dependencies) to be loaded
-    if response_format is None or response_format == {"type": "text"}:
+    text = response_format is None or response_format == {"type": "text"}
+    if text and structured_outputs is None:
         return None
-    from workers.grammar import parse_response_format
+    if not text and structured_outputs is not None:
+        raise ParameterError("structured_outputs", "give `response_format` or `structured_outputs`, not both")
+    from workers.grammar import parse_response_format, parse_structured_outputs
 
+    param = "response_format" if structured_outputs is None else "structured_outputs"
     try:
-        return parse_response_format(response_format)
+        if structured_outputs is None:
+            return parse_response_format(response_format)  # type: ignore[arg-type]
+        return parse_structured_outputs(structured_outputs)
     except ValueError as e:
-        raise ParameterError("response_format", f"response_format: {e}") from None
+        raise ParameterError(param, f"{param}: {e}" if param == "response_format" else str(e)) from None

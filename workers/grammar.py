@@ -1,8 +1,10 @@
-"""Grammar-constrained sampling for OpenAI `response_format` (json_object / json_schema), on xgrammar.
+"""Grammar-constrained sampling, on xgrammar: OpenAI's `response_format` (json_object / json_schema) and
+vLLM's `structured_outputs` (json, regex, choice, grammar, json_object).
 
-`parse_response_format` validates a request's `response_format` at the HTTP edge (no tokenizer needed) and
-returns its canonical JSON text, the spec the engine carries. A worker builds one `GrammarCompiler` from its
-tokenizer; `compiler.matcher(spec)` follows one request: `mask_logits` before each draw, `accept` after it.
+`parse_response_format` and `parse_structured_outputs` validate a request's option at the HTTP edge (no
+tokenizer needed) and return its canonical JSON text, the spec the engine carries. A worker builds one
+`GrammarCompiler` from its tokenizer; `compiler.matcher(spec)` follows one request: `mask_logits` before
+each draw, `accept` after it; when the grammar is complete only EOS is allowed.
 
 xgrammar was picked over llguidance by the measured per-step mask cost on the CPU (see the commit message).
 The output is one-line JSON (`", "` and `": "` between items, no other whitespace), so a small model cannot
@@ -28,6 +30,11 @@ _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # "[08:01:22] /project/cpp/x.cc:94: " on xgrammar errors
 _OBJECT_SCHEMA = '{"type": "object"}'
 _OPTIONS: dict[str, Any] = {"any_whitespace": False, "strict_mode": True}
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # vLLM's structured_outputs, one per request
+# vLLM's structured_outputs switches, at the values that describe what pdserve does anyway
+_NO_OP_OPTIONS: dict[str, tuple[Any, ...]] = {"disable_fallback": (None, True, False),
+                                              "disable_any_whitespace": (None, True),
+                                              "disable_additional_properties": (None, True)}
 
 
 def _library_error(error: Exception) -> str:
@@ -56,24 +63,84 @@ def parse_response_format(response_format: dict) -> str | None:
         raise ValueError("response_format.json_schema.name must be 1-64 characters of a-z, A-Z, 0-9, _ or -")
     if "schema" not in spec:
         raise ValueError("response_format.json_schema.schema is missing")
-    schema = spec["schema"]
-    if not isinstance(schema, dict):
-        raise ValueError(f"response_format.json_schema.schema must be a JSON object, not {type(schema).__name__}")
     strict = spec.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise ValueError("response_format.json_schema.strict must be true or false")
+    return _json_schema_spec(spec["schema"], name, bool(strict), "response_format.json_schema.schema")
+
+
+def _json_schema_spec(schema: Any, name: str, strict: bool, where: str) -> str:
+    if not isinstance(schema, dict):
+        raise ValueError(f"{where} must be a JSON object, not {type(schema).__name__}")
     try:
         schema_text = json.dumps(schema, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"response_format.json_schema.schema is not valid JSON: {e}") from None
+        raise ValueError(f"{where} is not valid JSON: {e}") from None
     if len(schema_text) > MAX_SCHEMA_CHARS:
-        raise ValueError(f"response_format.json_schema.schema is longer than {MAX_SCHEMA_CHARS} characters")
+        raise ValueError(f"{where} is longer than {MAX_SCHEMA_CHARS} characters")
     try:  # builds the grammar without a tokenizer: well under a millisecond for a small schema
         xgr.Grammar.from_json_schema(schema_text, **_OPTIONS)
     except Exception as e:  # xgrammar raises RuntimeError for what it cannot convert
-        raise ValueError(f"response_format.json_schema.schema is not supported: {_library_error(e)}") from None
-    canonical = {"name": name, "schema": schema, "strict": bool(strict)}
+        raise ValueError(f"{where} is not supported: {_library_error(e)}") from None
+    canonical = {"name": name, "schema": schema, "strict": strict}
     return json.dumps({"type": "json_schema", "json_schema": canonical}, ensure_ascii=False)
+
+
+def parse_structured_outputs(options: dict) -> str:
+    """Validate vLLM's `structured_outputs` (exactly one of json, regex, choice, grammar, json_object) and
+    return its canonical JSON text, the spec the engine carries. A choice becomes a grammar of its strings;
+    a grammar is EBNF (GBNF, xgrammar's dialect) when it has a `::=` rule, else Lark. Raises ValueError
+    naming the field at fault."""
+    if not isinstance(options, dict):
+        raise ValueError("structured_outputs must be an object")
+    for key, value in options.items():
+        if key in _NO_OP_OPTIONS:
+            if value not in _NO_OP_OPTIONS[key]:
+                raise ValueError(f"structured_outputs.{key} {json.dumps(value)} is not supported: pdserve's "
+                                 "JSON is one line with only the schema's properties, from its one backend")
+        elif key not in _KINDS:
+            raise ValueError(f"structured_outputs.{key} is not supported; give one of {', '.join(_KINDS)}")
+    given = [key for key in _KINDS if options.get(key) not in (None, False)]
+    if len(given) != 1:
+        raise ValueError(f"structured_outputs takes exactly one of {', '.join(_KINDS)}, not {given or 'none'}")
+    kind, value = given[0], options[given[0]]
+    where = f"structured_outputs.{kind}"
+    if kind == "json_object":
+        if value is not True:
+            raise ValueError(f"{where} must be true")
+        return json.dumps({"type": "json_object"})
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where} is not valid JSON: {e}") from None
+        return _json_schema_spec(value, "structured_outputs", True, where)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise ValueError(f"{where} must be a non-empty list of strings")
+        value = "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
+        kind = "grammar"
+    if not isinstance(value, str):
+        raise ValueError(f"{where} must be a string")
+    if len(value) > MAX_SCHEMA_CHARS:
+        raise ValueError(f"{where} is longer than {MAX_SCHEMA_CHARS} characters")
+    spec = {"type": "regex", "regex": value} if kind == "regex" else \
+        {"type": "grammar", "grammar": value, "syntax": "ebnf" if "::=" in value else "lark"}
+    try:
+        _text_grammar(spec)
+    except Exception as e:  # xgrammar raises RuntimeError (or its own error type) for a bad pattern or rule
+        raise ValueError(f"{where} is not supported: {_library_error(e)}") from None
+    return json.dumps(spec, ensure_ascii=False)
+
+
+def _text_grammar(spec: dict[str, Any]) -> Any:
+    """The xgrammar Grammar of a canonical regex or grammar spec."""
+    if spec["type"] == "regex":
+        return xgr.Grammar.from_regex(spec["regex"])
+    if spec["syntax"] == "ebnf":
+        return xgr.Grammar.from_ebnf(spec["grammar"])
+    return xgr.Grammar.from_lark(spec["grammar"])
 
 
 def _schema_of(canonical: str) -> str:
@@ -183,15 +250,23 @@ class GrammarCompiler:
             self._cache.move_to_end(spec)
             return self._cache[spec]
         try:
-            canonical = parse_response_format(json.loads(spec))
+            parsed = json.loads(spec)
         except json.JSONDecodeError as e:
-            raise ValueError(f"a grammar spec must be response_format JSON text: {e}") from None
-        if canonical is None:
-            raise ValueError("response_format type 'text' has no grammar")
+            raise ValueError(f"a grammar spec must be JSON text: {e}") from None
+        if not isinstance(parsed, dict) or parsed.get("type") not in ("json_object", "json_schema", "regex",
+                                                                      "grammar"):
+            raise ValueError(f"{spec[:80]!r} has no grammar: a spec is a canonical structured output")
         try:
-            compiled = self._compiler.compile_json_schema(_schema_of(canonical), **_OPTIONS)
+            if parsed["type"] in ("regex", "grammar"):
+                compiled = self._compiler.compile_grammar(_text_grammar(parsed))
+            else:
+                canonical = parse_response_format(parsed)
+                assert canonical is not None
+                compiled = self._compiler.compile_json_schema(_schema_of(canonical), **_OPTIONS)
+        except ValueError:
+            raise
         except Exception as e:
-            raise ValueError(f"response_format cannot be compiled: {_library_error(e)}") from None
+            raise ValueError(f"the structured output cannot be compiled: {_library_error(e)}") from None
         self._cache[spec] = compiled
         if len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)

@@ -102,7 +102,7 @@ class OpenAIServer:
         try:
             logit_bias = parse_logit_bias(body.logit_bias, len(self.model.tokenizer))
             stop_ids = check_token_ids("stop_token_ids", body.stop_token_ids or [], len(self.model.tokenizer))
-            structured = structured_format(response_format or body.response_format)
+            structured = structured_format(response_format or body.response_format, body.structured_outputs)
             requests = []
             for p, prompt_ids in enumerate(prompts):
                 limit = self._max_tokens(prompt_ids, max_tokens, _name(p, len(prompts)))

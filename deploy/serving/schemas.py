@@ -20,9 +20,11 @@ UNSUPPORTED: dict[str, Any] = {
     "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
     "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "structured_outputs": (None,), "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
+    "guided_whitespace_pattern": (None,), "guided_decoding_backend": (None, "xgrammar"), "structural_tag": (None,),
+    "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
 }
+# vLLM's names for structured_outputs' fields until its 0.12: guided_regex is read as structured_outputs.regex
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 # Fields that only describe or route the request: accepted, and they change nothing that is generated.
 DESCRIPTIVE = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "reasoning_effort")
 
@@ -63,6 +65,9 @@ class _SamplingBody(BaseModel):
     logit_bias: dict[str, float] | None = Field(None, description="Token id -> bias in [-100, 100].")
     response_format: dict[str, Any] | None = Field(
         None, description="{type: text | json_object | json_schema}; checked by the grammar when the request is built")
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="extension (vLLM's): exactly one of json (a schema), regex, choice (a list of strings), "
+                          "grammar (EBNF or Lark) or json_object; the output follows it")
 
     @field_validator("logit_bias")
     @classmethod
@@ -77,7 +82,14 @@ class _SamplingBody(BaseModel):
     @model_validator(mode="after")
     def _nothing_ignored(self) -> _SamplingBody:
         for name, value in (self.model_extra or {}).items():
-            if name in UNSUPPORTED:
+            if name in GUIDED:
+                if value is None:
+                    continue
+                if self.structured_outputs is not None:
+                    raise ParameterError(name, f"`{name}` is `structured_outputs.{GUIDED[name]}`; give one "
+                                               "`structured_outputs` (or one guided_* field), not both")
+                self.structured_outputs = {GUIDED[name]: value}
+            elif name in UNSUPPORTED:
                 if value not in UNSUPPORTED[name]:
                     raise UnsupportedParameter(name, f"`{name}` is not supported by this server yet; leave it "
                                                      "out (its default changes nothing)")
@@ -196,10 +208,12 @@ class ChatBody(_SamplingBody, ChatTemplateOptions):
             raise ParameterError("tool_choice", f"`tool_choice` names {self.tool_choice.function.name!r}, which "
                                                 "is not one of `tools`")
         forced = self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
-        if forced and self.response_format not in (None, {"type": "text"}):
-            raise ParameterError("response_format", "`response_format` cannot be combined with a forced "
-                                                    "`tool_choice` (required or a named function): the call's "
-                                                    "own schema decides the output")
+        constrained = "structured_outputs" if self.structured_outputs is not None else \
+            "response_format" if self.response_format not in (None, {"type": "text"}) else None
+        if forced and constrained:
+            raise ParameterError(constrained, f"`{constrained}` cannot be combined with a forced `tool_choice` "
+                                              "(required or a named function): the call's own schema decides "
+                                              "the output")
         return self
 
 

@@ -43,6 +43,8 @@ def test_bad_values_fail_naming_the_line_and_the_field(tmp_path, fields, message
     ({"logit_bias": {"384": 1}}, "vocabulary"),
     ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
     ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"structured_outputs": {"regex": "("}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "not both"),
 ])
 def test_values_checked_with_the_tokenizer_or_grammar_fail_naming_the_request(tmp_path, fields, message):
     with pytest.raises(BatchInputError) as info:
@@ -59,6 +61,8 @@ def test_fields_reach_the_request(tmp_path):
     assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_tokens) == (0.5, 0.25, 1.3, 2)
     assert s.logit_bias == ((7, -100.0),) and (s.logprobs, s.prompt_logprobs) == (3, 1)
     assert s.structured is not None and request.fork_of is None
+    (chosen,) = requests_of(tmp_path, {"id": "a", "prompt": "hi", "structured_outputs": {"choice": ["x", "y"]}})
+    assert json.loads(chosen.sampling.structured)["type"] == "grammar"
 
 
 def test_result_lines_carry_the_logprobs_asked_for(tmp_path):

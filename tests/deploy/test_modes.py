@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import re
 
 import pytest
 
@@ -142,12 +143,15 @@ def sampling_variety():
     choices = [Request(req_id=f"n-{i}", prompt_ids=prompt, max_tokens=10, fork_of="n-0" if i else None,
                        sampling=SamplingParams(temperature=0.9, seed=70 + i, frequency_penalty=0.5, logprobs=2))
                for i in range(3)]
-    from workers.grammar import parse_response_format
+    from workers.grammar import parse_response_format, parse_structured_outputs
 
     schema = {"type": "object", "required": ["size"], "properties": {"size": {"type": "integer", "maximum": 99}}}
-    spec = parse_response_format({"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
-    structured = [Request(req_id=f"json-{i}", prompt_ids=prompt, max_tokens=30, stop_token_ids=frozenset({VOCAB - 1}),
-                          sampling=SamplingParams(temperature=1.0, seed=i, structured=spec)) for i in range(2)]
+    specs = {"json": parse_response_format({"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}),
+             "regex": parse_structured_outputs({"regex": "[0-9]{2,4}-[a-z]+"}),
+             "choice": parse_structured_outputs({"choice": ["north", "south", "east or west"]})}
+    structured = [Request(req_id=f"{kind}-{i}", prompt_ids=prompt, max_tokens=30, stop_token_ids=frozenset({VOCAB - 1}),
+                          sampling=SamplingParams(temperature=1.0, seed=i, structured=spec))
+                  for kind, spec in specs.items() for i in range(2)]
     return processed_requests() + choices + structured
 
 
@@ -169,6 +173,8 @@ def test_sampling_parameters_equal_local_mode(ray_session, tiny_checkpoint, mode
     assert len(results["presence"].prompt_logprobs) == 11  # a prompt of 12 tokens: all but the first
     assert results["min_tokens"].token_ids[-1] == VOCAB - 1 and len(results["min_tokens"].token_ids) == 7
     assert all(json.loads(results[f"json-{i}"].text)["size"] <= 99 for i in range(2))
+    assert all(re.fullmatch("[0-9]{2,4}-[a-z]+", results[f"regex-{i}"].text) for i in range(2))
+    assert all(results[f"choice-{i}"].text in ("north", "south", "east or west") for i in range(2))
 
 
 @pytest.mark.parametrize("overrides", [dict(mode="colocated", decode_workers=2),

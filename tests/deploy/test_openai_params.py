@@ -49,6 +49,8 @@ def refusal(schema, **fields) -> APIError:  # type: ignore[no-untyped-def]
     (ChatBody, {"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),  # user last
     (ChatBody, {"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
     (ChatBody, {"min_p": 1.5}, "min_p"),
+    (ChatBody, {"guided_regex": "a", "structured_outputs": {"regex": "b"}}, "guided_regex"),
+    (CompletionBody, {"structured_outputs": ["json"]}, "structured_outputs"),
     (CompletionBody, {"min_p": -0.1}, "min_p"),
 ])
 def test_out_of_range_values_get_400_naming_the_parameter(schema, fields, param):
@@ -61,8 +63,9 @@ def test_out_of_range_values_get_400_naming_the_parameter(schema, fields, param)
     (CompletionBody, "tool_choice", "auto"),
     (ChatBody, "functions", [{"name": "f"}]),
     (CompletionBody, "suffix", "the end"),
-    (CompletionBody, "guided_json", {"type": "object"}),
-    (ChatBody, "guided_choice", ["a", "b"]),
+    (CompletionBody, "guided_whitespace_pattern", " "),
+    (ChatBody, "guided_decoding_backend", "outlines"),
+    (ChatBody, "structural_tag", "{}"),
     (ChatBody, "echo", True),  # echo, best_of and top_logprobs exist on the other endpoint only
     (ChatBody, "best_of", 2),
     (CompletionBody, "top_logprobs", 2),
@@ -100,6 +103,10 @@ def test_values_checked_against_the_tokenizer_and_grammar_get_400_when_the_reque
     server = make_server()
     cases = [
         (parse(CompletionBody, logit_bias={"384": 1}), "logit_bias", "vocabulary"),
+        (parse(ChatBody, structured_outputs={"regex": "("}), "structured_outputs", "structured_outputs.regex"),
+        (parse(CompletionBody, guided_choice=[]), "structured_outputs", "structured_outputs.choice"),
+        (parse(CompletionBody, structured_outputs={"choice": ["a"]}, response_format={"type": "json_object"}),
+         "structured_outputs", "not both"),
         (parse(ChatBody, response_format={"type": "xml"}), "response_format", "response_format"),
         (parse(ChatBody, min_tokens=5, max_completion_tokens=4), "min_tokens", "max_tokens (4)"),
         (parse(CompletionBody, min_tokens=5, max_tokens=4), "min_tokens", "max_tokens (4)"),
@@ -182,3 +189,23 @@ def test_chat_template_options_shape_the_prompt():
     assert prompt(add_generation_prompt=False, continue_final_message=True) == \
         "<|user|>paris is in\n<|assistant|>the capital"
     assert prompt(chat_template_kwargs={"hint": "be brief "}).startswith("be brief <|user|>")
+
+
+def test_structured_outputs_and_vllms_older_guided_fields_reach_the_engine_as_one_spec():
+    server = make_server()
+
+    def spec(schema, **fields):  # type: ignore[no-untyped-def]
+        job = server.chat_job(parse(schema, **fields)) if schema is ChatBody else \
+            server.completion_job(parse(schema, **fields))
+        return {r.sampling.structured for r in job.requests}
+
+    for guided, kind, value in [("guided_choice", "choice", ["yes", "no"]), ("guided_regex", "regex", "[a-z]+"),
+                                ("guided_json", "json", {"type": "object"}),
+                                ("guided_grammar", "grammar", 'root ::= "a" | "b"')]:
+        for schema in (ChatBody, CompletionBody):
+            (wanted,) = spec(schema, structured_outputs={kind: value})
+            assert json.loads(wanted)["type"] in ("grammar", "regex", "json_schema")
+            assert spec(schema, **{guided: value}) == {wanted}
+    assert spec(CompletionBody, n=2, structured_outputs={"json_object": True}) == \
+        spec(CompletionBody, response_format={"type": "json_object"})
+    assert spec(ChatBody, guided_json=None) == {None}  # a no-op value, as clients send unset fields

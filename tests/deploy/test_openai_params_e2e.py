@@ -2,6 +2,7 @@
 transformers and against the local engine."""
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -155,6 +156,26 @@ def test_json_schema_replies_validate(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="tiny", messages=MESSAGES, response_format={"type": "xml"})
     assert err.value.body["param"] == "response_format"
+
+
+CHOICES = ["north", "south", 'the "east"']
+
+
+def test_structured_outputs_are_followed_whole_and_streamed(client):
+    """vLLM's structured_outputs (and its older guided_* names) through the openai client's extra_body."""
+    pattern = "[0-9]{2,4}-[a-z]{1,6}"
+    for seed in range(2):
+        args = dict(model="tiny", prompt="paris is in", max_tokens=24, temperature=1.0, seed=seed,
+                    extra_body={"structured_outputs": {"regex": pattern}})
+        whole = client.completions.create(**args).choices[0]
+        assert re.fullmatch(pattern, whole.text) and whole.finish_reason == "stop", whole.text
+        assert "".join(c.choices[0].text for c in client.completions.create(**args, stream=True)) == whole.text
+        chosen = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=24, temperature=1.0,
+                                                seed=seed, extra_body={"guided_choice": CHOICES})
+        assert chosen.choices[0].message.content in CHOICES and chosen.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny", prompt="x", extra_body={"structured_outputs": {"regex": "("}})
+    assert err.value.body["param"] == "structured_outputs" and "regex" in err.value.body["message"]
 
 
 WEATHER = {"type": "object", "required": ["city", "days"], "properties": {

@@ -189,6 +189,7 @@ def refusal(schema, **fields) -> APIError:  # type: ignore[no-untyped-def]
     ({"tools": [{"type": "retrieval"}]}, "tools"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "[0-9]+"}, "structured_outputs"),
 ])
 def test_bad_tool_requests_get_400_naming_the_parameter(fields, param):
     error = refusal(ChatBody, **fields)

@@ -1,13 +1,14 @@
-"""workers/grammar.py: greedy loops over random logits give valid JSON; bad response_formats are refused."""
+"""workers/grammar.py: greedy loops over random logits follow every structured output; bad options are refused."""
 
 import json
+import re
 
 import jsonschema
 import pytest
 import torch
 
 from tests.factories import VOCAB, tiny_tokenizer
-from workers.grammar import GrammarCompiler, parse_response_format
+from workers.grammar import GrammarCompiler, parse_response_format, parse_structured_outputs
 
 SCHEMA = {
     "type": "object",
@@ -190,3 +191,61 @@ def test_compiler_caches_and_refuses(tiny: GrammarCompiler) -> None:
         tiny.matcher(json.dumps({"type": "text"}))
     with pytest.raises(ValueError, match="1-D float row"):
         tiny.matcher(spec).mask_logits(torch.zeros(2, tiny.vocab_size))
+
+
+PERSON_TEXT = json.dumps(SCHEMA)
+FANCY_CHOICES = ['say "hi"', "back\\slash", "café ☕", "a|b"]
+
+
+@pytest.mark.parametrize("which", ["embedded", "tiny"])
+@pytest.mark.parametrize(("options", "check"), [
+    ({"regex": r"[0-9]{3}-[a-z]{2,5}"}, lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2,5}", t)),
+    ({"choice": ["red", "green", "blue"]}, lambda t: t in ("red", "green", "blue")),
+    ({"choice": FANCY_CHOICES}, lambda t: t in FANCY_CHOICES),
+    ({"grammar": 'root ::= "(" num ("," num)* ")"\nnum ::= [0-9]+'}, lambda t: re.fullmatch(r"\(\d+(,\d+)*\)", t)),
+    ({"grammar": 'start: "yes" | "no" | "maybe " NUM\nNUM: /[0-9]+/'}, lambda t: re.fullmatch(r"yes|no|maybe \d+", t)),
+    ({"json": PERSON_TEXT, "disable_any_whitespace": True}, lambda t: check_person(t) is None),
+    ({"json": SCHEMA}, lambda t: check_person(t) is None),
+    ({"json_object": True}, lambda t: isinstance(json.loads(t), dict)),
+], ids=["regex", "choice", "choice-escaped", "ebnf", "lark", "json-text", "json", "json_object"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_structured_outputs_are_followed(which: str, options, check, seed: int,
+                                         request: pytest.FixtureRequest) -> None:
+    compiler = request.getfixturevalue(which)
+    text = generate(compiler, compiler.tokenizer, parse_structured_outputs(options), seed)
+    assert check(text) not in (None, False), text
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({}, "exactly one of"),
+    ({"regex": "a", "choice": ["b"]}, "exactly one of"),
+    ({"json_object": False}, "exactly one of"),
+    ("regex", "must be an object"),
+    ({"regex": "("}, "structured_outputs.regex is not supported: .*parenthesis"),
+    ({"regex": 5}, "must be a string"),
+    ({"choice": []}, "non-empty list of strings"),
+    ({"choice": ["a", 1]}, "non-empty list of strings"),
+    ({"grammar": "root ::= undefined_rule"}, "structured_outputs.grammar is not supported"),
+    ({"grammar": "start: nothing_here"}, "structured_outputs.grammar is not supported"),
+    ({"json": "{not json"}, "structured_outputs.json is not valid JSON"),
+    ({"json": ["type", "object"]}, "structured_outputs.json must be a JSON object"),
+    ({"json": {"type": "frobnicate"}}, "structured_outputs.json is not supported"),
+    ({"json_object": "yes"}, "must be true"),
+    ({"regex": "a", "whitespace_pattern": " "}, "whitespace_pattern is not supported"),
+    ({"regex": "a", "structural_tag": "{}"}, "structural_tag is not supported"),
+    ({"json": SCHEMA, "disable_any_whitespace": False}, "disable_any_whitespace false is not supported"),
+])
+def test_parse_structured_outputs_refuses(bad, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_structured_outputs(bad)
+
+
+def test_a_choice_is_matched_whole_and_only_then_ends(tiny: GrammarCompiler) -> None:
+    tokenizer = tiny.tokenizer
+    matcher = tiny.matcher(parse_structured_outputs({"choice": ["ab", "abc"], "disable_fallback": True}))
+    for token in tokenizer.encode("ab", add_special_tokens=False):
+        matcher.accept(token)
+    allowed = _allowed(matcher, tiny.vocab_size)
+    assert tiny.eos in allowed and len(allowed) > 1  # "ab" may end, or go on to "abc"
+    with pytest.raises(ValueError, match="not allowed"):
+        matcher.accept(tokenizer.encode("x", add_special_tokens=False)[0])
