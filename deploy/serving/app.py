@@ -16,18 +16,19 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deploy.config import ServiceConfig, format_validation_errors
+from deploy.config import ServiceConfig
 from deploy.engine_client import EngineClient
-from deploy.params import ParameterError
 from deploy.prompts import use_chat_template
 from deploy.serving.cells import Cell, ServeCells, cell_stats, combine_stats
 from deploy.serving.openai_api import OpenAIServer, ServedModel, error_response
+from deploy.serving.responses_api import ResponsesBody
 from deploy.serving.schemas import (
     APIError,
     ChatBody,
     CompletionBody,
     DetokenizeBody,
     TokenizeBody,
+    validation_error,
 )
 from scheduler.gc_pauses import freeze_startup_objects
 
@@ -45,21 +46,12 @@ async def _api_error(_: Request, exc: APIError) -> JSONResponse:
 
 @ingress_app.exception_handler(RequestValidationError)
 async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-    return error_response(_from_validation(exc.errors()))
+    return error_response(validation_error(exc.errors()))
 
 
 @ingress_app.exception_handler(StarletteHTTPException)
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     return error_response(APIError(exc.status_code, str(exc.detail), "invalid_request_error"))
-
-
-def _from_validation(errors: Any) -> APIError:
-    cause = (errors[0].get("ctx") or {}).get("error") if errors else None
-    if isinstance(cause, ParameterError):
-        return APIError(400, str(cause), param=cause.param, code=cause.code)
-    where = [p for p in (errors[0].get("loc", ()) if errors else ()) if p != "body"]
-    return APIError(400, f"Invalid request: {format_validation_errors(errors, skip=('body',))}",
-                    param=str(where[0]) if where else None)  # the request's parameter; the message says where in it
 
 
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
@@ -100,7 +92,7 @@ class OpenAIIngress:
         try:
             return schema.model_validate_json(bytes(raw))
         except ValidationError as e:
-            raise _from_validation(e.errors()) from None
+            raise validation_error(e.errors()) from None
 
     def _check_auth(self, request: Request) -> None:
         if self.config.api_key is not None and \
@@ -125,6 +117,11 @@ class OpenAIIngress:
     @ingress_app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         return await self.server.chat(await self._body(request, ChatBody))
+
+    @ingress_app.post("/v1/responses")
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API, on the chat path (not stored: no previous_response_id)."""
+        return await self.server.responses(await self._body(request, ResponsesBody))
 
     @ingress_app.post("/tokenize")
     async def tokenize(self, request: Request) -> Response:

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP surface: completions, chat, models, health; SSE streams and error JSON.
+"""The OpenAI-compatible HTTP surface: completions, chat, responses, models; SSE streams and error JSON.
 
 `OpenAIServer` takes an engine client (anything with `generate(request)` streaming RequestOutputs), so
 the same code serves through Ray Serve or against a fake in tests.
@@ -15,12 +15,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 
 from deploy.engine_client import unwrap
 from deploy.params import ParameterError, check_token_ids, parse_logit_bias, structured_format
 from deploy.prompts import build_request, encode_prompt
 from deploy.serving.logprobs import TokenTexts
 from deploy.serving.responses import Job, Replier, Started, aclose, merge_streams
+from deploy.serving.responses_api import ResponseReplier, ResponsesBody, chat_fields, renamed
 from deploy.serving.schemas import (
     APIError,
     ChatBody,
@@ -31,6 +33,7 @@ from deploy.serving.schemas import (
     NamedToolChoice,
     TokenizeBody,
     _SamplingBody,
+    validation_error,
 )
 from deploy.serving.tools import ToolUse
 from scheduler.outputs import RequestOutput
@@ -273,6 +276,22 @@ class OpenAIServer:
 
     async def chat(self, body: ChatBody) -> JSONResponse | StreamingResponse:
         return await self._respond(body, self.chat_job(body))
+
+    async def responses(self, body: ResponsesBody) -> JSONResponse | StreamingResponse:
+        """OpenAI's Responses API: the chat body asking for the same, its one choice shaped as a Response."""
+        fields = chat_fields(body)  # its 400s name this endpoint's parameters; the chat body's are renamed
+        try:
+            chat = ChatBody.model_validate(fields)
+            job = self.chat_job(chat)
+        except ValidationError as e:
+            raise renamed(validation_error(e.errors())) from None
+        except APIError as e:
+            raise renamed(e) from None
+        replier = ResponseReplier(job, self.model.name, body, chat)
+        merged = merge_streams(await self._start_all(job.requests))
+        if body.stream:
+            return StreamingResponse(replier.sse(merged), media_type="text/event-stream")
+        return JSONResponse(await replier.whole(merged))
 
     async def _respond(self, body: _SamplingBody, job: Job) -> JSONResponse | StreamingResponse:
         merged = merge_streams(await self._start_all(job.requests))

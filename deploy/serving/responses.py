@@ -94,7 +94,7 @@ async def merge_streams(started: list[Started]) -> AsyncIterator[tuple[int, Requ
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _failed(out: RequestOutput) -> APIError:
+def failed(out: RequestOutput) -> APIError:
     if out.unavailable:  # its cell was lost and no other could take it in time
         return APIError(503, f"Generation was interrupted: {out.error}. Retry shortly.", "service_unavailable",
                         code="engine_unavailable", headers={"Retry-After": "5"})
@@ -168,7 +168,7 @@ class Replier:
         async with aclosing(merged):
             async for index, out in merged:
                 if out.finish_reason == "error":
-                    raise _failed(out)
+                    raise failed(out)
                 done = outs[index]
                 done.token_ids += out.token_ids
                 done.text += out.text
@@ -215,7 +215,7 @@ class Replier:
         async with aclosing(merged):
             async for index, out in merged:
                 if out.finish_reason == "error":
-                    yield f"data: {json.dumps(_failed(out).body())}\n\n"
+                    yield f"data: {json.dumps(failed(out).body())}\n\n"
                     break
                 num_tokens += self._num_generated(out)
                 text, logprobs, num_piece_tokens = self._piece(index, out, not started[index], text_lens[index])

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from deploy.config import format_validation_errors
 from deploy.params import ParameterError, parse_logit_bias
 from scheduler.request import MAX_LOGPROBS
 
@@ -259,3 +260,13 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def validation_error(errors: Any) -> APIError:
+    """The 400 for a body that does not validate: `param` is the request's parameter, the message says where."""
+    cause = (errors[0].get("ctx") or {}).get("error") if errors else None
+    if isinstance(cause, ParameterError):
+        return APIError(400, str(cause), param=cause.param, code=cause.code)
+    where = [p for p in (errors[0].get("loc", ()) if errors else ()) if p != "body"]
+    return APIError(400, f"Invalid request: {format_validation_errors(errors, skip=('body',))}",
+                    param=str(where[0]) if where else None)  # the request's parameter; the message says where in it

@@ -6,8 +6,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from deploy.serving.app import _from_validation
-from deploy.serving.schemas import APIError, ChatBody, CompletionBody, TokenizeBody
+from deploy.serving.schemas import APIError, ChatBody, CompletionBody, TokenizeBody, validation_error
 from tests.deploy.fake_engine import make_server
 
 MESSAGES = [{"role": "user", "content": "paris is in"}]
@@ -23,7 +22,7 @@ def refusal(schema, **fields) -> APIError:  # type: ignore[no-untyped-def]
     """The 400 the ingress answers for a body that does not validate."""
     with pytest.raises(ValidationError) as info:
         parse(schema, **fields)
-    return _from_validation(info.value.errors())
+    return validation_error(info.value.errors())
 
 
 @pytest.mark.parametrize("schema, fields, param", [

@@ -227,3 +227,31 @@ def test_auto_with_a_parser_answers_in_text_when_the_model_calls_nothing(client,
     choice = got.choices[0]
     assert (choice.message.content, choice.message.tool_calls) == (done.text.strip(), None)
     assert choice.finish_reason == done.finish_reason
+
+
+def test_the_responses_api_gives_the_chat_reply_as_output_items(client, tiny_checkpoint):
+    """`client.responses` (whole, and the SDK's own stream accumulator) against the local engine's greedy reply
+    to the same conversation; a forced function call through it follows its schema."""
+    done, prompt = local(tiny_checkpoint, 12, messages=[{"role": "system", "content": "be brief"}, *MESSAGES],
+                         temperature=0)
+    args = dict(model="tiny", instructions="be brief", input="paris is in", max_output_tokens=12, temperature=0)
+    whole = client.responses.create(**args)
+    assert whole.output_text == done.text and whole.usage.input_tokens == len(prompt)
+    assert whole.usage.output_tokens == len(done.token_ids)
+    assert whole.status == ("incomplete" if done.finish_reason == "length" else "completed")
+    with client.responses.stream(**args) as stream:  # the SDK checks that the events build consistent items
+        events = list(stream)
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response  # response.completed, or response.incomplete when max_output_tokens cut it
+    assert events[-1].type == f"response.{whole.status}" and final.status == whole.status
+    assert deltas == final.output_text == done.text
+    forced = client.responses.create(
+        model="tiny", input="weather?", max_output_tokens=60, temperature=1.0, extra_body={"seed": 2},
+        tools=[{"type": "function", "name": "get_weather", "parameters": WEATHER, "strict": True}],
+        tool_choice={"type": "function", "name": "get_weather"})
+    (call,) = forced.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model="tiny", input="hi", previous_response_id="resp_1")
+    assert err.value.body["param"] == "previous_response_id"

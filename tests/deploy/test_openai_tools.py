@@ -9,9 +9,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from deploy.serving.app import _from_validation
 from deploy.serving.openai_api import OpenAIServer, ServedModel
-from deploy.serving.schemas import APIError, ChatBody, CompletionBody, TokenizeBody
+from deploy.serving.schemas import APIError, ChatBody, CompletionBody, TokenizeBody, validation_error
 from tests.deploy.fake_engine import FakeEngine, Says, reply
 from tests.factories import tiny_tokenizer
 
@@ -178,7 +177,7 @@ def refusal(schema, **fields) -> APIError:  # type: ignore[no-untyped-def]
     needed = {"messages": MESSAGES} if schema is ChatBody else {"prompt": "hi"}
     with pytest.raises(ValidationError) as info:
         schema.model_validate_json(json.dumps({**needed, **fields}))
-    return _from_validation(info.value.errors())
+    return validation_error(info.value.errors())
 
 
 @pytest.mark.parametrize("fields, param", [
