@@ -133,7 +133,8 @@ class ServiceConfig(EngineConfig):
     api_key: str | None = Field(None, description="If set, requests need `Authorization: Bearer <key>`.")
     tool_call_parser: ToolCallParser | None = Field(None, description="Reads the tool calls of tool_choice auto "
                                                     "out of the text: hermes (<tool_call> blocks: Qwen2.5/3, Hermes), "
-                                                    "llama3_json (Llama 3.1/3.2), mistral; unset: auto is refused.")
+                                                    "llama3_json (Llama 3.1/3.2), mistral, pythonic (Llama 3.2/4's "
+                                                    "[f(x=1)] lists); unset: auto is refused.")
     reasoning_parser: ReasoningParser | None = Field(None, description="Returns a reasoning model's <think> part "
                                                      "as reasoning_content (qwen3: when the reply opens with "
                                                      "<think>; deepseek_r1: the reply starts inside it).")

@@ -13,7 +13,8 @@ from typing import Any
 from deploy.serving.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from deploy.serving.reasoning import MessageReader, ThinkSplitter
 from deploy.serving.schemas import APIError
-from deploy.serving.tools import Delta, ToolUse, gather_calls
+from deploy.serving.tool_calls import Delta, gather_calls
+from deploy.serving.tools import ToolUse
 from scheduler.outputs import RequestOutput
 from scheduler.request import Request, TokenLogprob
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from deploy.serving.responses import Job, failed
 from deploy.serving.schemas import APIError
-from deploy.serving.tools import CallDelta, Delta
+from deploy.serving.tool_calls import CallDelta, Delta
 from scheduler.outputs import RequestOutput
 
 # Responses parameters pdserve does not implement: refused (400 naming them) unless at their no-op value.

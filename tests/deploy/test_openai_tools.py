@@ -78,8 +78,9 @@ def test_auto_reads_hermes_calls_whole_and_streamed_alike(step):
                     '"parameters": {}}'),
     ("mistral", ' [{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, {"name": "now", '
                 '"arguments": {}}]'),  # the [TOOL_CALLS] before it is a special token: not in the text
+    ("pythonic", '[get_weather(city="Paris", days=2),\n now()]'),  # Llama 3.2 and 4
 ])
-def test_llama3_json_and_mistral_read_a_reply_that_opens_with_calls(parser, text):
+def test_llama3_json_mistral_and_pythonic_read_a_reply_that_opens_with_calls(parser, text):
     expected = [("get_weather", {"city": "Paris", "days": 2}), ("now", {})]
     for step in (1, 6, 1000):
         choice = reply(server(Says(text, step), parser=parser), chat())["choices"][0]
@@ -92,6 +93,21 @@ def test_llama3_json_and_mistral_read_a_reply_that_opens_with_calls(parser, text
         choice = reply(server(Says(prose, step), parser=parser), chat())["choices"][0]
         assert choice["message"] == {"role": "assistant", "content": prose} and choice["finish_reason"] == "stop"
         assert streamed(reply(server(Says(prose, step), parser=parser), chat(stream=True))) == (prose, [], "stop")
+
+
+@pytest.mark.parametrize("text, calls, content", [
+    ('[f(a=[1, 2], b={"k": None, "é": True})]\nDone.', [("f", {"a": [1, 2], "b": {"k": None, "é": True}})],
+     "Done."),  # Python literals as JSON; the text after the list is content
+    ('[f(a=1), g(b="x', [("f", {"a": 1})], 'g(b="x'),  # cut by max_tokens: the call not finished is content
+    ("[1] Introduction", [], "[1] Introduction"),  # a list, but not of calls
+    ("[f(x)]", [], "[f(x)]"),  # a positional argument: not a call pythonic tools make
+])
+def test_pythonic_reads_the_calls_of_a_list_and_keeps_the_rest_as_content(text, calls, content):
+    for step in (1, 4, 1000):
+        message = reply(server(Says(text, step), parser="pythonic"), chat())["choices"][0]["message"]
+        assert without_ids(message.get("tool_calls") or []) == calls and (message["content"] or "") == content
+        got = streamed(reply(server(Says(text, step), parser="pythonic"), chat(stream=True)))
+        assert (got[0], without_ids(got[1])) == (content, calls)
 
 
 @pytest.mark.parametrize("text, content", [
