@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from deploy.bench.arguments import add_bench_arguments, add_gpu_bench_arguments
-from deploy.config import EngineConfig, ServiceConfig
+from deploy.config import EngineConfig, ReplyConfig, ServiceConfig
 
 
 def _engine_fields(cls: type[EngineConfig] = EngineConfig) -> dict[str, tuple[str, type, tuple[str, ...] | None]]:
@@ -62,10 +62,16 @@ def config_from_args(args: argparse.Namespace, cls: type[EngineConfig] = EngineC
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from deploy.batch import BatchInputError, run_generate
+    from deploy.openai_batch import is_openai_batch, run_openai_batch
 
     try:
-        config = config_from_args(args)
-        lines = run_generate(config, args.input, args.output, progress=not args.quiet)
+        config = config_from_args(args, ReplyConfig)
+        if is_openai_batch(args.input):
+            lines = run_openai_batch(config, args.input, args.output, progress=not args.quiet)
+            failed = sum(line["response"]["status_code"] != 200 for line in lines)
+            print(f"wrote {len(lines)} OpenAI batch results ({failed} failed) to {args.output}", file=sys.stderr)
+            return 0
+        lines = run_generate(config.engine(), args.input, args.output, progress=not args.quiet)
     except (BatchInputError, ValidationError, ValueError, FileNotFoundError) as e:
         print(f"pdserve generate: error: {e}", file=sys.stderr)
         return 2
@@ -228,10 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="run a JSONL batch of requests to a JSONL file of results")
-    gen.add_argument("--input", required=True, help="JSONL, one request per line")
+    gen.add_argument("--input", required=True, help="JSONL, one request per line: pdserve's lines, or OpenAI batch "
+                     "lines ({custom_id, method, url, body})")
     gen.add_argument("--output", required=True, help="JSONL results, written whole at the end")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
-    add_engine_args(gen)
+    add_engine_args(gen, ReplyConfig)
     gen.set_defaults(func=_cmd_generate)
 
     bench = sub.add_parser("bench", help="serving benchmark: engine modes and sweeps, or a running endpoint "

@@ -122,15 +122,13 @@ def format_validation_errors(errors: Sequence[Any], skip: tuple[str, ...] = (), 
     return "; ".join(f"{where(e) or whole}: {e.get('msg')}" for e in list(errors)[:limit])
 
 
-class ServiceConfig(EngineConfig):
-    """The service: the engine plus what the HTTP edge needs. `serve_config.yaml`'s `args` are these."""
+class ReplyConfig(EngineConfig):
+    """The engine plus how OpenAI replies name the model and read its text: the HTTP edge's and the batch
+    job's (its OpenAI batch lines)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    mode: str = Field("disaggregated", description="colocated or disaggregated (local runs without Ray).")
     served_model_name: str | None = Field(None, description="The `model` clients send; default: --model.")
-    ingress_replicas: int = Field(1, ge=1, description="Replicas of the HTTP ingress deployment.")
-    api_key: str | None = Field(None, description="If set, requests need `Authorization: Bearer <key>`.")
     tool_call_parser: ToolCallParser | None = Field(None, description="Reads the tool calls of tool_choice auto "
                                                     "out of the text: hermes (<tool_call> blocks: Qwen2.5/3, Hermes), "
                                                     "llama3_json (Llama 3.1/3.2), mistral, pythonic (Llama 3.2/4's "
@@ -138,6 +136,24 @@ class ServiceConfig(EngineConfig):
     reasoning_parser: ReasoningParser | None = Field(None, description="Returns a reasoning model's <think> part "
                                                      "as reasoning_content (qwen3: when the reply opens with "
                                                      "<think>; deepseek_r1: the reply starts inside it).")
+
+    def engine(self) -> EngineConfig:
+        fields = set(EngineConfig.model_fields)
+        return EngineConfig(**{k: v for k, v in self.model_dump().items() if k in fields})
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+
+class ServiceConfig(ReplyConfig):
+    """The service: the engine plus what the HTTP edge needs. `serve_config.yaml`'s `args` are these."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: str = Field("disaggregated", description="colocated or disaggregated (local runs without Ray).")
+    ingress_replicas: int = Field(1, ge=1, description="Replicas of the HTTP ingress deployment.")
+    api_key: str | None = Field(None, description="If set, requests need `Authorization: Bearer <key>`.")
     max_request_bytes: int = Field(1_000_000, ge=1024, description="Larger request bodies get 413.")
     cells: int = Field(1, ge=1, description="Cells (a scheduler with its own prefill and decode workers); the "
                                             "minimum when max_cells is set.")
@@ -173,11 +189,3 @@ class ServiceConfig(EngineConfig):
             "upscale_delay_s": 5.0, "downscale_delay_s": 60.0, **self.cells_autoscaling,
             "min_replicas": self.cells, "max_replicas": self.max_cells, "target_ongoing_requests": target,
             "policy": {"policy_function": AUTOSCALING_POLICY}}}
-
-    def engine(self) -> EngineConfig:
-        fields = set(EngineConfig.model_fields)
-        return EngineConfig(**{k: v for k, v in self.model_dump().items() if k in fields})
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or self.model

@@ -277,8 +277,9 @@ class OpenAIServer:
     async def chat(self, body: ChatBody) -> JSONResponse | StreamingResponse:
         return await self._respond(body, self.chat_job(body))
 
-    async def responses(self, body: ResponsesBody) -> JSONResponse | StreamingResponse:
-        """OpenAI's Responses API: the chat body asking for the same, its one choice shaped as a Response."""
+    def responses_job(self, body: ResponsesBody) -> tuple[Job, ResponseReplier]:
+        """OpenAI's Responses API: the job of the chat body asking for the same, and what shapes its one choice
+        as a Response."""
         fields = chat_fields(body)  # its 400s name this endpoint's parameters; the chat body's are renamed
         try:
             chat = ChatBody.model_validate(fields)
@@ -287,7 +288,10 @@ class OpenAIServer:
             raise renamed(validation_error(e.errors())) from None
         except APIError as e:
             raise renamed(e) from None
-        replier = ResponseReplier(job, self.model.name, body, chat)
+        return job, ResponseReplier(job, self.model.name, body, chat)
+
+    async def responses(self, body: ResponsesBody) -> JSONResponse | StreamingResponse:
+        job, replier = self.responses_job(body)
         merged = merge_streams(await self._start_all(job.requests))
         if body.stream:
             return StreamingResponse(replier.sse(merged), media_type="text/event-stream")
