@@ -137,6 +137,11 @@ class OpenAIIngress:
         self._check_auth(request)
         return JSONResponse(self.server.models())
 
+    @ingress_app.get("/v1/models/{model:path}")
+    async def model(self, model: str, request: Request) -> Response:
+        self._check_auth(request)
+        return JSONResponse(self.server.model_card(model))
+
     @ingress_app.get("/health")
     async def health(self) -> Response:
         try:

@@ -88,8 +88,13 @@ class OpenAIServer:
         self.texts = TokenTexts(model.tokenizer)
 
     def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": self.model.name, "object": "model", "created": 0,
-                                            "owned_by": "pdserve", "max_model_len": self.model.capacity}]}
+        return {"object": "list", "data": [self.model_card(self.model.name)]}
+
+    def model_card(self, model: str) -> dict[str, Any]:
+        """`GET /v1/models/{model}`: the served model's card; 404 for another name."""
+        self._check_model(model)
+        return {"id": self.model.name, "object": "model", "created": 0, "owned_by": "pdserve",
+                "max_model_len": self.model.capacity}
 
     # ---- request building -------------------------------------------------------------------------
     def _build(self, body: _SamplingBody, prompts: list[list[int]], max_tokens: int | None, prefix: str, *,

@@ -287,12 +287,13 @@ class ResponseReplier:
         yield event({"type": "response.created", "response": self.response("in_progress", [], None)})
         yield event({"type": "response.in_progress", "response": self.response("in_progress", [], None)})
         try:
-            async for events, out in self._read(merged):
-                for data in events:
-                    yield event(data)
-                if out.finished:
-                    status = self._status(out)
-                    yield event({"type": f"response.{status}",
-                                 "response": self.response(status, self.output, self.num_tokens)})
+            async with aclosing(self._read(merged)) as reading:  # a client gone: its request aborted at once
+                async for events, out in reading:
+                    for data in events:
+                        yield event(data)
+                    if out.finished:
+                        status = self._status(out)
+                        yield event({"type": f"response.{status}",
+                                     "response": self.response(status, self.output, self.num_tokens)})
         except APIError as e:
             yield event({"type": "error", "code": e.code, "message": e.message, "param": e.param})

@@ -206,3 +206,17 @@ def test_a_failed_generation_fails_the_reply_or_ends_the_stream_with_an_error_ev
     assert info.value.status == 500
     events = respond(server(FakeEngine(fail={"0"})), body(stream=True))
     assert events[-1]["type"] == "error" and "worker lost" in events[-1]["message"]
+
+
+def test_a_client_that_goes_away_mid_stream_aborts_its_request():
+    engine = FakeEngine()
+
+    async def run() -> None:
+        response = await server(engine).responses(body(stream=True, max_output_tokens=40))
+        iterator = response.body_iterator
+        for _ in range(5):  # created, in_progress and the first item's opening events
+            await anext(iterator)
+        await iterator.aclose()
+
+    asyncio.run(run())
+    assert list(engine.aborted) == list(engine.requests)

@@ -81,6 +81,8 @@ def test_raw_sse_ends_with_done_and_models_and_health(server):
     assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
     models = httpx.get(f"{server}/v1/models").json()
     assert models["data"][0]["id"] == "tiny"
+    assert httpx.get(f"{server}/v1/models/tiny").json() == models["data"][0]  # the client's models.retrieve
+    assert_error(httpx.get(f"{server}/v1/models/gpt-4"), 404, "model", "gpt-4")
     assert httpx.get(f"{server}/health").json() == {"status": "ok"}
 
 
