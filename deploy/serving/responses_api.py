@@ -25,7 +25,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 DESCRIPTIVE = ("store", "reasoning", "safety_identifier", "prompt_cache_key", "stream_options")
 # chat's names for what this endpoint names otherwise (the others, e.g. seed or top_k, pass through as on chat)
 CHAT_ONLY = ("messages", "n", "max_tokens", "max_completion_tokens", "logprobs", "response_format",
-             "functions", "function_call", "stream_options", "echo", "best_of", "suffix")
+             "functions", "function_call", "echo", "best_of", "suffix")
 # a chat parameter's error, named as this endpoint names it
 RENAMED = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
            "response_format": "text"}

@@ -94,7 +94,8 @@ def texts(output: list[dict]) -> list[tuple]:
 @pytest.mark.parametrize("step", [1, 4, 1000])
 def test_text_comes_back_as_one_message_whole_and_streamed(step):
     engine = Says("Paris is sunny today.", step)
-    whole = respond(server(engine), body(max_output_tokens=30, temperature=0.5, seed=3))
+    whole = respond(server(engine), body(max_output_tokens=30, temperature=0.5, seed=3, store=True,
+                                         reasoning={"effort": "low"}, stream_options={"include_obfuscation": False}))
     assert whole["id"].startswith("resp_") and whole["object"] == "response" and whole["status"] == "completed"
     assert texts(whole["output"]) == [("message", "Paris is sunny today.")]
     message = whole["output"][0]
