@@ -94,6 +94,8 @@ class PrefixCache:
         tokens = request.token_ids(0, request.num_tokens)
         blocks = self.match(block_names(request))
         request.num_computed = min(len(blocks) * BLOCK_SIZE, len(tokens) - 1)
+        if request.num_cached is None:  # a request readmitted after preemption keeps its first count
+            request.num_cached = request.num_computed
         self.queried_tokens += len(tokens)
         self.hit_tokens += request.num_computed
         self.saved[request.req_id] = len(blocks)

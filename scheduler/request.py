@@ -143,6 +143,7 @@ class Request:
     num_recomputes: int = 0  # times its cache was lost (worker died, handoff lost) and recomputed
     num_preemptions: int = 0  # times it was evicted for a more urgent request (then recomputed)
     num_exported: int = 0  # on a prefill worker: leading rows of its cache row already sent out (KV pieces)
+    num_cached: int | None = None  # prompt tokens its first admission loaded from the prefix cache
 
     arrival_s: float = field(default_factory=time.perf_counter)
     scheduled_s: float | None = None  # first admitted into a slot
@@ -228,6 +229,7 @@ class Request:
             "prefill_s": first - scheduled if first is not None and scheduled is not None else 0.0,
             "decode_s": end - first if first is not None else 0.0,
             "preemptions": self.num_preemptions,
+            "cached_tokens": self.num_cached or 0,
         }
 
 

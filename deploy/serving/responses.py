@@ -50,6 +50,12 @@ class Job:
         """Every prompt's tokens, each prompt counted once however many choices it has (as usage counts them)."""
         return sum(len(r.prompt_ids) for r in self.requests[::self.choices_per_prompt])
 
+    def cached_tokens(self, finished: list[RequestOutput | None]) -> int:
+        """Of those prompt tokens, how many came from the prefix cache (known once a prompt's first choice has
+        finished: its last output's metrics say)."""
+        return sum(int(out.metrics.get("cached_tokens", 0)) for out in finished[::self.choices_per_prompt]
+                   if out is not None)
+
 
 async def aclose(stream: AsyncIterator[RequestOutput]) -> None:
     """Close a stream (before its end, that aborts its request in the engine), if it can be closed."""
@@ -155,10 +161,12 @@ class Replier:
             message |= {"content": text or None, "tool_calls": gather_calls(read.calls)}
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def usage(self, num_completion: int) -> dict[str, int]:
+    def usage(self, num_completion: int, finished: list[RequestOutput | None]) -> dict[str, Any]:
+        """Tokens so far; the prompts' tokens served from the prefix cache, of the choices `finished`."""
         num_prompt = self.job.num_prompt_tokens
         return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-                "total_tokens": num_prompt + num_completion}
+                "total_tokens": num_prompt + num_completion,
+                "prompt_tokens_details": {"cached_tokens": self.job.cached_tokens(finished)}}
 
     def _num_generated(self, out: RequestOutput) -> int:
         return 0 if self.job.drop_generation else len(out.token_ids)
@@ -176,7 +184,7 @@ class Replier:
                 done.logprobs += out.logprobs
                 if out.prompt_logprobs is not None:
                     done.prompt_logprobs = out.prompt_logprobs
-                done.finish_reason = out.finish_reason
+                done.finish_reason, done.metrics = out.finish_reason, out.metrics
         choices = []
         for index, (done, reader) in enumerate(zip(outs, self.job.readers(), strict=True)):
             text, logprobs, _ = self._piece(index, done, True, 0)
@@ -186,7 +194,7 @@ class Replier:
                                         read=read))
         return {"id": self.job.resp_id, "object": "chat.completion" if self.job.chat else "text_completion",
                 "created": self.created, "model": self.model_name, "choices": choices,
-                "usage": self.usage(sum(self._num_generated(done) for done in outs))}
+                "usage": self.usage(sum(self._num_generated(done) for done in outs), list(outs))}
 
     async def sse(self, merged: AsyncIterator[tuple[int, RequestOutput]], include_usage: bool,
                   continuous_usage: bool = False) -> AsyncIterator[str]:
@@ -204,8 +212,10 @@ class Replier:
             return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
         num_choices = len(self.job.requests)
-        def so_far(num_tokens: int) -> dict[str, int] | None:
-            return self.usage(num_tokens) if continuous_usage else None
+        finished: list[RequestOutput | None] = [None] * num_choices
+
+        def so_far(num_tokens: int) -> dict[str, Any] | None:
+            return self.usage(num_tokens, finished) if continuous_usage else None
 
         if self.job.chat:
             for index in range(num_choices):
@@ -219,6 +229,8 @@ class Replier:
                     yield f"data: {json.dumps(failed(out).body())}\n\n"
                     break
                 num_tokens += self._num_generated(out)
+                if out.finished:
+                    finished[index] = out
                 text, logprobs, num_piece_tokens = self._piece(index, out, not started[index], text_lens[index])
                 started[index] = True
                 text_lens[index] += len(text)
@@ -233,5 +245,5 @@ class Replier:
                 yield chunk([self._choice(index, text, logprobs, self._finish_reason(out, num_calls[index]),
                                           stream=True, read=read)], so_far(num_tokens))
         if include_usage:
-            yield chunk([], self.usage(num_tokens))
+            yield chunk([], self.usage(num_tokens, finished))
         yield "data: [DONE]\n\n"

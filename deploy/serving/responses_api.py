@@ -229,10 +229,11 @@ class ResponseReplier:
         self.created = int(time.time())
         self.resp_id = "resp_" + job.resp_id.split("-", 1)[-1]
 
-    def response(self, status: str, output: list[dict[str, Any]], num_output: int | None) -> dict[str, Any]:
+    def response(self, status: str, output: list[dict[str, Any]], num_output: int | None,
+                 last: RequestOutput | None = None) -> dict[str, Any]:
         num_input = self.job.num_prompt_tokens
         usage = None if num_output is None else {
-            "input_tokens": num_input, "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens": num_input, "input_tokens_details": {"cached_tokens": self.job.cached_tokens([last])},
             "output_tokens": num_output, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": num_input + num_output}
         extra = self.body.model_extra or {}
@@ -273,7 +274,7 @@ class ResponseReplier:
         async for _, out in self._read(merged):
             last = out
         assert last is not None and last.finished
-        return self.response(self._status(last), self.output, self.num_tokens)
+        return self.response(self._status(last), self.output, self.num_tokens, last)
 
     async def sse(self, merged: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
         number = 0
@@ -294,6 +295,6 @@ class ResponseReplier:
                     if out.finished:
                         status = self._status(out)
                         yield event({"type": f"response.{status}",
-                                     "response": self.response(status, self.output, self.num_tokens)})
+                                     "response": self.response(status, self.output, self.num_tokens, out)})
         except APIError as e:
             yield event({"type": "error", "code": e.code, "message": e.message, "param": e.param})

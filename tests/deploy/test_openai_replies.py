@@ -75,7 +75,8 @@ def test_completion_logprobs_with_echo_whole_and_streamed():
     for token, top in zip(logprobs["tokens"][1:], logprobs["top_logprobs"][1:], strict=True):
         assert next(iter(top)) == token and len(top) <= 3 and -9999.0 in top.values()  # sampled + 2 most likely
     assert logprobs["text_offset"] == list(itertools.accumulate([0] + [len(t) for t in logprobs["tokens"][:-1]]))
-    assert whole["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 4, "total_tokens": num_prompt + 4}
+    assert whole["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 4, "total_tokens": num_prompt + 4,
+                              "prompt_tokens_details": {"cached_tokens": 0}}
 
     chunks = streamed_choices(reply(server, CompletionBody(**body, stream=True)))[0]
     assert chunks[0]["text"].startswith("hello world")
@@ -117,7 +118,8 @@ def test_n_choices_sample_as_single_requests_with_seed_plus_i():
     assert len({c["text"] for c in whole["choices"]}) == 3
     assert all(c["finish_reason"] == "length" and c["logprobs"] is None for c in whole["choices"])
     num_prompt = singles[0]["usage"]["prompt_tokens"]
-    assert whole["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 18, "total_tokens": num_prompt + 18}
+    assert whole["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 18, "total_tokens": num_prompt + 18,
+                              "prompt_tokens_details": {"cached_tokens": 0}}
 
     chunks = reply(server, CompletionBody(model="tiny", prompt="hello", n=3, seed=10, max_tokens=6, stream=True,
                                           stream_options={"include_usage": True}))
@@ -147,7 +149,8 @@ def test_a_list_of_prompts_gets_n_choices_each_numbered_prompt_by_prompt():
     assert [c["text"][:len(prompts[i // 2])] for i, c in enumerate(whole["choices"])] == \
         [prompts[0], prompts[0], prompts[1], prompts[1]]
     num_prompt = sum(s["usage"]["prompt_tokens"] for s in singles)  # each prompt once, not once per choice
-    assert whole["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 20, "total_tokens": num_prompt + 20}
+    assert whole["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 20, "total_tokens": num_prompt + 20,
+                              "prompt_tokens_details": {"cached_tokens": 0}}
     forks = [r.fork_of for r in engine.requests.values()][:4]
     assert forks == [None, f"{whole['id']}-0", None, f"{whole['id']}-2"]
 

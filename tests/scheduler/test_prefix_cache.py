@@ -55,15 +55,27 @@ def test_a_cached_prefix_is_loaded_and_only_the_rest_computed():
     plans = run(sched)
     assert [save[2] for p in plans for save in p.saves]  # its two full prompt blocks went to the pool
     # the same prefix, ending inside block 2: blocks 0-1 are loaded, the rest computed
-    sched.submit(request("b", first[: 2 * B + 3] + [9, 9]))
+    b = request("b", first[: 2 * B + 3] + [9, 9])
+    sched.submit(b)
     plans = run(sched)
     assert [(load[1], load[2]) for load in plans[0].loads] == [(0, 0), (0, B)]
     assert plans[0].prefill[0].start_pos == 2 * B and plans[0].prefill[0].num_tokens == 5
     # a prompt entirely cached still computes its last token, to sample
-    sched.submit(request("c", first[: 2 * B]))
+    c = request("c", first[: 2 * B])
+    sched.submit(c)
     plans = run(sched)
     assert len(plans[0].loads) == 2 and plans[0].prefill[0].start_pos == 2 * B - 1
     assert sched.prefix_cache.hit_tokens == 2 * B + 2 * B - 1
+    # each request reports what it found (its usage's cached tokens); a readmission keeps the first count
+    assert (b.metrics()["cached_tokens"], c.metrics()["cached_tokens"]) == (2 * B, 2 * B - 1)
+    c.reset_cache()
+    sched.prefix_cache.admit(c, 1)
+    assert c.num_computed == 2 * B and c.metrics()["cached_tokens"] == 2 * B - 1  # now with an output token
+    fresh = Scheduler(2, 256, token_budget=64, prefill_chunk=64, prefix_cache_blocks=16)
+    first_seen = request("a", first)
+    fresh.submit(first_seen)
+    run(fresh)
+    assert first_seen.metrics()["cached_tokens"] == 0
 
 
 def test_echo_requests_compute_every_prompt_position():
