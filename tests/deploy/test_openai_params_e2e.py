@@ -255,3 +255,14 @@ def test_the_responses_api_gives_the_chat_reply_as_output_items(client, tiny_che
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(model="tiny", input="hi", previous_response_id="resp_1")
     assert err.value.body["param"] == "previous_response_id"
+
+
+def test_usage_counts_the_prompt_tokens_found_in_the_prefix_cache(client):
+    messages = [{"role": "user", "content": "zebra crossings at dawn, asked again and again " * 3}]
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0)
+    again = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens  # whole blocks of 16, all but the last token at most
+    assert again.usage.prompt_tokens - 16 <= cached < again.usage.prompt_tokens and cached >= 16
+    response = client.responses.create(model="tiny", input=messages[0]["content"], max_output_tokens=2)
+    assert response.usage.input_tokens_details.cached_tokens == cached
