@@ -125,18 +125,50 @@ def resolve_checkpoint(name: str) -> str:
     return name  # a hub id; loading it needs a network
 
 
+def _rope_parameters(config: Any) -> dict[str, Any]:
+    return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+
+
 def model_context(config: Any) -> int:
     """The longest sequence served: the checkpoint's context, capped at its sliding window where any layer
-    attends through one (Mistral; Qwen2/3 with `use_sliding_window`). Our attention is full attention, which
-    equals a window's up to the window's length, so outputs stay those of `transformers`."""
+    attends through one (Mistral; Qwen2/3 with `use_sliding_window`; Phi-3 4k), and at the original context
+    of a `longrope` scaling (Phi-3 128k), whose short factors hold up to there (`transformers` switches every
+    position to the long factors past it, which a cache of earlier keys cannot follow). Our attention is full
+    attention with one set of frequencies, so up to that length outputs stay those of `transformers`."""
     context = int(getattr(config, "max_position_embeddings", MAX_DEFAULT_CONTEXT))
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if window and (layer_types is None or "sliding_attention" in layer_types) and window < context:
         log.warning("%s attends through a sliding window of %d tokens: serving at most %d tokens per request",
                     config.model_type, window, window)
-        return int(window)
+        context = int(window)
+    rope = _rope_parameters(config)
+    original = rope.get("original_max_position_embeddings")
+    if rope.get("rope_type", rope.get("type")) == "longrope" and original and original < context:
+        log.warning("%s scales RoPE by longrope from %d tokens on: serving at most %d tokens per request",
+                    config.model_type, original, original)
+        context = int(original)
     return context
+
+
+def _unfused(state: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    """Phi-3's fused projections (`qkv_proj`, `gate_up_proj`) as the separate ones our model loads (and fuses
+    again its own way); other checkpoints' weights as they are."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    q = config.num_attention_heads * head_dim
+    kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith("self_attn.qkv_proj.weight"):
+            prefix = name.removesuffix("qkv_proj.weight")
+            for part, piece in zip(("q", "k", "v"), tensor.split([q, kv, kv]), strict=True):
+                out[f"{prefix}{part}_proj.weight"] = piece
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            prefix = name.removesuffix("gate_up_proj.weight")
+            out[f"{prefix}gate_proj.weight"], out[f"{prefix}up_proj.weight"] = tensor.chunk(2, dim=0)
+        else:
+            out[name] = tensor
+    return out
 
 
 def spec_from_hf(config: Any, state: dict[str, torch.Tensor]) -> ModelSpec:
@@ -146,6 +178,9 @@ def spec_from_hf(config: Any, state: dict[str, torch.Tensor]) -> ModelSpec:
                          f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"activation {config.hidden_act!r} is not supported (the MLP is SwiGLU with silu)")
+    partial = _rope_parameters(config).get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor {partial} is not supported (RoPE rotates whole heads here)")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     tie = bool(getattr(config, "tie_word_embeddings", False)) or "lm_head.weight" not in state
     return ModelSpec(
@@ -166,11 +201,11 @@ def spec_from_hf(config: Any, state: dict[str, torch.Tensor]) -> ModelSpec:
 
 def from_hf_model(hf: Any, dtype: torch.dtype = torch.float32, device: str = "cpu") -> DecoderLM:
     """Build our model from a loaded `transformers` causal LM, sharing nothing with it."""
-    rope = getattr(hf.config, "rope_parameters", None) or getattr(hf.config, "rope_scaling", None) or {}
+    rope = _rope_parameters(hf.config)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in _STATIC_ROPE_TYPES:
         raise ValueError(f"RoPE type {rope_type!r} is not supported (supported: {_STATIC_ROPE_TYPES})")
-    state = hf.state_dict()
+    state = _unfused(hf.state_dict(), hf.config)
     spec = spec_from_hf(hf.config, state)
     rotary = hf.model.rotary_emb
     model = DecoderLM(spec, rotary.inv_freq.detach().float().cpu(), float(getattr(rotary, "attention_scaling", 1.0)))

@@ -12,7 +12,7 @@ from torch import nn
 from workers.kernels import add_rms_norm, decode_attention, linear, rope_and_cache, silu_mul
 from workers.kv_cache import SlotKVCache
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ def _run(model, cache, rows, decode_first: int):
 # (2, 0): decode rows out of slot order with an idle row in their span; (0, 1): rows are the span
 @pytest.mark.parametrize(("slot_a", "slot_b"), [(2, 0), (0, 1)], ids=["scattered-slots", "span-slots"])
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernels", "torch"])
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "llama3-scaled", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "llama3-scaled", "mistral", "phi3"])
 def test_logits_match_transformers_for_chunks_and_batched_decode(kind, slot_a, slot_b, kernel, monkeypatch):
     if not kernel:  # SDPA and eager ops, as where the kernels cannot be built
         monkeypatch.setattr(kernels, "load_kernels", lambda: None)
@@ -132,4 +132,31 @@ def test_an_activation_other_than_silu_is_refused_by_name():
     config = tiny_hf_config("llama")
     config.hidden_act = "gelu"
     with pytest.raises(ValueError, match="activation 'gelu'"):
+        spec_from_hf(config, {})
+
+
+def test_a_longrope_checkpoint_is_served_up_to_its_original_context_where_its_short_factors_hold():
+    """Phi-3 128k: `transformers` rotates every position with the long factors once a sequence passes the
+    original context, which keys cached before cannot follow; so the served context stops there."""
+    from tests.factories import tiny_hf_config
+    from workers.loader import model_context
+
+    hf, model = tiny_hf_model("phi3"), tiny_model("phi3")
+    assert model_context(tiny_hf_config("phi3")) == 64
+    cache = SlotKVCache(model.spec.num_layers, 1, model.spec.num_kv_heads, 80, model.spec.head_dim)
+    seq = prompt_ids(65, seed=5)
+    with torch.no_grad():
+        short, long = hf(torch.tensor([seq[:64]])).logits[0], hf(torch.tensor([seq])).logits[0]
+        ours = _run(model, cache, [(0, seq, 0)], 0)
+    torch.testing.assert_close(ours[:64], short, atol=2e-5, rtol=1e-4)  # up to 64 tokens: the same
+    assert not torch.allclose(long[:64], short, atol=1e-3)  # at 65, transformers re-rotates all: hence the cap
+
+
+def test_a_partial_rotary_checkpoint_is_refused_by_name():
+    from tests.factories import tiny_hf_config
+    from workers.loader import spec_from_hf
+
+    config = tiny_hf_config("phi3")
+    config.rope_parameters["partial_rotary_factor"] = 0.75  # Phi-4-mini
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.75"):
         spec_from_hf(config, {})
