@@ -183,6 +183,7 @@ def spec_from_hf(config: Any, state: dict[str, torch.Tensor]) -> ModelSpec:
         raise ValueError(f"partial_rotary_factor {partial} is not supported (RoPE rotates whole heads here)")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     tie = bool(getattr(config, "tie_word_embeddings", False)) or "lm_head.weight" not in state
+    rope_layers = getattr(config, "no_rope_layers", None)  # SmolLM3: 1 for a layer with RoPE, 0 without
     return ModelSpec(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
@@ -196,6 +197,7 @@ def spec_from_hf(config: Any, state: dict[str, torch.Tensor]) -> ModelSpec:
         o_bias="model.layers.0.self_attn.o_proj.bias" in state,
         qk_norm="model.layers.0.self_attn.q_norm.weight" in state,
         tie_word_embeddings=tie,
+        rope_layers=tuple(bool(r) for r in rope_layers) if rope_layers and not all(rope_layers) else None,
     )
 
 

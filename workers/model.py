@@ -12,7 +12,7 @@ from torch import nn
 from workers.kernels import add_rms_norm, decode_attention, linear, rope_and_cache, silu_mul
 from workers.kv_cache import SlotKVCache
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class ModelSpec:
     o_bias: bool
     qk_norm: bool  # Qwen3 normalises each head's q and k before RoPE
     tie_word_embeddings: bool
+    rope_layers: tuple[bool, ...] | None = None  # which layers rotate q and k (SmolLM3 skips every 4th); None: all
 
 
 class PrefillSpan(NamedTuple):
@@ -289,7 +290,11 @@ class DecoderLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [N, D]
         cos = (emb.cos() * self.rope_scale).to(x.dtype)[:, None, :]  # [N, 1, D]
         sin = (emb.sin() * self.rope_scale).to(x.dtype)[:, None, :]  # [N, 1, D]
-        for layer in self.model.layers:
-            x, delta = layer(x, delta, cos, sin, layout, cache)  # [N, hidden] each
+        rotations = [(cos, sin)] * len(self.model.layers)
+        if self.spec.rope_layers is not None:  # a layer without RoPE rotates by 0: x * 1 + y * 0 is x exactly
+            still = (torch.ones_like(cos), torch.zeros_like(sin))  # [N, 1, D] each
+            rotations = [(cos, sin) if rope else still for rope in self.spec.rope_layers]
+        for layer, (layer_cos, layer_sin) in zip(self.model.layers, rotations, strict=True):
+            x, delta = layer(x, delta, layer_cos, layer_sin, layout, cache)  # [N, hidden] each
         x = self.model.norm(x[logits_indices] + delta[logits_indices])  # [M, hidden]
         return linear(x, self.output_weight()).float()  # [M, vocab]
