@@ -7,7 +7,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from tqdm import tqdm
@@ -20,6 +20,8 @@ from deploy.serving.logprobs import finite
 from scheduler.outputs import Completion
 from scheduler.policy import Scheduler
 from scheduler.request import MAX_LOGPROBS, Request, TokenLogprob
+
+Line = TypeVar("Line", bound=BaseModel)
 
 
 class BatchInputError(ValueError):
@@ -65,27 +67,32 @@ class GenerateLine(BaseModel):
         return value
 
 
-def read_lines(path: str | Path) -> list[GenerateLine]:
-    """Parse and check every line before any work; raise BatchInputError naming the first bad line."""
-    lines: list[GenerateLine] = []
+def read_jsonl(path: str | Path, schema: type[Line], key: str) -> list[Line]:
+    """Parse and check every line before any work; raise BatchInputError naming the first bad line: one that
+    does not validate as `schema`, or repeats another line's `key`."""
+    lines: list[Line] = []
     seen: dict[str, int] = {}
     with open(path, encoding="utf-8") as f:
         for number, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue
             try:
-                line = GenerateLine.model_validate_json(raw)
+                line = schema.model_validate_json(raw)
             except ValidationError as e:
                 problems = format_validation_errors(e.errors(), whole="line")
                 raise BatchInputError(f"{path}:{number}: {problems}") from None
-            key = str(line.id)
-            if key in seen:
-                raise BatchInputError(f"{path}:{number}: id {key!r} repeats line {seen[key]}")
-            seen[key] = number
+            name = str(getattr(line, key))
+            if name in seen:
+                raise BatchInputError(f"{path}:{number}: {key} {name!r} repeats line {seen[name]}")
+            seen[name] = number
             lines.append(line)
     if not lines:
         raise BatchInputError(f"{path}: no requests")
     return lines
+
+
+def read_lines(path: str | Path) -> list[GenerateLine]:
+    return read_jsonl(path, GenerateLine, "id")
 
 
 def to_requests(lines: list[GenerateLine], tokenizer: Any, eos_token_ids: frozenset[int],

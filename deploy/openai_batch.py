@@ -20,8 +20,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tqdm import tqdm
 
-from deploy.batch import BatchInputError, write_atomically
-from deploy.config import ReplyConfig, format_validation_errors
+from deploy.batch import read_jsonl, write_atomically
+from deploy.config import ReplyConfig
 from deploy.driver import open_engine
 from deploy.serving.openai_api import OpenAIServer, ServedModel
 from deploy.serving.responses import Job, Replier, merge_streams
@@ -55,25 +55,7 @@ def is_openai_batch(path: str | Path) -> bool:
 
 def read_batch(path: str | Path) -> list[BatchLine]:
     """Parse every line before any work; raise BatchInputError naming the first malformed line."""
-    lines: list[BatchLine] = []
-    seen: dict[str, int] = {}
-    with open(path, encoding="utf-8") as f:
-        for number, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            try:
-                line = BatchLine.model_validate_json(raw)
-            except ValidationError as e:
-                raise BatchInputError(f"{path}:{number}: {format_validation_errors(e.errors(), whole='line')}") \
-                    from None
-            if line.custom_id in seen:
-                raise BatchInputError(f"{path}:{number}: custom_id {line.custom_id!r} repeats line "
-                                      f"{seen[line.custom_id]}")
-            seen[line.custom_id] = number
-            lines.append(line)
-    if not lines:
-        raise BatchInputError(f"{path}: no requests")
-    return lines
+    return read_jsonl(path, BatchLine, "custom_id")
 
 
 def plan(server: OpenAIServer, line: BatchLine) -> tuple[Job, Replier | ResponseReplier] | APIError:
