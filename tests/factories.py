@@ -18,7 +18,15 @@ VOCAB = 384
 def tiny_hf_config(kind: str = "llama"):  # type: ignore[no-untyped-def]
     """A two-layer config. A large initializer_range spreads the logits so argmax has clear margins:
     greedy tokens then do not flip on the last-bit differences between batched and solo matmuls."""
-    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config, SmolLM3Config
+    from transformers import (
+        GraniteConfig,
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+        SmolLM3Config,
+    )
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
@@ -35,6 +43,9 @@ def tiny_hf_config(kind: str = "llama"):  # type: ignore[no-untyped-def]
         return Qwen2Config(**common)
     if kind == "qwen3":
         return Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
+    if kind == "granite":  # Granite 3's multipliers (its attention one is 1 / head_dim, not head_dim ** -0.5)
+        return GraniteConfig(**common, embedding_multiplier=12.0, logits_scaling=2.0, residual_multiplier=0.22,
+                             attention_multiplier=1 / 16, tie_word_embeddings=True)
     if kind == "smollm3":  # its second layer without RoPE, as SmolLM3 leaves out every fourth
         return SmolLM3Config(**common, no_rope_layers=[1, 0], rope_theta=5e6, tie_word_embeddings=True)
     if kind == "phi3":  # fused qkv_proj and gate_up_proj; longrope past 64 tokens, as Phi-3 128k past 4k

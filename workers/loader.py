@@ -153,7 +153,7 @@ def model_context(config: Any) -> int:
 
 def _unfused(state: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
     """Phi-3's fused projections (`qkv_proj`, `gate_up_proj`) as the separate ones our model loads (and fuses
-    again its own way); other checkpoints' weights as they are."""
+    again its own way), with Granite's multipliers folded in; other checkpoints' weights as they are."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     q = config.num_attention_heads * head_dim
     kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
@@ -168,7 +168,24 @@ def _unfused(state: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Ten
             out[f"{prefix}gate_proj.weight"], out[f"{prefix}up_proj.weight"] = tensor.chunk(2, dim=0)
         else:
             out[name] = tensor
-    return out
+    return _multiplied(out, config, head_dim)
+
+
+def _multiplied(state: dict[str, torch.Tensor], config: Any, head_dim: int) -> dict[str, torch.Tensor]:
+    """Granite's attention multiplier (the attention's scale, where others have head_dim ** -0.5) in the query
+    projection, and its residual multiplier in the projections whose outputs join the residual stream, so
+    the attention kernels and the fused add-and-norm stay as they are. New tensors: `transformers`' own
+    weights are left alone."""
+    factors = {}
+    if getattr(config, "attention_multiplier", None) is not None:
+        factors["self_attn.q_proj."] = config.attention_multiplier * head_dim**0.5
+    if getattr(config, "residual_multiplier", None) is not None:
+        factors["self_attn.o_proj."] = factors["mlp.down_proj."] = config.residual_multiplier
+    for name in list(state):
+        factor = next((f for part, f in factors.items() if part in name), None)
+        if factor is not None:
+            state[name] = state[name] * factor
+    return state
 
 
 def spec_from_hf(config: Any, state: dict[str, torch.Tensor]) -> ModelSpec:
@@ -198,6 +215,8 @@ def spec_from_hf(config: Any, state: dict[str, torch.Tensor]) -> ModelSpec:
         qk_norm="model.layers.0.self_attn.q_norm.weight" in state,
         tie_word_embeddings=tie,
         rope_layers=tuple(bool(r) for r in rope_layers) if rope_layers and not all(rope_layers) else None,
+        embedding_multiplier=float(getattr(config, "embedding_multiplier", 1.0)),
+        logits_scaling=float(getattr(config, "logits_scaling", 1.0)),
     )
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from workers.kernels import add_rms_norm, decode_attention, linear, rope_and_cache, silu_mul
 from workers.kv_cache import SlotKVCache
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite")
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,8 @@ class ModelSpec:
     qk_norm: bool  # Qwen3 normalises each head's q and k before RoPE
     tie_word_embeddings: bool
     rope_layers: tuple[bool, ...] | None = None  # which layers rotate q and k (SmolLM3 skips every 4th); None: all
+    embedding_multiplier: float = 1.0  # Granite scales the embeddings,
+    logits_scaling: float = 1.0  # and divides the logits (its attention and residual multipliers are in the weights)
 
 
 class PrefillSpan(NamedTuple):
@@ -286,6 +288,8 @@ class DecoderLM(nn.Module):
     ) -> torch.Tensor:
         """Compute the tokens, write their K/V into the cache, return logits at `logits_indices`."""
         x, delta = self.model.embed_tokens(input_ids), None  # [N, hidden]
+        if self.spec.embedding_multiplier != 1.0:
+            x = x * self.spec.embedding_multiplier  # [N, hidden]
         freqs = layout.positions[:, None].float() * self.inv_freq[None, :]  # [N, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [N, D]
         cos = (emb.cos() * self.rope_scale).to(x.dtype)[:, None, :]  # [N, 1, D]
@@ -297,4 +301,5 @@ class DecoderLM(nn.Module):
         for layer, (layer_cos, layer_sin) in zip(self.model.layers, rotations, strict=True):
             x, delta = layer(x, delta, layer_cos, layer_sin, layout, cache)  # [N, hidden] each
         x = self.model.norm(x[logits_indices] + delta[logits_indices])  # [M, hidden]
-        return linear(x, self.output_weight()).float()  # [M, vocab]
+        logits = linear(x, self.output_weight())  # [M, vocab]
+        return (logits / self.spec.logits_scaling if self.spec.logits_scaling != 1.0 else logits).float()

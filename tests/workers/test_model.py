@@ -19,7 +19,8 @@ def _run(model, cache, rows, decode_first: int):
 # (2, 0): decode rows out of slot order with an idle row in their span; (0, 1): rows are the span
 @pytest.mark.parametrize(("slot_a", "slot_b"), [(2, 0), (0, 1)], ids=["scattered-slots", "span-slots"])
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernels", "torch"])
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "llama3-scaled", "mistral", "phi3", "smollm3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "llama3-scaled", "mistral", "phi3", "smollm3",
+                                  "granite"])
 def test_logits_match_transformers_for_chunks_and_batched_decode(kind, slot_a, slot_b, kernel, monkeypatch):
     if not kernel:  # SDPA and eager ops, as where the kernels cannot be built
         monkeypatch.setattr(kernels, "load_kernels", lambda: None)
