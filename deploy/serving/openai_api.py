@@ -21,8 +21,9 @@ from deploy.engine_client import unwrap
 from deploy.params import ParameterError, check_token_ids, parse_logit_bias, structured_format
 from deploy.prompts import build_request, encode_prompt
 from deploy.serving.logprobs import TokenTexts
+from deploy.serving.response_items import ResponseReplier
 from deploy.serving.responses import Job, Replier, Started, aclose, merge_streams
-from deploy.serving.responses_api import ResponseReplier, ResponsesBody, chat_fields, renamed
+from deploy.serving.responses_api import ResponsesBody, chat_fields, renamed
 from deploy.serving.schemas import (
     APIError,
     ChatBody,
@@ -293,7 +294,10 @@ class OpenAIServer:
             raise renamed(validation_error(e.errors())) from None
         except APIError as e:
             raise renamed(e) from None
-        return job, ResponseReplier(job, self.model.name, body, chat)
+        if job.logprobs and job.readers()[0] is not None:
+            raise APIError(400, "log-probs are given with the message text only when all of the text is the "
+                           "message's: not with tools or a reasoning parser", param="include")
+        return job, ResponseReplier(job, self.model.name, self.texts, body, chat)
 
     async def responses(self, body: ResponsesBody) -> JSONResponse | StreamingResponse:
         job, replier = self.responses_job(body)

@@ -245,6 +245,13 @@ def test_the_responses_api_gives_the_chat_reply_as_output_items(client, tiny_che
     final = events[-1].response  # response.completed, or response.incomplete when max_output_tokens cut it
     assert events[-1].type == f"response.{whole.status}" and final.status == whole.status
     assert deltas == final.output_text == done.text
+    scored = client.responses.create(**args, include=["message.output_text.logprobs"], top_logprobs=2)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "system", "content": "be brief"},
+                                                                  *MESSAGES], max_tokens=12, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    entries = scored.output[0].content[0].logprobs
+    assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in chat.choices[0].logprobs.content], abs=1e-5)
+    assert [len(e.top_logprobs) for e in entries] == [2] * len(done.token_ids)
     forced = client.responses.create(
         model="tiny", input="weather?", max_output_tokens=60, temperature=1.0, extra_body={"seed": 2},
         tools=[{"type": "function", "name": "get_weather", "parameters": WEATHER, "strict": True}],

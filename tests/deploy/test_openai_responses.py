@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from deploy.serving.openai_api import OpenAIServer
 from deploy.serving.responses_api import ResponsesBody
 from deploy.serving.schemas import APIError, ChatBody, validation_error
-from tests.deploy.fake_engine import FakeEngine, Says
+from tests.deploy.fake_engine import FakeEngine, Says, reply
 from tests.deploy.test_openai_tools import HERMES, TOOL_TEMPLATE, server
 from tests.factories import tiny_tokenizer
 
@@ -62,6 +62,8 @@ def built(events: list[dict]) -> dict:
         item = items[index]
         if kind in ("response.output_text.delta", "response.reasoning_text.delta"):
             item["content"][e["content_index"]]["text"] += e["delta"]
+            if kind == "response.output_text.delta":
+                item["content"][e["content_index"]]["logprobs"] += e["logprobs"]
         elif kind == "response.function_call_arguments.delta":
             item["arguments"] += e["delta"]
         elif kind == "response.function_call_arguments.done":
@@ -177,6 +179,8 @@ def test_text_format_and_tool_choice_reach_the_engine_as_chat_would_send_them():
     ({"conversation": "conv_1"}, "conversation"),
     ({"background": True}, "background"),
     ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"include": ["message.output_text.logprobs"], "tools": TOOLS, "tool_choice": "required"}, "include"),
+    ({"top_logprobs": 21}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}]}, "messages"),
     ({"n": 2}, "n"),
     ({"frobnicate": 1}, "frobnicate"),
@@ -192,9 +196,10 @@ def test_text_format_and_tool_choice_reach_the_engine_as_chat_would_send_them():
 ])
 def test_what_is_not_implemented_or_out_of_range_gets_400_naming_it(fields, param):
     engine = FakeEngine()
-    with pytest.raises(APIError) as info:
+    with pytest.raises((APIError, ValidationError)) as info:
         respond(server(engine), body(**fields))
-    assert (info.value.status, info.value.param) == (400, param), info.value.message
+    error = info.value if isinstance(info.value, APIError) else validation_error(info.value.errors())  # the ingress's
+    assert (error.status, error.param) == (400, param), error.message
     assert not engine.requests
     with pytest.raises(ValidationError) as bad:
         body(max_output_tokens=0)
@@ -221,3 +226,19 @@ def test_a_client_that_goes_away_mid_stream_aborts_its_request():
 
     asyncio.run(run())
     assert list(engine.aborted) == list(engine.requests)
+
+
+def test_log_probs_come_with_the_message_text_as_chat_gives_them():
+    asked = dict(include=["message.output_text.logprobs"], top_logprobs=2, max_output_tokens=6, seed=1)
+    whole = respond(server(FakeEngine()), body(**asked))
+    (part,) = whole["output"][0]["content"]
+    chat = ChatBody.model_validate({"messages": [{"role": "user", "content": "weather in paris?"}], "seed": 1,
+                                    "max_tokens": 6, "logprobs": True, "top_logprobs": 2})
+    expected = reply(server(FakeEngine()), chat)["choices"][0]
+    assert part["text"] == expected["message"]["content"] and len(part["logprobs"]) == 6
+    assert part["logprobs"] == expected["logprobs"]["content"]
+    assert all(len(entry["top_logprobs"]) == 2 for entry in part["logprobs"])
+    final = built(respond(server(FakeEngine()), body(**asked, stream=True)))
+    assert final["output"][0]["content"][0]["logprobs"] == part["logprobs"]
+    plain = respond(server(FakeEngine()), body(seed=1, max_output_tokens=6))
+    assert plain["output"][0]["content"][0]["logprobs"] == []
