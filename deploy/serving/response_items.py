@@ -40,12 +40,13 @@ class OutputItems:
 
     def close(self, status: str) -> list[dict[str, Any]]:
         """The events that end the open item, which gets `status` (completed, or incomplete when cut)."""
-        item, self._open = self._open, None
+        item = self._open
         if item is None:
             return []
         where = {"item_id": item["id"], "output_index": len(self.items) - 1}
+        # log-probs of the last tokens, whose text was empty (EOS) or held back: with an empty delta
         events = self._text("message", "") if self._logprobs and item["type"] == "message" else []
-        item["status"] = status
+        self._open, item["status"] = None, status
         if item["type"] == "function_call":
             events.append({"type": "response.function_call_arguments.done", **where, "name": item["name"],
                            "arguments": item["arguments"]})

@@ -250,7 +250,8 @@ def test_the_responses_api_gives_the_chat_reply_as_output_items(client, tiny_che
                                                                   *MESSAGES], max_tokens=12, temperature=0,
                                           logprobs=True, top_logprobs=2)
     entries = scored.output[0].content[0].logprobs
-    assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in chat.choices[0].logprobs.content], abs=1e-5)
+    expected = [e.logprob for e in chat.choices[0].logprobs.content]
+    assert [e.logprob for e in entries] == pytest.approx(expected, abs=1e-5)
     assert [len(e.top_logprobs) for e in entries] == [2] * len(done.token_ids)
     forced = client.responses.create(
         model="tiny", input="weather?", max_output_tokens=60, temperature=1.0, extra_body={"seed": 2},

@@ -242,3 +242,29 @@ def test_log_probs_come_with_the_message_text_as_chat_gives_them():
     assert final["output"][0]["content"][0]["logprobs"] == part["logprobs"]
     plain = respond(server(FakeEngine()), body(seed=1, max_output_tokens=6))
     assert plain["output"][0]["content"][0]["logprobs"] == []
+
+
+class EndsWithEos:
+    """Two tokens of text, then EOS (a token without text), each with its log-prob."""
+
+    def __init__(self) -> None:
+        self.requests: list = []
+
+    async def generate(self, request):  # type: ignore[no-untyped-def]
+        from scheduler.outputs import RequestOutput
+        from scheduler.request import TokenLogprob
+
+        self.requests.append(request)
+        for j, (token, text) in enumerate([(40, "Hi"), (41, " there"), (383, "")]):
+            await asyncio.sleep(0)
+            yield RequestOutput(request.req_id, [token], text, finish_reason="stop" if j == 2 else None,
+                                logprobs=[TokenLogprob(token, -0.5 * (j + 1))])
+
+
+def test_the_last_tokens_log_probs_come_even_when_they_bring_no_text():
+    asked = dict(include=["message.output_text.logprobs"])
+    whole = respond(server(EndsWithEos()), body(**asked))
+    assert texts(whole["output"]) == [("message", "Hi there")]  # one message, not a second empty one
+    assert [e["logprob"] for e in whole["output"][0]["content"][0]["logprobs"]] == [-0.5, -1.0, -1.5]
+    final = built(respond(server(EndsWithEos()), body(**asked, stream=True)))
+    assert final["output"] == [whole["output"][0] | {"id": final["output"][0]["id"]}]
