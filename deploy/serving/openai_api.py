@@ -191,7 +191,7 @@ class OpenAIServer:
                            '--tool-call-parser (e.g. hermes) to read the calls out of the text; "required" or a '
                            'named function need none', param="tool_choice")
         tools = ToolUse(choice, tuple(t.model_dump(exclude_none=True) for t in body.tools), name,
-                        body.parallel_tool_calls, self.model.tool_call_parser)
+                        body.parallel_tool_calls, self.model.tool_call_parser, body.legacy_functions)
         for function in tools.forced:  # each schema on its own, so the error names the function
             try:
                 structured_format({"type": "json_schema", "json_schema": {"name": function,
@@ -208,13 +208,15 @@ class OpenAIServer:
                 if any(part.get("type") != "text" for part in content):
                     raise APIError(400, "Only text content parts are supported.", param="messages")
                 content = "".join(str(part.get("text", "")) for part in content)
-            message: dict[str, Any] = {"role": m.role, "content": content or ""}
+            # a legacy function result is a tool message, and a legacy call a tool call, as templates know them
+            message: dict[str, Any] = {"role": "tool" if m.role == "function" else m.role, "content": content or ""}
             if m.name is not None:
                 message["name"] = m.name
             if m.tool_call_id is not None:
                 message["tool_call_id"] = m.tool_call_id
-            if m.tool_calls:
-                message["tool_calls"] = [_template_call(call) for call in m.tool_calls]
+            calls = m.tool_calls or ([{"type": "function", "function": m.function_call}] if m.function_call else [])
+            if calls:
+                message["tool_calls"] = [_template_call(call) for call in calls]
             messages.append(message)
         template = {"add_generation_prompt": options.add_generation_prompt,
                     "continue_final_message": options.continue_final_message, **(options.chat_template_kwargs or {})}

@@ -13,7 +13,7 @@ from typing import Any
 from deploy.serving.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from deploy.serving.reasoning import MessageReader, ThinkSplitter
 from deploy.serving.schemas import APIError
-from deploy.serving.tool_calls import Delta, gather_calls
+from deploy.serving.tool_calls import Delta
 from deploy.serving.tools import ToolUse
 from scheduler.outputs import RequestOutput
 from scheduler.request import Request, TokenLogprob
@@ -151,14 +151,14 @@ class Replier:
             delta: dict[str, Any] = {"content": text} if text else {}
             if read is not None and read.reasoning:
                 delta["reasoning_content"] = read.reasoning
-            if read is not None and read.calls:
-                delta["tool_calls"] = [call.as_json() for call in read.calls]
+            if read is not None and read.calls and self.job.tools is not None:
+                delta |= self.job.tools.message_calls(read.calls, stream=True)
             return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if self.job.reasoning is not None and read is not None:
             message["reasoning_content"] = read.reasoning or None
-        if read is not None and read.calls:
-            message |= {"content": text or None, "tool_calls": gather_calls(read.calls)}
+        if read is not None and read.calls and self.job.tools is not None:
+            message |= {"content": text or None, **self.job.tools.message_calls(read.calls, stream=False)}
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def usage(self, num_completion: int, finished: list[RequestOutput | None]) -> dict[str, Any]:

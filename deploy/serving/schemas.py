@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from deploy.config import format_validation_errors
 from deploy.params import ParameterError, parse_logit_bias
@@ -20,7 +20,7 @@ MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit on /v1/completions' `logprobs`
 UNSUPPORTED: dict[str, Any] = {
     "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
     "tools": (None, []), "tool_choice": (None, "none"),
-    "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""),
+    "functions": (None, []), "function_call": (None, "none"), "suffix": (None, ""),  # functions: on chat only
     "guided_whitespace_pattern": (None,), "guided_decoding_backend": (None, "xgrammar"), "structural_tag": (None,),
     "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
 }
@@ -123,11 +123,12 @@ class CompletionBody(_SamplingBody):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")  # `refusal`, `audio`, ...: nothing a template reads
 
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    role: Literal["system", "user", "assistant", "tool", "developer", "function"]  # function: a legacy result
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = Field(None, description="An assistant's earlier tool calls.")
     tool_call_id: str | None = Field(None, description="A tool message: the call it answers.")
+    function_call: dict[str, Any] | None = Field(None, description="A legacy assistant message's call.")
 
 
 class FunctionDef(BaseModel):
@@ -196,9 +197,29 @@ class ChatBody(_SamplingBody, ChatTemplateOptions):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="Default: auto when tools are given (it needs the server's --tool-call-parser).")
     parallel_tool_calls: bool = Field(True, description="false: at most one call (tool_choice required)")
+    functions: list[FunctionDef] | None = Field(None, description="Legacy (before tools): the functions to call.")
+    function_call: Literal["none", "auto"] | FunctionName | None = Field(None, description="Legacy tool_choice.")
+    _legacy: bool = PrivateAttr(False)
+
+    @property
+    def legacy_functions(self) -> bool:
+        """The request uses the legacy `functions`: its reply carries one `function_call`."""
+        return self._legacy
 
     @model_validator(mode="after")
     def _logprobs_asked(self) -> ChatBody:
+        if self.functions is not None or self.function_call is not None:  # as the tools they stand for
+            if self.tools is not None or self.tool_choice is not None:
+                raise ParameterError("functions", "give `tools` or the legacy `functions`, not both")
+            if not self.functions:
+                raise ParameterError("function_call", "`function_call` needs `functions`")
+            call = self.function_call or "auto"
+            if isinstance(call, FunctionName) and call.name not in [function.name for function in self.functions]:
+                raise ParameterError("function_call", f"`function_call` names {call.name!r}, which is not one of "
+                                                      "`functions`")
+            self.tools = [ToolDef(type="function", function=function) for function in self.functions]
+            self.tool_choice = call if isinstance(call, str) else NamedToolChoice(type="function", function=call)
+            self.parallel_tool_calls, self._legacy = False, True
         if self.top_logprobs and not self.logprobs:
             raise ParameterError("top_logprobs", "`top_logprobs` needs `logprobs: true`")
         self.check_template_options(self.messages)

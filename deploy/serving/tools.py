@@ -20,7 +20,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from deploy.serving.tool_calls import CallReader, CallSequence, HermesCalls, LeadingCalls, NamedCall, PythonicCalls
+from deploy.serving.tool_calls import (
+    CallDelta,
+    CallReader,
+    CallSequence,
+    HermesCalls,
+    LeadingCalls,
+    NamedCall,
+    PythonicCalls,
+    gather_calls,
+)
 
 ToolCallParser = Literal["hermes", "llama3_json", "mistral", "pythonic"]
 
@@ -34,6 +43,7 @@ class ToolUse:
     name: str | None = None
     parallel: bool = True
     parser: str | None = None  # auto: the server's tool-call parser (`ToolCallParser`)
+    legacy: bool = False  # asked for with the legacy `functions`: one call, as `function_call`
 
     @property
     def schemas(self) -> dict[str, dict[str, Any]]:
@@ -79,5 +89,17 @@ class ToolUse:
         """`tool_calls` when the model chose to call (auto, required) and stopped by itself; a named call keeps
         the engine's reason, as OpenAI's replies do."""
         if self.choice in ("auto", "required") and num_calls and engine_reason == "stop":
-            return "tool_calls"
+            return "function_call" if self.legacy else "tool_calls"
         return engine_reason
+
+    def message_calls(self, calls: list[CallDelta], stream: bool) -> dict[str, Any]:
+        """A message's (or a delta's) calls as the request asked for them: `tool_calls`, or for the legacy
+        `functions` its first call as `function_call` (that API has one call per reply)."""
+        if not self.legacy:
+            return {"tool_calls": [call.as_json() for call in calls] if stream else gather_calls(calls)}
+        first = [call for call in calls if call.index == 0]
+        if not first:
+            return {}
+        name = next((call.name for call in first if call.name is not None), None)
+        arguments = "".join(call.arguments for call in first)
+        return {"function_call": {"arguments": arguments} | ({"name": name} if name is not None else {})}

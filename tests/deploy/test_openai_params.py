@@ -60,7 +60,7 @@ def test_out_of_range_values_get_400_naming_the_parameter(schema, fields, param)
 @pytest.mark.parametrize("schema, name, value", [
     (CompletionBody, "tools", [{"type": "function", "function": {"name": "f"}}]),  # chat has them (tools.py)
     (CompletionBody, "tool_choice", "auto"),
-    (ChatBody, "functions", [{"name": "f"}]),
+    (CompletionBody, "functions", [{"name": "f"}]),  # chat has them (the legacy form of tools)
     (CompletionBody, "suffix", "the end"),
     (CompletionBody, "guided_whitespace_pattern", " "),
     (ChatBody, "guided_decoding_backend", "outlines"),

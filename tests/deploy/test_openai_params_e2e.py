@@ -221,6 +221,20 @@ def test_forced_tool_calls_follow_their_schemas_whole_and_streamed(client):
                 [(call.function.name, call.function.arguments) for call in calls], choice.finish_reason)
 
 
+def test_a_legacy_function_call_is_the_named_tool_call(client):
+    """The pre-tools API (`functions`, `function_call`), as old clients still send it: the same call as the
+    named tool choice with the same seed, in the legacy shape."""
+    ask = dict(model="tiny", messages=MESSAGES, max_tokens=120, temperature=1.0, seed=3)
+    tool = client.chat.completions.create(**ask, tools=TOOLS, tool_choice={"type": "function",
+                                                                          "function": {"name": "get_weather"}})
+    old = client.chat.completions.create(**ask, functions=[t["function"] for t in TOOLS],
+                                         function_call={"name": "get_weather"})
+    message = old.choices[0].message
+    assert message.tool_calls is None and message.function_call.name == "get_weather"
+    assert message.function_call.arguments == tool.choices[0].message.tool_calls[0].function.arguments
+    jsonschema.validate(json.loads(message.function_call.arguments), WEATHER)
+
+
 def test_auto_with_a_parser_answers_in_text_when_the_model_calls_nothing(client, tiny_checkpoint):
     done, _ = local(tiny_checkpoint, 12, messages=MESSAGES, temperature=0)  # the tiny template shows no tools
     got = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=12, temperature=0)

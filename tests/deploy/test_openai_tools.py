@@ -282,3 +282,74 @@ def test_tool_calls_are_read_after_the_reasoning():
             found = ("".join(pieces), content, calls)
         assert found[:2] == ("call it", "Let me check.")
         assert without_ids(found[2]) == [("get_weather", {"city": "Paris", "days": 2}), ("now", {})]
+
+
+FUNCTIONS = [tool["function"] for tool in TOOLS]  # the legacy form: the functions themselves
+
+
+def legacy(**fields) -> ChatBody:  # type: ignore[no-untyped-def]
+    return ChatBody.model_validate_json(json.dumps({"messages": MESSAGES, "functions": FUNCTIONS, **fields}))
+
+
+def streamed_function_call(chunks: list[dict]) -> tuple[dict, str | None]:
+    """A legacy stream's `function_call`, its pieces joined as the openai client joins them; its finish reason."""
+    call, reason = {"name": None, "arguments": ""}, None
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            assert "tool_calls" not in choice["delta"]
+            piece = choice["delta"].get("function_call") or {}
+            if "name" in piece:
+                assert call["name"] is None, "the name comes once, with the first piece"
+                call["name"] = piece["name"]
+            call["arguments"] += piece.get("arguments", "")
+            reason = choice["finish_reason"] or reason
+    return call, reason
+
+
+def test_the_legacy_functions_are_tools_whose_reply_is_one_function_call():
+    args = '{"city": "Paris", "days": 3}'
+    engine = Says(args, step=4)
+    whole = reply(server(engine, parser=None), legacy(function_call={"name": "get_weather"}))
+    assert engine.requests[0].sampling.structured == server(Says(""), parser=None).chat_job(
+        chat(tool_choice={"type": "function", "function": {"name": "get_weather"}})).requests[0].sampling.structured
+    choice = whole["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": None,
+                                 "function_call": {"name": "get_weather", "arguments": args}}
+    assert choice["finish_reason"] == "stop"  # forced: the engine's reason, as for a named tool
+    call, reason = streamed_function_call(reply(server(Says(args, step=4), parser=None),
+                                                legacy(function_call={"name": "get_weather"}, stream=True)))
+    assert (call, reason) == ({"name": "get_weather", "arguments": args}, "stop")
+    for step in (1, 1000):  # auto (the default) with a parser: the first call, which the model chose
+        choice = reply(server(Says(HERMES, step)), legacy())["choices"][0]
+        assert choice["finish_reason"] == "function_call" and choice["message"]["content"] == "Let me check."
+        assert choice["message"]["function_call"]["name"] == "get_weather" and "tool_calls" not in choice["message"]
+        assert json.loads(choice["message"]["function_call"]["arguments"]) == {"city": "Paris", "days": 2}
+        call, reason = streamed_function_call(reply(server(Says(HERMES, step)), legacy(stream=True)))
+        assert (call["name"], json.loads(call["arguments"]), reason) == ("get_weather", {"city": "Paris", "days": 2},
+                                                                          "function_call")
+    plain = reply(server(Says("It is sunny.")), legacy(function_call="none"))["choices"][0]
+    assert plain["message"] == {"role": "assistant", "content": "It is sunny."}
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tools": TOOLS}, "functions"),  # both forms at once
+    ({"function_call": "auto", "functions": None}, "function_call"),
+    ({"function_call": {"name": "nowhere"}}, "function_call"),
+])
+def test_the_legacy_functions_are_refused_where_tools_would_be(fields, param):
+    error = refusal(ChatBody, **{"messages": MESSAGES, "functions": FUNCTIONS, **fields})
+    assert (error.status, error.param) == (400, param), error.message
+
+
+def test_a_legacy_call_and_its_result_reach_the_template_as_a_tool_call_and_a_tool_message():
+    tokenizer = copy.deepcopy(tiny_tokenizer())
+    tokenizer.chat_template = TOOL_TEMPLATE
+    messages = MESSAGES + [
+        {"role": "assistant", "content": None, "function_call": {"name": "get_weather",
+                                                                  "arguments": '{"city": "Paris"}'}},
+        {"role": "function", "name": "get_weather", "content": "sunny"}]
+    body = ChatBody.model_validate({"messages": messages, "functions": FUNCTIONS, "function_call": "none"})
+    ids = server(FakeEngine(), tokenizer=tokenizer).chat_job(body).requests[0].prompt_ids
+    assert tokenizer.decode(ids) == ("<|tools|>get_weather,now\n<|user|>weather in paris?\n"
+                                     '<|assistant|>[call get_weather {"city": "Paris"}]\n'
+                                     "<|tool|>sunny\n<|assistant|>")
