@@ -187,9 +187,10 @@ class OpenAIServer:
         if isinstance(choice, NamedToolChoice):
             choice, name = "named", choice.function.name
         if choice == "auto" and self.model.tool_call_parser is None:
-            raise APIError(400, '`tool_choice` "auto" (the default with `tools`) needs a server started with '
+            param, given = ("function_call", "functions") if body.legacy_functions else ("tool_choice", "tools")
+            raise APIError(400, f'`{param}` "auto" (the default with `{given}`) needs a server started with '
                            '--tool-call-parser (e.g. hermes) to read the calls out of the text; "required" or a '
-                           'named function need none', param="tool_choice")
+                           'named function need none', param=param)
         tools = ToolUse(choice, tuple(t.model_dump(exclude_none=True) for t in body.tools), name,
                         body.parallel_tool_calls, self.model.tool_call_parser, body.legacy_functions)
         for function in tools.forced:  # each schema on its own, so the error names the function
