@@ -189,8 +189,7 @@ class OpenAIServer:
         if choice == "auto" and self.model.tool_call_parser is None:
             param, given = ("function_call", "functions") if body.legacy_functions else ("tool_choice", "tools")
             raise APIError(400, f'`{param}` "auto" (the default with `{given}`) needs a server started with '
-                           '--tool-call-parser (e.g. hermes) to read the calls out of the text; "required" or a '
-                           'named function need none', param=param)
+                           '--tool-call-parser (e.g. hermes); "required" or a named function need none', param=param)
         tools = ToolUse(choice, tuple(t.model_dump(exclude_none=True) for t in body.tools), name,
                         body.parallel_tool_calls, self.model.tool_call_parser, body.legacy_functions)
         for function in tools.forced:  # each schema on its own, so the error names the function
