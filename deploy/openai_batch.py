@@ -65,13 +65,10 @@ def plan(server: OpenAIServer, line: BatchLine) -> tuple[Job, Replier | Response
         body: Any = BODIES[line.url].model_validate(line.body)
     except ValidationError as e:
         return validation_error(e.errors())
+    if body.stream:
+        return APIError(400, "`stream` is not available in a batch: each result is written whole", param="stream")
     try:
-        if body.stream:
-            raise APIError(400, "`stream` is not available in a batch: each result is written whole", param="stream")
-        if isinstance(body, ResponsesBody):
-            return server.responses_job(body)
-        job = server.chat_job(body) if isinstance(body, ChatBody) else server.completion_job(body)
-        return job, Replier(job, server.model.name, server.texts)
+        return server.plan(body)
     except APIError as e:
         return e
 

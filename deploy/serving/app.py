@@ -112,16 +112,16 @@ class OpenAIIngress:
 
     @ingress_app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        return await self.server.completions(await self._body(request, CompletionBody))
+        return await self.server.respond(await self._body(request, CompletionBody))
 
     @ingress_app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        return await self.server.chat(await self._body(request, ChatBody))
+        return await self.server.respond(await self._body(request, ChatBody))
 
     @ingress_app.post("/v1/responses")
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API, on the chat path (not stored: no previous_response_id)."""
-        return await self.server.responses(await self._body(request, ResponsesBody))
+        return await self.server.respond(await self._body(request, ResponsesBody))
 
     @ingress_app.post("/tokenize")
     async def tokenize(self, request: Request) -> Response:

@@ -279,12 +279,6 @@ class OpenAIServer:
             raise errors[0]
         return results  # type: ignore[return-value]
 
-    async def completions(self, body: CompletionBody) -> JSONResponse | StreamingResponse:
-        return await self._respond(body, self.completion_job(body))
-
-    async def chat(self, body: ChatBody) -> JSONResponse | StreamingResponse:
-        return await self._respond(body, self.chat_job(body))
-
     def responses_job(self, body: ResponsesBody) -> tuple[Job, ResponseReplier]:
         """OpenAI's Responses API: the job of the chat body asking for the same, and what shapes its one choice
         as a Response."""
@@ -301,20 +295,24 @@ class OpenAIServer:
                            "message's: not with tools or a reasoning parser", param="include")
         return job, ResponseReplier(job, self.model.name, self.texts, body, chat)
 
-    async def responses(self, body: ResponsesBody) -> JSONResponse | StreamingResponse:
-        job, replier = self.responses_job(body)
-        merged = merge_streams(await self._start_all(job.requests))
-        if body.stream:
-            return StreamingResponse(replier.sse(merged), media_type="text/event-stream")
-        return JSONResponse(await replier.whole(merged))
+    def plan(self, body: CompletionBody | ChatBody | ResponsesBody) -> tuple[Job, Replier | ResponseReplier]:
+        """A body's engine requests and what shapes their reply: the one dispatch the endpoints and the batch job
+        (OpenAI batch files) share. Raises APIError for what the endpoint refuses."""
+        if isinstance(body, ResponsesBody):
+            return self.responses_job(body)
+        job = self.chat_job(body) if isinstance(body, ChatBody) else self.completion_job(body)
+        return job, Replier(job, self.model.name, self.texts)
 
-    async def _respond(self, body: _SamplingBody, job: Job) -> JSONResponse | StreamingResponse:
+    async def respond(self, body: CompletionBody | ChatBody | ResponsesBody) -> JSONResponse | StreamingResponse:
+        """Run a body and answer it: whole, or as its endpoint's stream."""
+        job, replier = self.plan(body)
         merged = merge_streams(await self._start_all(job.requests))
-        replier = Replier(job, self.model.name, self.texts)
-        if body.stream:
-            options = body.stream_options
-            include_usage = bool(options and options.include_usage)
-            continuous = include_usage and bool(options and options.continuous_usage_stats)
-            return StreamingResponse(replier.sse(merged, include_usage, continuous), media_type="text/event-stream")
-        return JSONResponse(await replier.whole(merged))
+        if not body.stream:
+            return JSONResponse(await replier.whole(merged))
+        if isinstance(replier, ResponseReplier):
+            return StreamingResponse(replier.sse(merged), media_type="text/event-stream")
+        options = body.stream_options  # type: ignore[union-attr]
+        include_usage = bool(options and options.include_usage)
+        continuous = include_usage and bool(options and options.continuous_usage_stats)
+        return StreamingResponse(replier.sse(merged, include_usage, continuous), media_type="text/event-stream")
 

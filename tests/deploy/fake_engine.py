@@ -102,7 +102,7 @@ def reply(server: OpenAIServer, body: CompletionBody | ChatBody) -> dict | list[
     """The JSON body, or a stream's events (JSON objects; `[DONE]` checked and left out)."""
 
     async def run() -> dict | list[dict]:
-        response = await (server.chat(body) if isinstance(body, ChatBody) else server.completions(body))
+        response = await server.respond(body)
         if not isinstance(response, StreamingResponse):
             return json.loads(response.body)
         events = [event async for event in response.body_iterator]

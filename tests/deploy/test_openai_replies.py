@@ -232,7 +232,7 @@ def test_a_client_that_disconnects_cancels_every_choice():
     server = make_server(engine)
 
     async def disconnect_after_two_chunks() -> None:
-        response = await server.completions(CompletionBody(model="tiny", prompt="hello", n=2, max_tokens=20,
+        response = await server.respond(CompletionBody(model="tiny", prompt="hello", n=2, max_tokens=20,
                                                            stream=True))
         events = response.body_iterator
         await anext(events)

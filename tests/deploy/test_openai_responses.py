@@ -31,7 +31,7 @@ def respond(srv: OpenAIServer, b: ResponsesBody) -> dict | list[dict]:
     """The Response object, or a stream's events (each `event:` line checked against its data's type)."""
 
     async def run() -> dict | list[dict]:
-        response = await srv.responses(b)
+        response = await srv.respond(b)
         if not isinstance(response, StreamingResponse):
             return json.loads(response.body)
         events = []
@@ -218,7 +218,7 @@ def test_a_client_that_goes_away_mid_stream_aborts_its_request():
     engine = FakeEngine()
 
     async def run() -> None:
-        response = await server(engine).responses(body(stream=True, max_output_tokens=40))
+        response = await server(engine).respond(body(stream=True, max_output_tokens=40))
         iterator = response.body_iterator
         for _ in range(5):  # created, in_progress and the first item's opening events
             await anext(iterator)

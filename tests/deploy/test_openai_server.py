@@ -26,12 +26,12 @@ def test_full_queue_gets_429_with_retry_after(ray_session, tiny_checkpoint):
     async def scenario():
         long = CompletionBody(model="tiny", prompt=[5 + i % 300 for i in range(1000)], max_tokens=4)
         short = CompletionBody(model="tiny", prompt=[5, 6, 7], max_tokens=4)
-        first = asyncio.create_task(server.completions(long))  # holds the one prefill row for 125 steps
+        first = asyncio.create_task(server.respond(long))  # holds the one prefill row for 125 steps
         await wait_for_stats(handle, lambda s: s["workers"]["prefill-0"]["running"] == 1)
-        second = asyncio.create_task(server.completions(short))  # waits for the row
+        second = asyncio.create_task(server.respond(short))  # waits for the row
         await wait_for_stats(handle, lambda s: s["workers"]["prefill-0"]["waiting"] == 1)
         with pytest.raises(APIError) as info:
-            await server.completions(short)
+            await server.respond(short)
         return info.value, await first, await second
 
     try:
