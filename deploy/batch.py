@@ -18,8 +18,8 @@ from deploy.params import parse_logit_bias, structured_format
 from deploy.prompts import build_request, encode_prompt
 from deploy.serving.logprobs import finite
 from scheduler.outputs import Completion
-from scheduler.policy import Scheduler
 from scheduler.request import MAX_LOGPROBS, Request, TokenLogprob
+from scheduler.step_planner import StepPlanner
 
 Line = TypeVar("Line", bound=BaseModel)
 
@@ -110,7 +110,7 @@ def to_requests(lines: list[GenerateLine], tokenizer: Any, eos_token_ids: frozen
                 min_tokens=line.min_tokens, logit_bias=parse_logit_bias(line.logit_bias, len(tokenizer)),
                 logprobs=line.logprobs, prompt_logprobs=line.prompt_logprobs,
                 structured=structured_format(line.response_format, line.structured_outputs))
-            Scheduler.check_fits(request, capacity)
+            StepPlanner.check_fits(request, capacity)
         except ValueError as e:
             raise BatchInputError(f"request {line.id!r} (entry {number}): {e}") from None
         requests.append(request)

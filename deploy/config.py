@@ -10,8 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from deploy.prompts import read_chat_template
 from deploy.serving.autoscaling import POLICY as AUTOSCALING_POLICY
 from deploy.serving.reasoning import ReasoningParser
-from deploy.serving.tools import ToolCallParser
-from scheduler.cell import MODES_ON_RAY, CellConfig
+from deploy.serving.tools.tool_use import ToolCallParser
+from scheduler.cell.state import MODES_ON_RAY, CellConfig
 from scheduler.prefix_cache import BLOCK_SIZE
 from workers.catalog import DEFAULT_MODEL, MAX_DEFAULT_CONTEXT
 

@@ -15,11 +15,11 @@ from typing import Any
 
 from deploy.config import EngineConfig
 from deploy.prompts import use_chat_template
-from scheduler.arrivals import ArrivalSchedule, run_at_arrivals
 from scheduler.outputs import Completion
-from scheduler.policy import Scheduler
 from scheduler.prefix_cache import combined_stats
 from scheduler.request import Request
+from scheduler.step_planner import StepPlanner
+from workers.arrivals import ArrivalSchedule, run_at_arrivals
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class InProcessEngine(Engine):
         self.eos_token_ids = loaded.eos_token_ids
         runner = ModelRunner(loaded.model, num_slots=config.slots, capacity=self.capacity, tokenizer=loaded.tokenizer,
                              prefix_blocks=config.prefix_blocks)
-        scheduler = Scheduler(config.slots, self.capacity, config.token_budget, config.prefill_chunk,
+        scheduler = StepPlanner(config.slots, self.capacity, config.token_budget, config.prefill_chunk,
                               config.max_waiting, config.max_preemptions, prefix_cache_blocks=config.prefix_blocks)
         log.info("local engine: %s, %d slots x %d tokens, budget %d, chunk %d, torch threads %d", loaded.name,
                  config.slots, self.capacity, config.token_budget, config.prefill_chunk, torch.get_num_threads())
@@ -129,7 +129,7 @@ class RayEngine(Engine):
             after: dict[str, str] | None = None) -> dict[str, Completion]:
         from deploy.engine_client import EngineClient, complete
 
-        Scheduler.check_batch(requests, self.capacity)
+        StepPlanner.check_batch(requests, self.capacity)
         client = EngineClient(self.handle)
 
         async def one(request: Request) -> Completion:

@@ -24,9 +24,9 @@ from deploy.batch import read_jsonl, write_atomically
 from deploy.config import ReplyConfig
 from deploy.driver import open_engine
 from deploy.serving.openai_api import OpenAIServer, ServedModel
-from deploy.serving.response_items import ResponseReplier
-from deploy.serving.responses import Job, Replier, merge_streams
-from deploy.serving.responses_api import ResponsesBody
+from deploy.serving.replies import Job, Replier, merge_streams
+from deploy.serving.responses.reply import ResponseReplier
+from deploy.serving.responses.request import ResponsesBody
 from deploy.serving.schemas import APIError, ChatBody, CompletionBody, validation_error
 from scheduler.outputs import Completion, RequestOutput
 

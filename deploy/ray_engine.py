@@ -10,7 +10,7 @@ from typing import Any
 import ray
 
 from deploy.config import EngineConfig
-from scheduler.actor import SchedulerActor
+from scheduler.cell.actor import CellActor
 from workers.actors import spawn_worker
 from workers.loader import TokenizerInfo, load_tokenizer
 
@@ -42,7 +42,7 @@ def scheduler_args(config: EngineConfig, info: TokenizerInfo | None = None) -> t
 def create_scheduler(config: EngineConfig, info: TokenizerInfo | None = None, **options: Any) -> Any:
     """Create the scheduler actor (which creates the workers); `options` are Ray actor options (a name)."""
     options = {"num_cpus": 0, "max_concurrency": 100_000, "enable_task_events": False} | options
-    return ray.remote(SchedulerActor).options(**options).remote(*scheduler_args(config, info))
+    return ray.remote(CellActor).options(**options).remote(*scheduler_args(config, info))
 
 
 def start_scheduler(config: EngineConfig, name: str | None = None, info: TokenizerInfo | None = None) -> Any:

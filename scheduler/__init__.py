@@ -1,10 +1,10 @@
 """Pure scheduling policy (stdlib only): requests, step plans and the decode-first planner."""
 
 from scheduler.plan import Chunk, StepPlan
-from scheduler.policy import QueueFullError, Scheduler
 from scheduler.request import OPENAI_FINISH_REASON, FinishReason, Request, RequestStatus, SamplingParams
+from scheduler.step_planner import QueueFullError, StepPlanner
 
 __all__ = [
-    "Chunk", "StepPlan", "QueueFullError", "Scheduler", "OPENAI_FINISH_REASON", "FinishReason",
+    "Chunk", "StepPlan", "QueueFullError", "StepPlanner", "OPENAI_FINISH_REASON", "FinishReason",
     "Request", "RequestStatus", "SamplingParams",
 ]

@@ -7,8 +7,8 @@ from typing import Any
 
 from scheduler.detokenizer import IncrementalDetokenizer
 from scheduler.plan import StepUpdate
-from scheduler.policy import Scheduler
 from scheduler.request import OPENAI_FINISH_REASON, FinishReason, Request, TokenLogprob
+from scheduler.step_planner import StepPlanner
 
 
 @dataclass
@@ -77,7 +77,7 @@ class OutputProcessor:
                 detok.resume(request.output_ids, request.text_sent)
             self.detokenizers[request.req_id] = detok
 
-    def apply(self, scheduler: Scheduler, update: StepUpdate) -> list[RequestOutput]:
+    def apply(self, scheduler: StepPlanner, update: StepUpdate) -> list[RequestOutput]:
         """After `scheduler.update`: push each token it took, apply stop strings, close finished requests."""
         outputs: dict[str, RequestOutput] = {}
         finished = list(update.finished)

@@ -10,7 +10,7 @@ import scheduler
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK = {"scheduler": 0, "workers": 1, "deploy": 2}
-SHELL = "scheduler.actor"  # the one module of scheduler/ that may import ray
+SHELL = "scheduler.cell.actor"  # the one module of scheduler/ that may import ray
 
 
 def imported_modules(path: Path) -> set[str]:

@@ -13,7 +13,7 @@ from typing import Any
 import ray
 import torch
 
-from scheduler.gc_pauses import freeze_startup_objects
+from scheduler.cell.gc_pauses import freeze_startup_objects
 from scheduler.messages import KVImport, KVPiece, StepResult, unpack_plans
 from scheduler.plan import StepPlan
 from workers.loader import load_model, resolve_device

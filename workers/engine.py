@@ -7,10 +7,10 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from scheduler.arrivals import ArrivalSchedule
 from scheduler.outputs import OutputProcessor, RequestOutput
-from scheduler.policy import Scheduler
 from scheduler.request import Request
+from scheduler.step_planner import StepPlanner
+from workers.arrivals import ArrivalSchedule
 from workers.runner import ModelRunner
 
 
@@ -21,7 +21,7 @@ class LocalEngine:
     next step. With a tokenizer, each request's `text` is kept up to date and stop strings apply.
     """
 
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, tokenizer: Any = None) -> None:
+    def __init__(self, runner: ModelRunner, scheduler: StepPlanner, tokenizer: Any = None) -> None:
         if scheduler.capacity > runner.cache.capacity or scheduler.num_slots > runner.cache.num_slots:
             raise ValueError("the scheduler plans more slots or positions than the runner's cache holds")
         self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
@@ -88,7 +88,7 @@ class LocalEngine:
         A request that cannot run raises before anything is submitted.
         """
         requests = list(requests)
-        Scheduler.check_batch(requests, self.scheduler.capacity)
+        StepPlanner.check_batch(requests, self.scheduler.capacity)
         for request in requests:
             self.scheduler.check(request)  # and not in use here already
         by_id = {request.req_id: request for request in requests}

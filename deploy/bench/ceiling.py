@@ -24,8 +24,8 @@ import ray
 
 from deploy.engine_client import EngineClient, Placement, complete
 from deploy.submissions import Submissions
-from scheduler.actor import SchedulerActor
-from scheduler.cell import CellConfig
+from scheduler.cell.actor import CellActor
+from scheduler.cell.state import CellConfig
 from scheduler.messages import KVImport, KVPiece, Samples, StepResult, unpack_plans
 from scheduler.request import Request
 
@@ -82,7 +82,7 @@ def measure(mode: str, slots: int, num_requests: int, prompt_len: int, output_le
     capacity = prompt_len + output_len
     cell = CellConfig(mode=mode, num_decode_workers=1, num_prefill_workers=1, decode_slots=slots, prefill_slots=slots,
                       capacity=capacity, token_budget=max(256, slots), prefill_chunk=max(128, prompt_len))
-    handles = [ray.remote(SchedulerActor).options(num_cpus=0, max_concurrency=100_000, enable_task_events=False).remote(
+    handles = [ray.remote(CellActor).options(num_cpus=0, max_concurrency=100_000, enable_task_events=False).remote(
         cell, functools.partial(spawn_stub)) for _ in range(cells)]
     ray.get([h.ready.remote() for h in handles])
     client = EngineClient(RoundRobin(handles))

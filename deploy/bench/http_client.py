@@ -24,8 +24,8 @@ from typing import Any
 import aiohttp
 import httpx
 
-from scheduler.arrivals import ArrivalSchedule, run_at_arrivals
 from scheduler.outputs import Completion
+from workers.arrivals import ArrivalSchedule, run_at_arrivals
 
 
 def auth_headers(api_key: str | None) -> dict[str, str]:

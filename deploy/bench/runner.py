@@ -38,7 +38,7 @@ from deploy.bench.workload import (
 from deploy.config import MODES, EngineConfig
 from deploy.driver import open_engine
 from deploy.prompts import use_chat_template
-from scheduler.gc_pauses import startup_frozen
+from scheduler.cell.gc_pauses import startup_frozen
 from scheduler.outputs import Completion
 
 
@@ -55,7 +55,7 @@ def run_engine(config: EngineConfig, loaded: Any, work: Workload, sequential: bo
     with open_engine(config, loaded) as engine:
         engine.run([warmup_request(work)])
         engine.reset_profile()
-        with startup_frozen():  # no full collection walks the loaded model mid-run (scheduler/gc_pauses.py)
+        with startup_frozen():  # no full collection walks the loaded model mid-run (scheduler/cell/gc_pauses.py)
             start = time.perf_counter()
             for batch in batches:
                 results |= engine.run(batch, arrival_s=arrivals, on_finish=on_finish, after=after)

@@ -21,7 +21,7 @@ from deploy.engine_client import EngineClient
 from deploy.prompts import use_chat_template
 from deploy.serving.cells import Cell, ServeCells, cell_stats, combine_stats
 from deploy.serving.openai_api import OpenAIServer, ServedModel, error_response
-from deploy.serving.responses_api import ResponsesBody
+from deploy.serving.responses.request import ResponsesBody
 from deploy.serving.schemas import (
     APIError,
     ChatBody,
@@ -30,7 +30,7 @@ from deploy.serving.schemas import (
     TokenizeBody,
     validation_error,
 )
-from scheduler.gc_pauses import freeze_startup_objects
+from scheduler.cell.gc_pauses import freeze_startup_objects
 
 log = logging.getLogger(__name__)
 APP_NAME = "pdserve"
@@ -152,7 +152,7 @@ class OpenAIIngress:
 
     @ingress_app.get("/stats")
     async def stats(self) -> Response:
-        """Scheduler accounting of every cell: slots, queues and live handoffs per worker, and the cells."""
+        """Scheduling accounting of every cell: slots, queues and live handoffs per worker, and the cells."""
         stats = combine_stats(await cell_stats(serve.get_replica_context().app_name))
         client = {"failovers": self.client.num_failovers, "open_streams": len(self.client.streams)}
         return JSONResponse(stats | {"ingress": client})

@@ -21,9 +21,9 @@ from deploy.engine_client import unwrap
 from deploy.params import ParameterError, check_token_ids, parse_logit_bias, structured_format
 from deploy.prompts import build_request, encode_prompt
 from deploy.serving.logprobs import TokenTexts
-from deploy.serving.response_items import ResponseReplier
-from deploy.serving.responses import Job, Replier, Started, aclose, merge_streams
-from deploy.serving.responses_api import ResponsesBody, chat_fields, renamed
+from deploy.serving.replies import Job, Replier, Started, aclose, merge_streams
+from deploy.serving.responses.reply import ResponseReplier
+from deploy.serving.responses.request import ResponsesBody, chat_fields, renamed
 from deploy.serving.schemas import (
     APIError,
     ChatBody,
@@ -36,10 +36,10 @@ from deploy.serving.schemas import (
     _SamplingBody,
     validation_error,
 )
-from deploy.serving.tools import ToolUse
+from deploy.serving.tools.tool_use import ToolUse
 from scheduler.outputs import RequestOutput
-from scheduler.policy import QueueFullError
 from scheduler.request import Request
+from scheduler.step_planner import QueueFullError
 
 MAX_COMPLETION_DEFAULT = 16  # OpenAI's default max_tokens for /v1/completions
 

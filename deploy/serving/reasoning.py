@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-from deploy.serving.tool_calls import CallReader, Delta, partial_tag
+from deploy.serving.tools.call_readers import CallReader, Delta, partial_tag
 
 ReasoningParser = Literal["qwen3", "deepseek_r1"]
 REASONING_PARSERS: tuple[str, ...] = get_args(ReasoningParser)

@@ -8,8 +8,8 @@ from fastapi.responses import StreamingResponse
 from deploy.serving.openai_api import OpenAIServer, ServedModel
 from deploy.serving.schemas import ChatBody, CompletionBody
 from scheduler.outputs import RequestOutput
-from scheduler.policy import QueueFullError
 from scheduler.request import Request, TokenLogprob
+from scheduler.step_planner import QueueFullError
 from tests.factories import tiny_tokenizer
 
 

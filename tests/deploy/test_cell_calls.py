@@ -10,10 +10,10 @@ from deploy.engine_client import EngineClient, complete
 from deploy.serving import cell_choice
 from deploy.serving.cells import ServeCells
 from deploy.submissions import Submissions
-from scheduler.cell import CellClosed
+from scheduler.cell.state import CellClosed
 from scheduler.outputs import RequestOutput
-from scheduler.policy import QueueFullError
 from scheduler.request import Request
+from scheduler.step_planner import QueueFullError
 
 
 class _Method:

@@ -12,7 +12,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from deploy.serving.openai_api import OpenAIServer
-from deploy.serving.responses_api import ResponsesBody
+from deploy.serving.responses.request import ResponsesBody
 from deploy.serving.schemas import APIError, ChatBody, validation_error
 from tests.deploy.fake_engine import FakeEngine, Says, reply
 from tests.deploy.test_openai_tools import HERMES, TOOL_TEMPLATE, server

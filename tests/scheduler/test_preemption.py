@@ -2,9 +2,9 @@
 
 import functools
 
-from scheduler.policy import Scheduler
+from scheduler.step_planner import StepPlanner
 from tests.factories import make_request
-from tests.scheduler.test_policy import check_invariants
+from tests.scheduler.test_step_planner import check_invariants
 
 req = functools.partial(make_request, prompt_len=4, max_tokens=10, arrival_s=0.0)
 
@@ -17,7 +17,7 @@ def step(sched):
 
 
 def test_urgent_request_evicts_the_least_urgent_with_most_work_left():
-    sched = Scheduler(num_slots=3, capacity=64, token_budget=64, prefill_chunk=64)
+    sched = StepPlanner(num_slots=3, capacity=64, token_budget=64, prefill_chunk=64)
     sched.submit(req("a", max_tokens=30, priority=1, arrival_s=1))
     sched.submit(req("b", max_tokens=10, priority=1, arrival_s=2))
     sched.submit(req("c", max_tokens=50, priority=0, arrival_s=3))  # most work, but more urgent
@@ -35,7 +35,7 @@ def test_urgent_request_evicts_the_least_urgent_with_most_work_left():
 
 
 def test_equal_priority_never_preempts():
-    sched = Scheduler(num_slots=1, capacity=64)
+    sched = StepPlanner(num_slots=1, capacity=64)
     sched.submit(req("a"))
     step(sched)
     sched.submit(req("b"))
@@ -43,7 +43,7 @@ def test_equal_priority_never_preempts():
 
 
 def test_starvation_guard_stops_evicting_after_max_preemptions():
-    sched = Scheduler(num_slots=1, capacity=256, token_budget=64, prefill_chunk=64, max_preemptions=2)
+    sched = StepPlanner(num_slots=1, capacity=256, token_budget=64, prefill_chunk=64, max_preemptions=2)
     sched.submit(req("slow", max_tokens=100, priority=5))
     step(sched)
     evictions = []
@@ -60,7 +60,7 @@ def test_starvation_guard_stops_evicting_after_max_preemptions():
 
 
 def test_preempted_request_recomputes_prompt_and_output_then_continues():
-    sched = Scheduler(num_slots=1, capacity=64, token_budget=8, prefill_chunk=8)
+    sched = StepPlanner(num_slots=1, capacity=64, token_budget=8, prefill_chunk=8)
     sched.submit(req("a", prompt_len=6, max_tokens=5, priority=1))
     step(sched)
     step(sched)  # a has outputs [7, 7], 7 tokens computed

@@ -1,11 +1,11 @@
 """The prefix cache's block index and its use by the policy and the router, without a model."""
 
-from scheduler.cell import CellConfig
-from scheduler.coordinator import Coordinator
-from scheduler.metrics import RecordingBackend
-from scheduler.policy import Scheduler
+from scheduler.cell.coordinator import Coordinator
+from scheduler.cell.metrics import RecordingBackend
+from scheduler.cell.state import CellConfig
 from scheduler.prefix_cache import BLOCK_SIZE, PrefixCache, chain_hashes
 from scheduler.request import Request
+from scheduler.step_planner import StepPlanner
 
 B = BLOCK_SIZE
 
@@ -49,7 +49,7 @@ def run(sched, steps=50):
 
 
 def test_a_cached_prefix_is_loaded_and_only_the_rest_computed():
-    sched = Scheduler(2, 256, token_budget=64, prefill_chunk=64, prefix_cache_blocks=16)
+    sched = StepPlanner(2, 256, token_budget=64, prefill_chunk=64, prefix_cache_blocks=16)
     first = tokens(2 * B + 8)
     sched.submit(request("a", first))
     plans = run(sched)
@@ -71,7 +71,7 @@ def test_a_cached_prefix_is_loaded_and_only_the_rest_computed():
     c.reset_cache()
     sched.prefix_cache.admit(c, 1)
     assert c.num_computed == 2 * B and c.metrics()["cached_tokens"] == 2 * B - 1  # now with an output token
-    fresh = Scheduler(2, 256, token_budget=64, prefill_chunk=64, prefix_cache_blocks=16)
+    fresh = StepPlanner(2, 256, token_budget=64, prefill_chunk=64, prefix_cache_blocks=16)
     first_seen = request("a", first)
     fresh.submit(first_seen)
     run(fresh)
@@ -81,7 +81,7 @@ def test_a_cached_prefix_is_loaded_and_only_the_rest_computed():
 def test_echo_requests_compute_every_prompt_position():
     from scheduler.request import SamplingParams
 
-    sched = Scheduler(2, 256, token_budget=64, prefill_chunk=64, prefix_cache_blocks=16)
+    sched = StepPlanner(2, 256, token_budget=64, prefill_chunk=64, prefix_cache_blocks=16)
     sched.submit(request("a", tokens(2 * B)))
     run(sched)
     echo = Request(req_id="e", prompt_ids=tokens(2 * B), max_tokens=2, sampling=SamplingParams(prompt_logprobs=0))
@@ -125,7 +125,7 @@ def test_a_worker_that_restarts_has_an_empty_cache():
 
 
 def test_the_same_prefix_arriving_twice_at_once_is_computed_once():
-    sched = Scheduler(2, 256, token_budget=16, prefill_chunk=16, prefix_cache_blocks=16)
+    sched = StepPlanner(2, 256, token_budget=16, prefill_chunk=16, prefix_cache_blocks=16)
     sched.submit(request("a", tokens(4 * B + 3)))
     sched.submit(request("b", tokens(4 * B) + [7, 7]))
     plans = run(sched)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from scheduler.policy import Scheduler
 from scheduler.request import FinishReason, SamplingParams
+from scheduler.step_planner import StepPlanner
 from tests.factories import VOCAB, make_requests, tiny_hf_model, tiny_model
 from workers.engine import LocalEngine
 from workers.runner import ModelRunner
@@ -14,7 +14,7 @@ CAPACITY = 256
 
 def make_engine(kind="llama", num_slots=3, token_budget=16, prefill_chunk=8, tokenizer=None):
     runner = ModelRunner(tiny_model(kind), num_slots=num_slots, capacity=CAPACITY)
-    scheduler = Scheduler(num_slots, CAPACITY, token_budget=token_budget, prefill_chunk=prefill_chunk)
+    scheduler = StepPlanner(num_slots, CAPACITY, token_budget=token_budget, prefill_chunk=prefill_chunk)
     return LocalEngine(runner, scheduler, tokenizer)
 
 

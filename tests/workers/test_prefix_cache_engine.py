@@ -2,9 +2,9 @@
 
 import pytest
 
-from scheduler.policy import Scheduler
 from scheduler.prefix_cache import BLOCK_SIZE
 from scheduler.request import Request, SamplingParams
+from scheduler.step_planner import StepPlanner
 from tests.factories import VOCAB, prompt_ids, tiny_model
 from workers.engine import LocalEngine
 from workers.runner import ModelRunner
@@ -15,7 +15,7 @@ SYSTEM = prompt_ids(3 * BLOCK_SIZE + 5, 100)  # a shared prefix that ends inside
 
 def engine(prefix_blocks, num_slots=3):
     runner = ModelRunner(tiny_model("llama"), num_slots=num_slots, capacity=CAPACITY, prefix_blocks=prefix_blocks)
-    return LocalEngine(runner, Scheduler(num_slots, CAPACITY, token_budget=24, prefill_chunk=8,
+    return LocalEngine(runner, StepPlanner(num_slots, CAPACITY, token_budget=24, prefill_chunk=8,
                                          prefix_cache_blocks=prefix_blocks))
 
 

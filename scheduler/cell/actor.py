@@ -27,15 +27,15 @@ import ray
 import ray.util.metrics
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from scheduler.bursts import BurstSizer, plan_call
-from scheduler.call_clock import CallClock
-from scheduler.cell import CellClosed, CellConfig, WorkerState
-from scheduler.coordinator import Coordinator
-from scheduler.gc_pauses import freeze_startup_objects
+from scheduler.cell.bursts import BurstSizer, plan_call
+from scheduler.cell.call_clock import CallClock
+from scheduler.cell.coordinator import Coordinator
+from scheduler.cell.gc_pauses import freeze_startup_objects
+from scheduler.cell.state import CellClosed, CellConfig, WorkerState
+from scheduler.cell.timeline import StepTimeline
 from scheduler.messages import pack_plans
 from scheduler.outputs import RequestOutput, coalesce
 from scheduler.request import Request
-from scheduler.timeline import StepTimeline
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ _WORKER_ERRORS = (RayActorError, ActorUnavailableError)
 _RESTART_TIMEOUT_S = 300.0
 
 
-class SchedulerActor:
+class CellActor:
     """Creates the workers of a cell and runs one stepping loop per worker, so a decode step never
     waits for a prefill step. Decisions are the coordinator's; this class only moves messages."""
 
@@ -178,7 +178,7 @@ class SchedulerActor:
         N+1 as if N's tokens were known (the worker feeds them in), never past max_tokens, and drops
         what N+1 samples for a request that stopped in N. A decode worker plans N+1 late when a handoff
         is due before N ends (`_await_handoff`), so the handed-off request joins N+1, not N+2. A call
-        carries several decode steps (a burst, `scheduler/bursts.py`) when the worker only decodes."""
+        carries several decode steps (a burst, `scheduler/cell/bursts.py`) when the worker only decodes."""
         handle, wakeup = self.handles[worker.name], self.wakeups[worker.name]
         in_flight: tuple[Any, ...] | None = None  # (plans, result ref, planning seconds, send time)
         while True:

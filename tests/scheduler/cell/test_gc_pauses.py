@@ -2,7 +2,7 @@
 
 import gc
 
-from scheduler.gc_pauses import startup_frozen
+from scheduler.cell.gc_pauses import startup_frozen
 
 
 def test_a_timed_run_freezes_startup_objects_and_unfreezes_after():

@@ -1,11 +1,11 @@
 """The KV handoff with the prefill and the decode worker on one simulated node or on two (docs/BENCHMARKS.md).
 
-    PYTHONPATH=. .venv/bin/python docs/kv_prefetch.py one|two REQUESTS PROMPT_LEN
+    PYTHONPATH=. .venv/bin/python deploy/bench/studies/kv_prefetch.py one|two REQUESTS PROMPT_LEN
 
 The embedded model, disaggregated, 1 prefill + 1 decode worker of 1 CPU each, requests one at a time (each
 its own prompt, so no prefix cache hit), 16 output tokens; prints each request's `kv_handoff_s` (export of
 the last piece + import), TTFT and TPOT as one JSON line. On two nodes the decode worker pulls each piece
-to its node while the prompt still prefills (scheduler/handoffs.py).
+to its node while the prompt still prefills (scheduler/cell/handoffs.py).
 """
 
 import json

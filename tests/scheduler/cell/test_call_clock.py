@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from scheduler.call_clock import HANDOFF_EARLY, CallClock
+from scheduler.cell.call_clock import HANDOFF_EARLY, CallClock
 
 
 def test_seconds_per_token_is_a_moving_average_of_calls_that_computed_tokens():

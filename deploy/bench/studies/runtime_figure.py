@@ -2,7 +2,7 @@
 
 The figures are the `output_tok_s` lines of the runs listed in docs/BENCHMARKS.md ("Second pass" and
 "Through the Serve app"), measured on the 2-core development machine on 2026-11-30; where a setting was
-run twice, both runs are drawn. Run: `.venv/bin/python docs/runtime_figure.py`.
+run twice, both runs are drawn. Run: `.venv/bin/python deploy/bench/studies/runtime_figure.py`.
 """
 
 from pathlib import Path

@@ -5,21 +5,21 @@ import functools
 import pytest
 
 from scheduler.plan import StepPlan
-from scheduler.policy import QueueFullError, Scheduler
 from scheduler.request import FinishReason, Request, RequestStatus, SamplingParams
+from scheduler.step_planner import QueueFullError, StepPlanner
 from tests.factories import make_request
 
 req = functools.partial(make_request, prompt_len=10, max_tokens=4)
 
 
-def fake_step(sched: Scheduler, token: int = 7) -> tuple[StepPlan, list[Request]]:
+def fake_step(sched: StepPlanner, token: int = 7) -> tuple[StepPlan, list[Request]]:
     """Plan and pretend a worker sampled `token` for every sampling chunk."""
     plan = sched.plan()
     check_invariants(sched, plan)
     return plan, sched.update(plan, {c.req_id: token for c in plan.chunks if c.sample}).finished
 
 
-def check_invariants(sched: Scheduler, plan: StepPlan) -> None:
+def check_invariants(sched: StepPlanner, plan: StepPlan) -> None:
     assert plan.num_tokens <= sched.token_budget
     used = [r.slot for r in sched.running]
     assert len(used) == len(set(used)), "two requests share a slot"
@@ -31,7 +31,7 @@ def check_invariants(sched: Scheduler, plan: StepPlan) -> None:
 
 
 def test_decode_first_then_prefill_oldest_first_within_budget():
-    sched = Scheduler(num_slots=3, capacity=64, token_budget=8, prefill_chunk=5)
+    sched = StepPlanner(num_slots=3, capacity=64, token_budget=8, prefill_chunk=5)
     for name in "abc":
         sched.submit(req(name, prompt_len=10))
     plan, _ = fake_step(sched)
@@ -48,7 +48,7 @@ def test_a_short_prompt_waits_for_one_long_prompt_at_most():
     """Two prompts needing several chunks and a short one behind them: the oldest long one, then the short
     one, then the other long one gets what is left of the budget (before, the two long ones took it all for
     as long as both were prefilling). Each priority has its own oldest long prompt; the urgent one goes first."""
-    sched = Scheduler(num_slots=5, capacity=256, token_budget=16, prefill_chunk=8)
+    sched = StepPlanner(num_slots=5, capacity=256, token_budget=16, prefill_chunk=8)
     for name, length in (("long-a", 60), ("long-b", 60), ("short", 5)):
         sched.submit(req(name, prompt_len=length, arrival_s=len(sched.requests)))
     plan, _ = fake_step(sched)
@@ -64,7 +64,7 @@ def test_a_short_prompt_waits_for_one_long_prompt_at_most():
 
 
 def test_requests_wait_for_slots_and_finish_by_length_returning_them():
-    sched = Scheduler(num_slots=2, capacity=64, token_budget=64, prefill_chunk=64)
+    sched = StepPlanner(num_slots=2, capacity=64, token_budget=64, prefill_chunk=64)
     for name in "abc":
         sched.submit(req(name, prompt_len=4, max_tokens=2))
     plan, finished = fake_step(sched)
@@ -79,14 +79,14 @@ def test_requests_wait_for_slots_and_finish_by_length_returning_them():
 
 
 def test_stop_token_finishes_with_stop():
-    sched = Scheduler(num_slots=1, capacity=64)
+    sched = StepPlanner(num_slots=1, capacity=64)
     sched.submit(req("a", stop_token_ids=frozenset({7})))
     _, finished = fake_step(sched, token=7)
     assert finished[0].finish_reason is FinishReason.STOP and finished[0].output_ids == [7]
 
 
 def test_abort_in_every_state_returns_the_slot():
-    sched = Scheduler(num_slots=2, capacity=64, token_budget=6, prefill_chunk=6)
+    sched = StepPlanner(num_slots=2, capacity=64, token_budget=6, prefill_chunk=6)
     for name in ("decoding", "prefilling", "waiting"):
         sched.submit(req(name, prompt_len=6))
     fake_step(sched)  # "decoding" computes its whole prompt and samples its first token
@@ -105,7 +105,7 @@ def test_abort_in_every_state_returns_the_slot():
 
 
 def test_results_of_an_aborted_request_are_ignored():
-    sched = Scheduler(num_slots=1, capacity=64)
+    sched = StepPlanner(num_slots=1, capacity=64)
     sched.submit(req("a"))
     plan = sched.plan()
     sched.abort("a")
@@ -113,7 +113,7 @@ def test_results_of_an_aborted_request_are_ignored():
 
 
 def test_priority_then_arrival_order_admission():
-    sched = Scheduler(num_slots=1, capacity=64)
+    sched = StepPlanner(num_slots=1, capacity=64)
     sched.submit(req("low", priority=5))
     sched.submit(req("urgent", priority=-1))
     sched.submit(req("normal"))
@@ -126,7 +126,7 @@ def test_priority_then_arrival_order_admission():
 ])
 def test_non_positive_limits_are_rejected(bad):
     with pytest.raises(ValueError, match="must be >= 1"):
-        Scheduler(**bad)
+        StepPlanner(**bad)
 
 
 def test_bad_requests_are_rejected_before_any_work():
@@ -138,7 +138,7 @@ def test_bad_requests_are_rejected_before_any_work():
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
-    sched = Scheduler(num_slots=1, capacity=16)
+    sched = StepPlanner(num_slots=1, capacity=16)
     with pytest.raises(ValueError, match=r"prompt \(10 tokens\) plus max_tokens \(7\) is 17.*16"):
         sched.submit(req("x", prompt_len=10, max_tokens=7))
     sched.submit(req("ok"))
@@ -148,7 +148,7 @@ def test_bad_requests_are_rejected_before_any_work():
 
 
 def test_full_queue_rejects_at_once():
-    sched = Scheduler(num_slots=1, capacity=64, max_waiting=1)
+    sched = StepPlanner(num_slots=1, capacity=64, max_waiting=1)
     sched.submit(req("a"))
     with pytest.raises(QueueFullError):
         sched.submit(req("b"))
@@ -158,7 +158,7 @@ def test_full_queue_rejects_at_once():
 def test_a_token_sampled_for_a_request_evicted_meanwhile_is_not_taken():
     """With a step in flight, the next plan may evict a request that step samples for: its token is
     dropped (it will be sampled again, with the same seed, when the request is recomputed)."""
-    sched = Scheduler(num_slots=1, capacity=64, token_budget=64, prefill_chunk=64)
+    sched = StepPlanner(num_slots=1, capacity=64, token_budget=64, prefill_chunk=64)
     low = req("low", prompt_len=4, max_tokens=10, priority=1)
     sched.submit(low)
     sched.update(sched.plan(), {"low": 5})
@@ -173,7 +173,7 @@ def test_a_token_sampled_for_a_request_evicted_meanwhile_is_not_taken():
 def test_sampling_parameters_go_to_a_worker_once_per_request():
     """Delta step messages: a request's first chunk on a worker carries its sampling parameters, later ones do
     not (the worker keeps them); once it leaves, the next plan tells the worker to drop them."""
-    sched = Scheduler(num_slots=2, capacity=64, token_budget=8, prefill_chunk=4)
+    sched = StepPlanner(num_slots=2, capacity=64, token_budget=8, prefill_chunk=4)
     sched.submit(req("a", prompt_len=6, max_tokens=3))
     plans = [fake_step(sched)[0] for _ in range(4)]  # prompt 4, prompt 2 + first token, then 2 decodes
     assert plans[0].chunks[0].sampling == SamplingParams()

@@ -14,12 +14,12 @@ import weakref
 
 import pytest
 
-from scheduler.cell import CellConfig, WorkerStatus
-from scheduler.coordinator import Coordinator
+from scheduler.cell.coordinator import Coordinator
+from scheduler.cell.metrics import RecordingBackend
+from scheduler.cell.state import CellConfig, WorkerStatus
 from scheduler.messages import KVPiece, Samples, StepResult
-from scheduler.metrics import RecordingBackend
-from scheduler.policy import QueueFullError
 from scheduler.request import Request
+from scheduler.step_planner import QueueFullError
 from tests.factories import make_request
 
 
@@ -389,7 +389,7 @@ def test_preemption_with_a_step_in_flight_loses_and_repeats_no_token(mode):
 
 
 def test_the_timeline_summarizes_phases_and_busy_rate():
-    from scheduler.timeline import StepTimeline
+    from scheduler.cell.timeline import StepTimeline
 
     timeline = StepTimeline()
     # a burst of 4 steps counts as 4 steps of a quarter of its call's time each: the median step is one of them

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.policy import Scheduler
+from scheduler.step_planner import StepPlanner
 
 MODES_ON_RAY = ("colocated", "disaggregated")
 
@@ -30,7 +30,7 @@ class CellConfig:
     local_prefill_max_tokens: int = 0  # shorter prompts are prefilled on the decode worker
     prefix_cache_blocks: int = 0  # per worker that prefills (prefill pool; decode pool when it prefills)
     cache_routing: bool = True  # send a prompt where its prefix is cached (weighed against queued work)
-    max_burst_ms: float = 20.0  # decode steps one worker call may carry, in time (scheduler/bursts.py); 0: one
+    max_burst_ms: float = 20.0  # decode steps one worker call may carry, in time (scheduler/cell/bursts.py); 0: one
 
     def __post_init__(self) -> None:
         if self.mode not in MODES_ON_RAY:
@@ -53,7 +53,7 @@ class WorkerState:
 
     kind: str  # "prefill" or "decode"
     index: int
-    sched: Scheduler
+    sched: StepPlanner
     status: WorkerStatus = WorkerStatus.UP
     placement: dict[str, Any] = field(default_factory=dict)  # node, pid, device: what `ready` reported
 

@@ -17,7 +17,7 @@ _TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
 _BYTES = [1e4, 1e5, 1e6, 1e7, 1e8, 1e9]
 
 
-class SchedulerMetrics:
+class CellMetrics:
     """Request latencies, queue states, slots, step sizes and durations, handoffs, failures."""
 
     def __init__(self, mode: str, backend: Any) -> None:

@@ -2,7 +2,7 @@
 
 Not part of pdserve (llguidance is not a dependency). From the repository root:
     .venv/bin/pip install 'llguidance==1.9.*'
-    .venv/bin/python docs/grammar_choice.py llguidance xgrammar ab   # compile times, then the A/B per step
+    .venv/bin/python deploy/bench/studies/grammar_choice.py llguidance xgrammar ab   # compile times, then the A/B per step
     .venv/bin/pip uninstall -y llguidance
 SmolLM2-135M tokenizer, one float32 logits row of 49,152, one torch thread; the figures are in
 docs/BENCHMARKS.md ("Structured output").

@@ -1,17 +1,17 @@
 """The handoff book: a prompt is bound to its decode worker from its first KV piece, and each piece is
 named to that worker as soon as it exists when the worker is on another node (so it can pull the bytes
 while the prompt still prefills), and imported into a slot reserved for it there when the worker has one
-to spare. Driven without Ray, as tests/scheduler/test_coordinator.py does (whose fake decode worker checks
+to spare. Driven without Ray, as tests/scheduler/cell/test_coordinator.py does (whose fake decode worker checks
 every chunk finds its request's rows in its slot)."""
 
 import pytest
 
-from scheduler.cell import WorkerStatus, prefill_room
-from scheduler.handoffs import HandoffBook
+from scheduler.cell.handoffs import HandoffBook
+from scheduler.cell.state import WorkerStatus, prefill_room
 from scheduler.messages import KVHandoff, KVPiece
 from scheduler.plan import Chunk, StepPlan
 from scheduler.request import SamplingParams
-from tests.scheduler.test_coordinator import (
+from tests.scheduler.cell.test_coordinator import (
     Streams,
     assert_idle,
     cell,

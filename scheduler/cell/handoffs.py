@@ -16,7 +16,7 @@ import dataclasses
 from collections import Counter
 from typing import Any
 
-from scheduler.cell import WorkerState, WorkerStatus
+from scheduler.cell.state import WorkerState, WorkerStatus
 from scheduler.messages import KVHandoff, KVImport, KVPiece
 from scheduler.plan import StepPlan
 

@@ -23,12 +23,12 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from scheduler.cell import WorkerState
+from scheduler.cell.state import WorkerState
 from scheduler.messages import KVImport
 from scheduler.plan import StepPlan
 
 if TYPE_CHECKING:
-    from scheduler.coordinator import Coordinator
+    from scheduler.cell.coordinator import Coordinator
 
 
 def plan_call(coordinator: Coordinator, worker: WorkerState, max_steps: int) -> tuple[list[StepPlan],

@@ -5,7 +5,7 @@ scheduler's `live_handoffs` (handed off, not yet imported) every 20 ms, and prin
 peak and mean backlog, output tok/s and the decode worker's steps per call. docs/BENCHMARKS.md
 ("Prefill slots, backpressure...") has the runs. Usage:
 
-    PYTHONPATH=. .venv/bin/python docs/handoff_backlog.py CHECKPOINT REQUESTS PROMPT_LEN OUTPUT_LEN SLOTS
+    PYTHONPATH=. .venv/bin/python deploy/bench/studies/handoff_backlog.py CHECKPOINT REQUESTS PROMPT_LEN OUTPUT_LEN SLOTS
 """
 
 import json

@@ -1,6 +1,6 @@
 """The scheduler actor's decisions as plain code: routing, the handoff book, recompute, step results.
 
-No Ray, torch or numpy: the Ray actor (`scheduler/actor.py`) is a thin shell that calls these methods
+No Ray, torch or numpy: the Ray actor (`scheduler/cell/actor.py`) is a thin shell that calls these methods
 from its loops and does the remote calls, and tests drive them with hand-built `StepResult`s.
 """
 
@@ -10,16 +10,16 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from scheduler.cell import CellConfig, CellCounts, RequestPlacement, WorkerState, WorkerStatus, prefill_room
-from scheduler.forks import WaitingForks, sibling_worker
-from scheduler.handoffs import HandoffBook
+from scheduler.cell.forks import WaitingForks, sibling_worker
+from scheduler.cell.handoffs import HandoffBook
+from scheduler.cell.metrics import CellMetrics, RecordingBackend
+from scheduler.cell.state import CellConfig, CellCounts, RequestPlacement, WorkerState, WorkerStatus, prefill_room
 from scheduler.messages import KVHandoff, KVImport, StepResult
-from scheduler.metrics import RecordingBackend, SchedulerMetrics
 from scheduler.outputs import OutputProcessor, RequestOutput
 from scheduler.plan import StepPlan
-from scheduler.policy import QueueFullError, Scheduler
 from scheduler.prefix_cache import routing_cost
 from scheduler.request import FinishReason, Request, RequestStatus
+from scheduler.step_planner import QueueFullError, StepPlanner
 
 log = logging.getLogger(__name__)
 
@@ -42,11 +42,11 @@ class Coordinator:
                  wake: Callable[[WorkerState], None] = lambda worker: None) -> None:
         self.config = config
         self.outputs = OutputProcessor(tokenizer)
-        self.metrics = SchedulerMetrics(config.mode, metrics_backend or RecordingBackend())
+        self.metrics = CellMetrics(config.mode, metrics_backend or RecordingBackend())
         self.wake = wake
 
         def pool(kind: str, count: int, slots: int, cached: bool) -> list[WorkerState]:
-            return [WorkerState(kind, i, Scheduler(slots, config.capacity, config.token_budget, config.prefill_chunk,
+            return [WorkerState(kind, i, StepPlanner(slots, config.capacity, config.token_budget, config.prefill_chunk,
                                                    max_preemptions=config.max_preemptions, decodes=kind == "decode",
                                                    prefix_cache_blocks=config.prefix_cache_blocks if cached else 0))
                     for i in range(count)]
@@ -69,7 +69,7 @@ class Coordinator:
         QueueFullError when `max_waiting` requests already wait."""
         if request.req_id in self.consumers:  # every unfinished request has its consumer here
             raise ValueError(f"request id {request.req_id!r} is already in use")
-        Scheduler.check_fits(request, self.config.capacity)
+        StepPlanner.check_fits(request, self.config.capacity)
         num_waiting = sum(w.sched.num_waiting for w in self.workers) + len(self.forks)
         if self.config.max_waiting is not None and num_waiting >= self.config.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
@@ -223,7 +223,7 @@ class Coordinator:
         self.metrics.on_states([w.sched for w in self.workers])
         self._publish(outputs)
 
-    def _hand_off(self, sched: Scheduler, handoff: KVHandoff) -> None:
+    def _hand_off(self, sched: StepPlanner, handoff: KVHandoff) -> None:
         request = sched.evict(handoff.req_id) if handoff.req_id in sched.requests else None
         if request is None:
             self.kv.drop(handoff.req_id)

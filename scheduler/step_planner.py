@@ -13,7 +13,7 @@ from scheduler.request import FinishReason, Request, RequestStatus, TokenLogprob
 from scheduler.worker_copy import WorkerCopy
 
 
-class Scheduler:
+class StepPlanner:
     """Plans steps for one worker's slot cache and consumes the tokens the worker sampled.
 
     Each `plan()`: admit waiting requests (most urgent priority, then oldest) while slots are free;
@@ -63,7 +63,7 @@ class Scheduler:
             if request.req_id in seen:
                 raise ValueError(f"request id {request.req_id!r} is already in use")
             seen.add(request.req_id)
-            Scheduler.check_fits(request, capacity)
+            StepPlanner.check_fits(request, capacity)
 
     @staticmethod
     def check_fits(request: Request, capacity: int) -> None:

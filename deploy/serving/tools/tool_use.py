@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from deploy.serving.tool_calls import (
+from deploy.serving.tools.call_readers import (
     CallDelta,
     CallReader,
     CallSequence,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler.cell import WorkerState, WorkerStatus
+from scheduler.cell.state import WorkerState, WorkerStatus
 from scheduler.request import Request
 
 

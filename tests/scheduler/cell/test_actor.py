@@ -15,8 +15,8 @@ from deploy.config import EngineConfig
 from deploy.driver import RayEngine, open_engine
 from deploy.engine_client import EngineClient, complete
 from deploy.ray_engine import start_scheduler
-from scheduler.cell import CellClosed
-from scheduler.policy import QueueFullError
+from scheduler.cell.state import CellClosed
+from scheduler.step_planner import QueueFullError
 from tests.factories import make_request, make_requests, wait_for_stats
 
 pytestmark = pytest.mark.slow

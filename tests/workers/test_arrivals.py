@@ -4,7 +4,7 @@ import asyncio
 import math
 import time
 
-from scheduler.arrivals import ArrivalSchedule, run_at_arrivals
+from workers.arrivals import ArrivalSchedule, run_at_arrivals
 
 
 class Clock:

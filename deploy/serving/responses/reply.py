@@ -11,10 +11,10 @@ from contextlib import aclosing
 from typing import Any
 
 from deploy.serving.logprobs import TokenTexts, chat_logprobs
-from deploy.serving.responses import Job, failed
-from deploy.serving.responses_api import ResponsesBody
+from deploy.serving.replies import Job, failed
+from deploy.serving.responses.request import ResponsesBody
 from deploy.serving.schemas import APIError
-from deploy.serving.tool_calls import CallDelta, Delta
+from deploy.serving.tools.call_readers import CallDelta, Delta
 from scheduler.outputs import RequestOutput
 
 

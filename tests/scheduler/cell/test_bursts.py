@@ -2,9 +2,9 @@
 
 import pytest
 
-from scheduler.bursts import BurstSizer, may_burst, plan_call
+from scheduler.cell.bursts import BurstSizer, may_burst, plan_call
 from scheduler.request import Request
-from tests.scheduler.test_coordinator import (
+from tests.scheduler.cell.test_coordinator import (
     Streams,
     assert_idle,
     cell,

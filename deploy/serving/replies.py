@@ -13,8 +13,8 @@ from typing import Any
 from deploy.serving.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from deploy.serving.reasoning import MessageReader, ThinkSplitter
 from deploy.serving.schemas import APIError
-from deploy.serving.tool_calls import Delta
-from deploy.serving.tools import ToolUse
+from deploy.serving.tools.call_readers import Delta
+from deploy.serving.tools.tool_use import ToolUse
 from scheduler.outputs import RequestOutput
 from scheduler.request import Request, TokenLogprob
 

@@ -1,0 +1,1 @@
+"""Measurement studies behind docs/BENCHMARKS.md: scripts run with `python -m deploy.bench.studies.<name>`."""
