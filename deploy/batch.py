@@ -47,18 +47,33 @@ class GenerateLine(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     priority: int = 0
-    arrival_s: float = Field(0.0, ge=0, description="Submit this many seconds after the run starts.")
+    arrival_s: float = Field(
+        0.0, ge=0, description="Submit this many seconds after the run starts."
+    )
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0, le=2)
-    min_tokens: int = Field(0, ge=0, description="No stop (EOS, stop ids or strings) before this many tokens.")
-    logit_bias: dict[str, float] | None = Field(None, description="Token id (as a string) -> bias in [-100, 100].")
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Each output token's log-prob and the k "
-                                                                          "most likely; None: none.")
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="The same for the prompt.")
-    response_format: dict[str, Any] | None = Field(None, description="OpenAI's: text, json_object or json_schema.")
-    structured_outputs: dict[str, Any] | None = Field(None, description="vLLM's: one of json, regex, choice, grammar "
-                                                                       "or json_object.")
+    min_tokens: int = Field(
+        0, ge=0, description="No stop (EOS, stop ids or strings) before this many tokens."
+    )
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (as a string) -> bias in [-100, 100]."
+    )
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Each output token's log-prob and the k most likely; None: none.",
+    )
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="The same for the prompt."
+    )
+    response_format: dict[str, Any] | None = Field(
+        None, description="OpenAI's: text, json_object or json_schema."
+    )
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="vLLM's: one of json, regex, choice, grammar or json_object."
+    )
 
     @field_validator("logit_bias")
     @classmethod
@@ -68,8 +83,8 @@ class GenerateLine(BaseModel):
 
 
 def read_jsonl(path: str | Path, schema: type[Line], key: str) -> list[Line]:
-    """Parse and check every line before any work; raise BatchInputError naming the first bad line: one that
-    does not validate as `schema`, or repeats another line's `key`."""
+    """Parse and check every line before any work; raise BatchInputError naming the first bad line:
+    one that does not validate as `schema`, or repeats another line's `key`."""
     lines: list[Line] = []
     seen: dict[str, int] = {}
     with open(path, encoding="utf-8") as f:
@@ -95,21 +110,36 @@ def read_lines(path: str | Path) -> list[GenerateLine]:
     return read_jsonl(path, GenerateLine, "id")
 
 
-def to_requests(lines: list[GenerateLine], tokenizer: Any, eos_token_ids: frozenset[int],
-                capacity: int) -> list[Request]:
+def to_requests(
+    lines: list[GenerateLine], tokenizer: Any, eos_token_ids: frozenset[int], capacity: int
+) -> list[Request]:
     requests = []
     for number, line in enumerate(lines, start=1):
         try:
             prompt_ids = encode_prompt(tokenizer, line.prompt, line.messages, line.prompt_token_ids)
             request = build_request(
-                str(line.id), prompt_ids, max_tokens=line.max_tokens, eos_token_ids=eos_token_ids,
-                temperature=line.temperature, top_p=line.top_p, top_k=line.top_k, min_p=line.min_p, seed=line.seed,
-                stop=line.stop, stop_token_ids=line.stop_token_ids, ignore_eos=line.ignore_eos,
-                priority=line.priority, presence_penalty=line.presence_penalty,
-                frequency_penalty=line.frequency_penalty, repetition_penalty=line.repetition_penalty,
-                min_tokens=line.min_tokens, logit_bias=parse_logit_bias(line.logit_bias, len(tokenizer)),
-                logprobs=line.logprobs, prompt_logprobs=line.prompt_logprobs,
-                structured=structured_format(line.response_format, line.structured_outputs))
+                str(line.id),
+                prompt_ids,
+                max_tokens=line.max_tokens,
+                eos_token_ids=eos_token_ids,
+                temperature=line.temperature,
+                top_p=line.top_p,
+                top_k=line.top_k,
+                min_p=line.min_p,
+                seed=line.seed,
+                stop=line.stop,
+                stop_token_ids=line.stop_token_ids,
+                ignore_eos=line.ignore_eos,
+                priority=line.priority,
+                presence_penalty=line.presence_penalty,
+                frequency_penalty=line.frequency_penalty,
+                repetition_penalty=line.repetition_penalty,
+                min_tokens=line.min_tokens,
+                logit_bias=parse_logit_bias(line.logit_bias, len(tokenizer)),
+                logprobs=line.logprobs,
+                prompt_logprobs=line.prompt_logprobs,
+                structured=structured_format(line.response_format, line.structured_outputs),
+            )
             StepPlanner.check_fits(request, capacity)
         except ValueError as e:
             raise BatchInputError(f"request {line.id!r} (entry {number}): {e}") from None
@@ -119,8 +149,11 @@ def to_requests(lines: list[GenerateLine], tokenizer: Any, eos_token_ids: frozen
 
 def logprobs_json(entry: TokenLogprob) -> dict[str, Any]:
     """One token's log-probs in a result line (-inf written as -9999.0, as the HTTP API does)."""
-    return {"token_id": entry.token_id, "logprob": finite(entry.logprob),
-            "top": [[token_id, finite(logprob)] for token_id, logprob in entry.top]}
+    return {
+        "token_id": entry.token_id,
+        "logprob": finite(entry.logprob),
+        "top": [[token_id, finite(logprob)] for token_id, logprob in entry.top],
+    }
 
 
 def result_line(done: Completion, request: Request) -> dict[str, Any]:
@@ -139,14 +172,19 @@ def result_line(done: Completion, request: Request) -> dict[str, Any]:
     if request.sampling.logprobs is not None:
         line["logprobs"] = [logprobs_json(entry) for entry in done.logprobs]
     if request.sampling.prompt_logprobs is not None:
-        line["prompt_logprobs"] = [None, *(logprobs_json(entry) for entry in done.prompt_logprobs or [])]
+        line["prompt_logprobs"] = [
+            None,
+            *(logprobs_json(entry) for entry in done.prompt_logprobs or []),
+        ]
     return line
 
 
 def write_atomically(path: str | Path, lines: list[dict[str, Any]]) -> None:
     """All lines or nothing: write a temporary file beside the target, then rename it over."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.")
+    fd, tmp = tempfile.mkstemp(
+        dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}."
+    )
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             for line in lines:
@@ -157,12 +195,20 @@ def write_atomically(path: str | Path, lines: list[dict[str, Any]]) -> None:
         raise
 
 
-def run_generate(config: EngineConfig, input_path: str, output_path: str, progress: bool = True) -> list[dict]:
+def run_generate(
+    config: EngineConfig, input_path: str, output_path: str, progress: bool = True
+) -> list[dict]:
     """Read, check, generate, write. Returns the written lines (in input order)."""
     lines = read_lines(input_path)
     arrivals = {str(line.id): line.arrival_s for line in lines}
-    bar = tqdm(total=len(lines), desc="generate", unit="req", file=sys.stderr, disable=not progress,
-               mininterval=1.0)
+    bar = tqdm(
+        total=len(lines),
+        desc="generate",
+        unit="req",
+        file=sys.stderr,
+        disable=not progress,
+        mininterval=1.0,
+    )
     with open_engine(config) as engine:
         requests = to_requests(lines, engine.tokenizer, engine.eos_token_ids, engine.capacity)
         results = engine.run(requests, arrivals, on_finish=lambda _: bar.update())

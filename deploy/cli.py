@@ -1,4 +1,5 @@
-"""The `pdserve` console script: `generate` (batch job), `bench` / `gpu-bench`, `serve` (HTTP), `load`."""
+"""The `pdserve` console script: `generate` (batch job), `bench` / `gpu-bench`, `serve` (HTTP),
+`load`."""
 
 from __future__ import annotations
 
@@ -19,8 +20,11 @@ from deploy.bench.arguments import add_bench_arguments, add_gpu_bench_arguments
 from deploy.config import EngineConfig, ReplyConfig, ServiceConfig
 
 
-def _engine_fields(cls: type[EngineConfig] = EngineConfig) -> dict[str, tuple[str, type, tuple[str, ...] | None]]:
-    """Every field of a plain type of the config class as a flag: --flag-name -> (field, type, choices)."""
+def _engine_fields(
+    cls: type[EngineConfig] = EngineConfig,
+) -> dict[str, tuple[str, type, tuple[str, ...] | None]]:
+    """Every field of a plain type of the config class as a flag: --flag-name -> (field, type,
+    choices)."""
     flags = {}
     for name, field in cls.model_fields.items():
         kind = field.annotation
@@ -37,23 +41,42 @@ def _engine_fields(cls: type[EngineConfig] = EngineConfig) -> dict[str, tuple[st
 
 def _truth(text: str) -> bool:
     """A boolean flag's value: true/false (also yes/no, on/off, 1/0)."""
-    value = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+    value = {
+        "true": True,
+        "yes": True,
+        "on": True,
+        "1": True,
+        "false": False,
+        "no": False,
+        "off": False,
+        "0": False,
+    }
     if text.lower() not in value:
         raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
     return value[text.lower()]
 
 
-def add_engine_args(parser: argparse.ArgumentParser, cls: type[EngineConfig] = EngineConfig) -> None:
+def add_engine_args(
+    parser: argparse.ArgumentParser, cls: type[EngineConfig] = EngineConfig
+) -> None:
     """One flag per config field, described by the config itself; unset flags keep its defaults."""
     for flag, (name, kind, choices) in _engine_fields(cls).items():
         field = cls.model_fields[name]
         default = str(field.default).lower() if kind is _truth else field.default
-        parser.add_argument(flag, dest=name, type=kind, default=None, choices=choices,
-                            metavar="{true,false}" if kind is _truth else None,
-                            help=f"{field.description} (default: {default})")
+        parser.add_argument(
+            flag,
+            dest=name,
+            type=kind,
+            default=None,
+            choices=choices,
+            metavar="{true,false}" if kind is _truth else None,
+            help=f"{field.description} (default: {default})",
+        )
 
 
-def config_from_args(args: argparse.Namespace, cls: type[EngineConfig] = EngineConfig, **overrides: object) -> Any:
+def config_from_args(
+    args: argparse.Namespace, cls: type[EngineConfig] = EngineConfig, **overrides: object
+) -> Any:
     """The config of the flags given; unset flags (None) keep the config class's defaults."""
     names = [name for name, _, _ in _engine_fields(cls).values()]
     given = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
@@ -69,7 +92,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if is_openai_batch(args.input):
             lines = run_openai_batch(config, args.input, args.output, progress=not args.quiet)
             failed = sum(line["response"]["status_code"] != 200 for line in lines)
-            print(f"wrote {len(lines)} OpenAI batch results ({failed} failed) to {args.output}", file=sys.stderr)
+            print(
+                f"wrote {len(lines)} OpenAI batch results ({failed} failed) to {args.output}",
+                file=sys.stderr,
+            )
             return 0
         lines = run_generate(config.engine(), args.input, args.output, progress=not args.quiet)
     except (BatchInputError, ValidationError, ValueError, FileNotFoundError) as e:
@@ -108,12 +134,16 @@ def _cmd_bench_plot(args: argparse.Namespace) -> int:
     try:
         for path in args.results:
             with open(path) as f:
-                summaries += [line for line in map(json.loads, filter(str.strip, f)) if "output_tok_s" in line]
+                summaries += [
+                    line for line in map(json.loads, filter(str.strip, f)) if "output_tok_s" in line
+                ]
     except (OSError, ValueError) as e:
         print(f"pdserve bench-plot: error: {e}", file=sys.stderr)
         return 2
     if not summaries:
-        print("pdserve bench-plot: error: no bench summary lines in the files given", file=sys.stderr)
+        print(
+            "pdserve bench-plot: error: no bench summary lines in the files given", file=sys.stderr
+        )
         return 2
     plot_bench(summaries, args.plot)
     print(f"figure: {args.plot} ({len(summaries)} runs)", file=sys.stderr)
@@ -137,7 +167,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
     if direct:  # read by Serve's controller and replicas: set before Ray (and Serve) start
         os.environ.update(_direct_ingress_env(args.port))
-    # With direct ingress Serve still starts its HTTP proxy on the head node: it gets a free port, not --port
+    # With direct ingress Serve still starts its HTTP proxy on the head node: it gets a free port,
+    # not --port
     proxy_port = _free_port(args.host) if direct else args.port
     from ray import serve
 
@@ -149,12 +180,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     serve.run(build_app(config.model_dump()), name=APP_NAME, route_prefix="/", blocking=False)
     base = f"http://{args.host}:{args.port}/v1"
     auth = f" -H 'Authorization: Bearer {config.api_key}'" if config.api_key else ""
-    print(f"\npdserve is serving {config.model_name} ({config.mode}, "
-          f"{'direct ingress' if direct else 'Serve proxy'}) at {base}\ntry:\n"
-          f"  curl {base}/chat/completions -H 'Content-Type: application/json'{auth} -d '{{\"model\": "
-          f"\"{config.model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of "
-          f"France?\"}}], \"max_tokens\": 40}}'\nCtrl-C stops it.", flush=True)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill`, systemd, docker stop: as Ctrl-C
+    print(
+        f"\npdserve is serving {config.model_name} ({config.mode}, "
+        f"{'direct ingress' if direct else 'Serve proxy'}) at {base}\ntry:\n"
+        f"  curl {base}/chat/completions -H 'Content-Type: application/json'{auth} -d "
+        f'\'{{"model": '
+        f'"{config.model_name}", "messages": [{{"role": "user", "content": "What is the capital of '
+        f'France?"}}], "max_tokens": 40}}\'\nCtrl-C stops it.',
+        flush=True,
+    )
+    # `kill`, systemd, docker stop: as Ctrl-C
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         while True:
             time.sleep(3600)
@@ -166,27 +202,39 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _direct_ingress(args: argparse.Namespace, config: ServiceConfig) -> bool:
     """Whether the ingress replica serves HTTP itself (`--ingress direct`), skipping Serve's proxy.
 
-    Direct needs the Ray this command starts (Serve reads the setting when its controller starts) and one
-    ingress replica (it listens on --port itself); by default it is used wherever it can be."""
+    Direct needs the Ray this command starts (Serve reads the setting when its controller starts)
+    and one ingress replica (it listens on --port itself); by default it is used wherever it can
+    be."""
     joined = bool(os.environ.get("RAY_ADDRESS"))
     if args.ingress == "direct" and joined:
-        raise ValueError("--ingress direct needs the Ray this command starts; with RAY_ADDRESS set, Serve follows "
-                         "the cluster's own environment (README, Serving); use --ingress proxy")
+        raise ValueError(
+            "--ingress direct needs the Ray this command starts; with RAY_ADDRESS set, Serve "
+            "follows "
+            "the cluster's own environment (README, Serving); use --ingress proxy"
+        )
     if args.ingress == "direct" and config.ingress_replicas > 1:
-        raise ValueError("--ingress direct serves from one ingress replica on --port; with "
-                         f"--ingress-replicas {config.ingress_replicas} use --ingress proxy")
-    return args.ingress == "direct" or (args.ingress is None and not joined and config.ingress_replicas == 1)
+        raise ValueError(
+            "--ingress direct serves from one ingress replica on --port; with "
+            f"--ingress-replicas {config.ingress_replicas} use --ingress proxy"
+        )
+    return args.ingress == "direct" or (
+        args.ingress is None and not joined and config.ingress_replicas == 1
+    )
 
 
 def _check_port(host: str, port: int) -> None:
-    """Fail before Ray starts, and say why, when the port cannot be listened on (another server has it)."""
+    """Fail before Ray starts, and say why, when the port cannot be listened on (another server has
+    it)."""
     with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will: TIME_WAIT is no conflict
+        # as the server will: TIME_WAIT is no conflict
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as e:
-            raise OSError(f"cannot listen on {host}:{port} ({e.strerror}); is another server running there? "
-                          "Pick another port with --port") from None
+            raise OSError(
+                f"cannot listen on {host}:{port} ({e.strerror}); is another server running there? "
+                "Pick another port with --port"
+            ) from None
 
 
 def _free_port(host: str) -> int:
@@ -196,18 +244,20 @@ def _free_port(host: str) -> int:
 
 
 def _direct_ingress_env(port: int) -> dict[str, str]:
-    """Ray Serve's direct ingress (Ray 2.60, experimental): no HTTP proxy; the ingress replica listens on
-    `port` itself, gives it up at once when stopped, and can take it again when restarted. With it, two
-    more of Serve's throughput settings: a replica runs its handlers and its handles' router on its
-    own event loop, with no hop between threads per message (about a fifth more streamed tokens/s on
-    the tiny model, docs/BENCHMARKS.md)."""
-    return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
-            "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
-            "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
-            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
-            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),  # exclusive
-            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
-            "RAY_SERVE_PORT_QUARANTINE_S": "0"}
+    """Ray Serve's direct ingress (Ray 2.60, experimental): no HTTP proxy; the ingress replica
+    listens on `port` itself, gives it up at once when stopped, and can take it again when
+    restarted. With it, two more of Serve's throughput settings: a replica runs its handlers and its
+    handles' router on its own event loop, with no hop between threads per message (about a fifth
+    more streamed tokens/s on the tiny model, docs/BENCHMARKS.md)."""
+    return {
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+        "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+        "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),  # exclusive
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
+        "RAY_SERVE_PORT_QUARANTINE_S": "0",
+    }
 
 
 def _cmd_load(args: argparse.Namespace) -> int:
@@ -222,8 +272,16 @@ def _cmd_load(args: argparse.Namespace) -> int:
     except EndpointError as e:
         print(f"pdserve load: error: {e}", file=sys.stderr)
         return 2
-    result = asyncio.run(run_load(args.url, args.model_name, args.clients, args.duration, args.max_tokens,
-                                  api_key=args.api_key))
+    result = asyncio.run(
+        run_load(
+            args.url,
+            args.model_name,
+            args.clients,
+            args.duration,
+            args.max_tokens,
+            api_key=args.api_key,
+        )
+    )
     print(json.dumps(result))
     return 0 if result["failed"] == 0 and result["slots_in_use_after"] == 0 else 1
 
@@ -233,28 +291,46 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine details to stderr")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="run a JSONL batch of requests to a JSONL file of results")
-    gen.add_argument("--input", required=True, help="JSONL, one request per line: pdserve's lines, or OpenAI batch "
-                     "lines ({custom_id, method, url, body})")
+    gen = sub.add_parser(
+        "generate", help="run a JSONL batch of requests to a JSONL file of results"
+    )
+    gen.add_argument(
+        "--input",
+        required=True,
+        help="JSONL, one request per line: pdserve's lines, or OpenAI batch "
+        "lines ({custom_id, method, url, body})",
+    )
     gen.add_argument("--output", required=True, help="JSONL results, written whole at the end")
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     add_engine_args(gen, ReplyConfig)
     gen.set_defaults(func=_cmd_generate)
 
-    bench = sub.add_parser("bench", help="serving benchmark: engine modes and sweeps, or a running endpoint "
-                           "(--url), against serial and static transformers generate")
+    bench = sub.add_parser(
+        "bench",
+        help="serving benchmark: engine modes and sweeps, or a running endpoint "
+        "(--url), against serial and static transformers generate",
+    )
     add_engine_args(bench)
     add_bench_arguments(bench)
     bench.set_defaults(func=_cmd_bench)
 
-    replot = sub.add_parser("bench-plot", help="draw the bench figure from the JSON lines of one or more runs")
-    replot.add_argument("results", nargs="+", help="`pdserve bench --output` files (their serial/static "
-                        "baselines are taken from the first)")
+    replot = sub.add_parser(
+        "bench-plot", help="draw the bench figure from the JSON lines of one or more runs"
+    )
+    replot.add_argument(
+        "results",
+        nargs="+",
+        help="`pdserve bench --output` files (their serial/static "
+        "baselines are taken from the first)",
+    )
     replot.add_argument("--plot", required=True, help="PNG to write")
     replot.set_defaults(func=_cmd_bench_plot)
 
-    gpu = sub.add_parser("gpu-bench", help="offline GPU benchmark: a random-weight Qwen3-0.6B, slots sweep "
-                         "against transformers static batching, decode-step memory bandwidth")
+    gpu = sub.add_parser(
+        "gpu-bench",
+        help="offline GPU benchmark: a random-weight Qwen3-0.6B, slots sweep "
+        "against transformers static batching, decode-step memory bandwidth",
+    )
     add_gpu_bench_arguments(gpu)
     gpu.set_defaults(func=_cmd_gpu_bench)
 
@@ -262,11 +338,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve, ServiceConfig)
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--ingress", choices=("direct", "proxy"), default=None,
-                       help="direct: the ingress replica serves HTTP on --port itself (Ray Serve's direct "
-                       "ingress; about twice the streamed tokens/s of a small model on 2 cores); proxy: Serve's HTTP "
-                       "proxy in front of the ingress replicas (default: direct, except with RAY_ADDRESS set "
-                       "or --ingress-replicas above 1)")
+    serve.add_argument(
+        "--ingress",
+        choices=("direct", "proxy"),
+        default=None,
+        help="direct: the ingress replica serves HTTP on --port itself (Ray Serve's direct "
+        "ingress; about twice the streamed tokens/s of a small model on 2 cores); proxy: Serve's "
+        "HTTP "
+        "proxy in front of the ingress replicas (default: direct, except with RAY_ADDRESS set "
+        "or --ingress-replicas above 1)",
+    )
     serve.set_defaults(func=_cmd_serve)
     load = sub.add_parser("load", help="sustained streaming load against a running endpoint")
     load.add_argument("--url", default="http://127.0.0.1:8000/v1")
@@ -275,16 +356,23 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--duration", type=float, default=60.0, help="seconds")
     load.add_argument("--max-tokens", type=int, default=32)
     load.add_argument("--api-key", default=None)
-    load.add_argument("--ready-timeout", type=float, default=120.0,
-                      help="seconds to wait for the endpoint's /health to answer 200 before starting")
+    load.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=120.0,
+        help="seconds to wait for the endpoint's /health to answer 200 before starting",
+    )
     load.set_defaults(func=_cmd_load)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     return args.func(args)
 
 

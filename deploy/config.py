@@ -1,4 +1,5 @@
-"""The configuration: the engine's (shared by the CLI, the batch job and the Serve app) and the service's."""
+"""The configuration: the engine's (shared by the CLI, the batch job and the Serve app) and the
+service's."""
 
 from __future__ import annotations
 
@@ -8,15 +9,20 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from deploy.prompts import read_chat_template
-from deploy.serving.autoscaling import POLICY as AUTOSCALING_POLICY
-from deploy.serving.reasoning import ReasoningParser
-from deploy.serving.tools.tool_use import ToolCallParser
 from scheduler.cell.state import MODES_ON_RAY, CellConfig
 from scheduler.prefix_cache import BLOCK_SIZE
 from workers.catalog import DEFAULT_MODEL, MAX_DEFAULT_CONTEXT
 
 Mode = Literal["local", "colocated", "disaggregated"]
 MODES: tuple[str, ...] = get_args(Mode)
+# the readers of tool calls in generated text (deploy/serving/tools/call_readers.py)
+ToolCallParser = Literal["hermes", "llama3_json", "mistral", "pythonic"]
+# the readers of `<think>` parts (deploy/serving/reasoning.py)
+ReasoningParser = Literal["qwen3", "deepseek_r1"]
+REASONING_PARSERS: tuple[str, ...] = get_args(ReasoningParser)
+# the cells' autoscaling policy, as Serve's controller imports it (by name: config imports no
+# serving code)
+AUTOSCALING_POLICY = "deploy.serving.autoscaling:open_requests"
 assert set(MODES_ON_RAY) < set(MODES)
 
 
@@ -25,60 +31,116 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str = Field(DEFAULT_MODEL, description="Alias, checkpoint directory, .gguf file or hub id.")
-    mode: Mode = Field("local", description="local: one process, no Ray; colocated: prefill and decode in "
-                       "the same Ray workers; disaggregated: separate prefill and decode worker pools.")
-    slots: int = Field(16, ge=1, description="Decode slots per worker: requests that can run at once.")
-    max_model_len: int | None = Field(None, ge=2, description="Tokens per slot (prompt + output); default: "
-                                      f"the model's context, capped at {MAX_DEFAULT_CONTEXT}.")
-    token_budget: int = Field(256, ge=1, description="Tokens computed per step: decode tokens first, then "
-                              "prompt chunks.")
-    prefill_chunk: int = Field(128, ge=1, description="Most prompt tokens of one request in one step.")
-    max_waiting: int | None = Field(None, ge=0, description="Waiting requests before new ones are "
-                                    "rejected; unbounded if unset.")
-    dtype: str = Field("auto", description="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16.")
+    model: str = Field(
+        DEFAULT_MODEL, description="Alias, checkpoint directory, .gguf file or hub id."
+    )
+    mode: Mode = Field(
+        "local",
+        description="local: one process, no Ray; colocated: prefill and decode in "
+        "the same Ray workers; disaggregated: separate prefill and decode worker pools.",
+    )
+    slots: int = Field(
+        16, ge=1, description="Decode slots per worker: requests that can run at once."
+    )
+    max_model_len: int | None = Field(
+        None,
+        ge=2,
+        description="Tokens per slot (prompt + output); default: "
+        f"the model's context, capped at {MAX_DEFAULT_CONTEXT}.",
+    )
+    token_budget: int = Field(
+        256, ge=1, description="Tokens computed per step: decode tokens first, then prompt chunks."
+    )
+    prefill_chunk: int = Field(
+        128, ge=1, description="Most prompt tokens of one request in one step."
+    )
+    max_waiting: int | None = Field(
+        None, ge=0, description="Waiting requests before new ones are rejected; unbounded if unset."
+    )
+    dtype: str = Field(
+        "auto", description="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16."
+    )
     device: str = Field("auto", description="auto, cpu or cuda.")
     prefill_workers: int = Field(1, ge=1, description="Prefill worker actors (disaggregated mode).")
-    decode_workers: int = Field(1, ge=1, description="Decode worker actors (disaggregated and colocated).")
-    local_prefill_max_tokens: int = Field(0, ge=0, description="Prompts shorter than this are prefilled on "
-                                          "the decode worker, skipping the handoff; 0 always hands off.")
-    prefill_slots: int = Field(16, ge=1, description="Cache rows per prefill worker: prompts it can hold "
-                               "partly prefilled at once. Short prompts need many (a step takes up to "
-                               "token_budget tokens of them); long ones are bounded by the token budget.")
-    prefill_resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources each "
-                                                "prefill worker needs, e.g. {\"prefill_node\": 1} (cluster.yaml).")
-    decode_resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources each "
-                                               "decode worker needs, e.g. {\"decode_node\": 1}.")
-    max_preemptions: int = Field(2, ge=0, description="Times one request may be evicted for more urgent ones; "
-                                 "after that it is not evictable, so it cannot starve.")
+    decode_workers: int = Field(
+        1, ge=1, description="Decode worker actors (disaggregated and colocated)."
+    )
+    local_prefill_max_tokens: int = Field(
+        0,
+        ge=0,
+        description="Prompts shorter than this are prefilled on "
+        "the decode worker, skipping the handoff; 0 always hands off.",
+    )
+    prefill_slots: int = Field(
+        16,
+        ge=1,
+        description="Cache rows per prefill worker: prompts it can hold "
+        "partly prefilled at once. Short prompts need many (a step takes up to "
+        "token_budget tokens of them); long ones are bounded by the token budget.",
+    )
+    prefill_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each "
+        'prefill worker needs, e.g. {"prefill_node": 1} (cluster.yaml).',
+    )
+    decode_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description='Custom Ray resources each decode worker needs, e.g. {"decode_node": 1}.',
+    )
+    max_preemptions: int = Field(
+        2,
+        ge=0,
+        description="Times one request may be evicted for more urgent ones; "
+        "after that it is not evictable, so it cannot starve.",
+    )
     max_worker_restarts: int = Field(3, ge=0, description="Times Ray restarts a dead worker actor.")
-    max_recomputes: int = Field(3, ge=0, description="Times one request's lost cache is recomputed before it "
-                                "ends with an error.")
-    num_cpus_per_worker: float = Field(1.0, gt=0, description="CPUs reserved per worker actor; torch uses "
-                                       "that many threads.")
-    prefix_cache_tokens: int = Field(16384, ge=0, description="Prefix cache per worker that prefills: KV of "
-                                     "this many prompt tokens (blocks of 16) kept for reuse; 0 turns it off.")
-    cache_routing: bool = Field(True, description="Send each prompt to the worker where the most of its prefix "
-                                "is cached, weighed against queued work; false: by load only.")
-    chat_template: str | None = Field(None, description="A Jinja chat template, or a file holding one, for chat "
-                                      "requests instead of the model's own (e.g. one that shows tools).")
-    max_burst_ms: float = Field(20.0, ge=0, description="Ray modes: while a decode worker only decodes, one "
-                                "call to it carries several steps, up to this many milliseconds of them, so "
-                                "Ray's per-call cost (about a millisecond) is paid once for several tokens; "
-                                "0: one step per call.")
+    max_recomputes: int = Field(
+        3,
+        ge=0,
+        description="Times one request's lost cache is recomputed before it ends with an error.",
+    )
+    num_cpus_per_worker: float = Field(
+        1.0, gt=0, description="CPUs reserved per worker actor; torch uses that many threads."
+    )
+    prefix_cache_tokens: int = Field(
+        16384,
+        ge=0,
+        description="Prefix cache per worker that prefills: KV of "
+        "this many prompt tokens (blocks of 16) kept for reuse; 0 turns it off.",
+    )
+    cache_routing: bool = Field(
+        True,
+        description="Send each prompt to the worker where the most of its prefix "
+        "is cached, weighed against queued work; false: by load only.",
+    )
+    chat_template: str | None = Field(
+        None,
+        description="A Jinja chat template, or a file holding one, for chat "
+        "requests instead of the model's own (e.g. one that shows tools).",
+    )
+    max_burst_ms: float = Field(
+        20.0,
+        ge=0,
+        description="Ray modes: while a decode worker only decodes, one "
+        "call to it carries several steps, up to this many milliseconds of them, so "
+        "Ray's per-call cost (about a millisecond) is paid once for several tokens; "
+        "0: one step per call.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
         if self.prefill_chunk > self.token_budget:
-            raise ValueError(f"prefill_chunk ({self.prefill_chunk}) must not exceed token_budget "
-                             f"({self.token_budget}): a chunk larger than a step's budget never runs whole")
+            raise ValueError(
+                f"prefill_chunk ({self.prefill_chunk}) must not exceed token_budget "
+                f"({self.token_budget}): a chunk larger than a step's budget never runs whole"
+            )
         return self
 
     @field_validator("chat_template")
     @classmethod
     def _template_text(cls, value: str | None) -> str | None:
-        """A file is read here, once: the config carries the template itself to every process and node (a
-        missing file fails at start, not on the first chat)."""
+        """A file is read here, once: the config carries the template itself to every process and
+        node (a missing file fails at start, not on the first chat)."""
         return None if value is None else read_chat_template(value)
 
     def num_workers(self) -> int:
@@ -88,34 +150,47 @@ class EngineConfig(BaseModel):
         return self.decode_workers + (self.prefill_workers if self.mode == "disaggregated" else 0)
 
     def context_len(self, model_context: int) -> int:
-        """Slot capacity: max_model_len if set (never over the model's context), else the model's context
-        capped at MAX_DEFAULT_CONTEXT."""
+        """Slot capacity: max_model_len if set (never over the model's context), else the model's
+        context capped at MAX_DEFAULT_CONTEXT."""
         if self.max_model_len is None:
             return min(model_context, MAX_DEFAULT_CONTEXT)
         if self.max_model_len > model_context:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context of {model_context}")
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's context of {model_context}"
+            )
         return self.max_model_len
 
     def cell_config(self, capacity: int) -> CellConfig:
         """The scheduler cell of a Ray mode, with slots of `capacity` tokens."""
-        return CellConfig(mode=self.mode, num_decode_workers=self.decode_workers,
-                          num_prefill_workers=self.prefill_workers, decode_slots=self.slots,
-                          prefill_slots=self.prefill_slots, capacity=capacity, token_budget=self.token_budget,
-                          prefill_chunk=self.prefill_chunk, max_waiting=self.max_waiting,
-                          max_preemptions=self.max_preemptions, max_recomputes=self.max_recomputes,
-                          local_prefill_max_tokens=self.local_prefill_max_tokens,
-                          prefix_cache_blocks=self.prefix_blocks, cache_routing=self.cache_routing,
-                          max_burst_ms=self.max_burst_ms)
+        return CellConfig(
+            mode=self.mode,
+            num_decode_workers=self.decode_workers,
+            num_prefill_workers=self.prefill_workers,
+            decode_slots=self.slots,
+            prefill_slots=self.prefill_slots,
+            capacity=capacity,
+            token_budget=self.token_budget,
+            prefill_chunk=self.prefill_chunk,
+            max_waiting=self.max_waiting,
+            max_preemptions=self.max_preemptions,
+            max_recomputes=self.max_recomputes,
+            local_prefill_max_tokens=self.local_prefill_max_tokens,
+            prefix_cache_blocks=self.prefix_blocks,
+            cache_routing=self.cache_routing,
+            max_burst_ms=self.max_burst_ms,
+        )
 
     @property
     def prefix_blocks(self) -> int:
         return self.prefix_cache_tokens // BLOCK_SIZE
 
 
-def format_validation_errors(errors: Sequence[Any], skip: tuple[str, ...] = (), limit: int = 5,
-                             whole: str = "body") -> str:
-    """pydantic's errors as `where: what; ...` (the first `limit`; `whole` names an error of the whole
-    object), for a 400 or a bad input line. Parts of a location in `skip` are left out."""
+def format_validation_errors(
+    errors: Sequence[Any], skip: tuple[str, ...] = (), limit: int = 5, whole: str = "body"
+) -> str:
+    """pydantic's errors as `where: what; ...` (the first `limit`; `whole` names an error of the
+    whole object), for a 400 or a bad input line. Parts of a location in `skip` are left out."""
+
     def where(error: Any) -> str:
         return ".".join(str(p) for p in error.get("loc", ()) if p not in skip)
 
@@ -123,19 +198,27 @@ def format_validation_errors(errors: Sequence[Any], skip: tuple[str, ...] = (), 
 
 
 class ReplyConfig(EngineConfig):
-    """The engine plus how OpenAI replies name the model and read its text: the HTTP edge's and the batch
-    job's (its OpenAI batch lines)."""
+    """The engine plus how OpenAI replies name the model and read its text: the HTTP edge's and the
+    batch job's (its OpenAI batch lines)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    served_model_name: str | None = Field(None, description="The `model` clients send; default: --model.")
-    tool_call_parser: ToolCallParser | None = Field(None, description="Reads the tool calls of tool_choice auto "
-                                                    "out of the text: hermes (<tool_call> blocks: Qwen2.5/3, Hermes), "
-                                                    "llama3_json (Llama 3.1/3.2), mistral, pythonic (Llama 3.2/4's "
-                                                    "[f(x=1)] lists); unset: auto is refused.")
-    reasoning_parser: ReasoningParser | None = Field(None, description="Returns a reasoning model's <think> part "
-                                                     "as reasoning_content (qwen3: when the reply opens with "
-                                                     "<think>; deepseek_r1: the reply starts inside it).")
+    served_model_name: str | None = Field(
+        None, description="The `model` clients send; default: --model."
+    )
+    tool_call_parser: ToolCallParser | None = Field(
+        None,
+        description="Reads the tool calls of tool_choice auto "
+        "out of the text: hermes (<tool_call> blocks: Qwen2.5/3, Hermes), "
+        "llama3_json (Llama 3.1/3.2), mistral, pythonic (Llama 3.2/4's "
+        "[f(x=1)] lists); unset: auto is refused.",
+    )
+    reasoning_parser: ReasoningParser | None = Field(
+        None,
+        description="Returns a reasoning model's <think> part "
+        "as reasoning_content (qwen3: when the reply opens with "
+        "<think>; deepseek_r1: the reply starts inside it).",
+    )
 
     def engine(self) -> EngineConfig:
         fields = set(EngineConfig.model_fields)
@@ -147,31 +230,57 @@ class ReplyConfig(EngineConfig):
 
 
 class ServiceConfig(ReplyConfig):
-    """The service: the engine plus what the HTTP edge needs. `serve_config.yaml`'s `args` are these."""
+    """The service: the engine plus what the HTTP edge needs. `serve_config.yaml`'s `args` are
+    these."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    mode: str = Field("disaggregated", description="colocated or disaggregated (local runs without Ray).")
+    mode: str = Field(
+        "disaggregated", description="colocated or disaggregated (local runs without Ray)."
+    )
     ingress_replicas: int = Field(1, ge=1, description="Replicas of the HTTP ingress deployment.")
-    api_key: str | None = Field(None, description="If set, requests need `Authorization: Bearer <key>`.")
+    api_key: str | None = Field(
+        None, description="If set, requests need `Authorization: Bearer <key>`."
+    )
     max_request_bytes: int = Field(1_000_000, ge=1024, description="Larger request bodies get 413.")
-    cells: int = Field(1, ge=1, description="Cells (a scheduler with its own prefill and decode workers); the "
-                                            "minimum when max_cells is set.")
-    max_cells: int | None = Field(None, ge=1, description="Scale cells with load up to this many (Serve "
-                                                          "autoscaling); unset: a fixed number of cells.")
-    target_requests_per_cell: int | None = Field(None, ge=1, description="Open requests per cell that "
-                                                 "autoscaling aims at (default: the decode slots of a cell).")
-    cells_autoscaling: dict[str, Any] = Field(default_factory=dict, description="More of Serve's "
-                                              "autoscaling_config for the cells (e.g. upscale_delay_s, default "
-                                              "5; downscale_delay_s, default 60).")
-    failover_timeout_s: float = Field(30.0, gt=0, description="How long a stream whose cell died waits for "
-                                                              "another cell before it ends with an error.")
+    cells: int = Field(
+        1,
+        ge=1,
+        description="Cells (a scheduler with its own prefill and decode workers); the "
+        "minimum when max_cells is set.",
+    )
+    max_cells: int | None = Field(
+        None,
+        ge=1,
+        description="Scale cells with load up to this many (Serve "
+        "autoscaling); unset: a fixed number of cells.",
+    )
+    target_requests_per_cell: int | None = Field(
+        None,
+        ge=1,
+        description="Open requests per cell that "
+        "autoscaling aims at (default: the decode slots of a cell).",
+    )
+    cells_autoscaling: dict[str, Any] = Field(
+        default_factory=dict,
+        description="More of Serve's "
+        "autoscaling_config for the cells (e.g. upscale_delay_s, default "
+        "5; downscale_delay_s, default 60).",
+    )
+    failover_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="How long a stream whose cell died waits for "
+        "another cell before it ends with an error.",
+    )
 
     @model_validator(mode="after")
     def _serving_mode(self) -> ServiceConfig:
         if self.mode not in MODES_ON_RAY:
-            raise ValueError(f"mode {self.mode!r} cannot be served: use {' or '.join(MODES_ON_RAY)} "
-                             "(local mode runs in one process, without Ray)")
+            raise ValueError(
+                f"mode {self.mode!r} cannot be served: use {' or '.join(MODES_ON_RAY)} "
+                "(local mode runs in one process, without Ray)"
+            )
         if self.max_cells is not None and self.max_cells < self.cells:
             raise ValueError(f"max_cells ({self.max_cells}) must be at least cells ({self.cells})")
         return self
@@ -180,12 +289,19 @@ class ServiceConfig(ReplyConfig):
         return super().num_workers() * (self.max_cells or self.cells)
 
     def cell_options(self) -> dict[str, Any]:
-        """The Cell deployment's replica count, or its autoscaling between cells and max_cells on the cells'
-        open requests (deploy/serving/autoscaling.py)."""
+        """The Cell deployment's replica count, or its autoscaling between cells and max_cells on
+        the cells' open requests (deploy/serving/autoscaling.py)."""
         if self.max_cells is None or self.max_cells == self.cells:
             return {"num_replicas": self.cells}
         target = self.target_requests_per_cell or self.slots * self.decode_workers
-        return {"autoscaling_config": {
-            "upscale_delay_s": 5.0, "downscale_delay_s": 60.0, **self.cells_autoscaling,
-            "min_replicas": self.cells, "max_replicas": self.max_cells, "target_ongoing_requests": target,
-            "policy": {"policy_function": AUTOSCALING_POLICY}}}
+        return {
+            "autoscaling_config": {
+                "upscale_delay_s": 5.0,
+                "downscale_delay_s": 60.0,
+                **self.cells_autoscaling,
+                "min_replicas": self.cells,
+                "max_replicas": self.max_cells,
+                "target_ongoing_requests": target,
+                "policy": {"policy_function": AUTOSCALING_POLICY},
+            }
+        }

@@ -1,8 +1,8 @@
 """The one driver: run these requests at these arrival times in this config, get their completions.
 
 `open_engine(config)` starts the engine a config asks for (`local`: in this process; `colocated` /
-`disaggregated`: a scheduler actor and its workers on Ray) and `Engine.run` drives requests through it.
-The batch job, the benchmark and the tests all go through here.
+`disaggregated`: a scheduler actor and its workers on Ray) and `Engine.run` drives requests through
+it. The batch job, the benchmark and the tests all go through here.
 """
 
 from __future__ import annotations
@@ -32,13 +32,17 @@ class Engine(abc.ABC):
     eos_token_ids: frozenset[int]
 
     @abc.abstractmethod
-    def run(self, requests: list[Request], arrival_s: dict[str, float] | None = None,
-            on_finish: Callable[[Completion], None] | None = None,
-            after: dict[str, str] | None = None) -> dict[str, Completion]:
-        """Submit each request at its arrival offset (seconds from now; 0 if not given), or when the request
-        it follows in `after` ends (chains: `scheduler.arrivals.ArrivalSchedule`), and return the completion
-        of every request that ran, by id. A request that cannot run raises ValueError before anything is
-        submitted."""
+    def run(
+        self,
+        requests: list[Request],
+        arrival_s: dict[str, float] | None = None,
+        on_finish: Callable[[Completion], None] | None = None,
+        after: dict[str, str] | None = None,
+    ) -> dict[str, Completion]:
+        """Submit each request at its arrival offset (seconds from now; 0 if not given), or when the
+        request it follows in `after` ends (chains: `scheduler.arrivals.ArrivalSchedule`), and
+        return the completion of every request that ran, by id. A request that cannot run raises
+        ValueError before anything is submitted."""
 
     @abc.abstractmethod
     def profile(self) -> dict[str, Any]:
@@ -72,31 +76,58 @@ class InProcessEngine(Engine):
         self.capacity = config.context_len(loaded.max_context)
         self.tokenizer = use_chat_template(loaded.tokenizer, config.chat_template)
         self.eos_token_ids = loaded.eos_token_ids
-        runner = ModelRunner(loaded.model, num_slots=config.slots, capacity=self.capacity, tokenizer=loaded.tokenizer,
-                             prefix_blocks=config.prefix_blocks)
-        scheduler = StepPlanner(config.slots, self.capacity, config.token_budget, config.prefill_chunk,
-                              config.max_waiting, config.max_preemptions, prefix_cache_blocks=config.prefix_blocks)
-        log.info("local engine: %s, %d slots x %d tokens, budget %d, chunk %d, torch threads %d", loaded.name,
-                 config.slots, self.capacity, config.token_budget, config.prefill_chunk, torch.get_num_threads())
+        runner = ModelRunner(
+            loaded.model,
+            num_slots=config.slots,
+            capacity=self.capacity,
+            tokenizer=loaded.tokenizer,
+            prefix_blocks=config.prefix_blocks,
+        )
+        scheduler = StepPlanner(
+            config.slots,
+            self.capacity,
+            config.token_budget,
+            config.prefill_chunk,
+            config.max_waiting,
+            config.max_preemptions,
+            prefix_cache_blocks=config.prefix_blocks,
+        )
+        log.info(
+            "local engine: %s, %d slots x %d tokens, budget %d, chunk %d, torch threads %d",
+            loaded.name,
+            config.slots,
+            self.capacity,
+            config.token_budget,
+            config.prefill_chunk,
+            torch.get_num_threads(),
+        )
         self.engine = LocalEngine(runner, scheduler, loaded.tokenizer)
 
-    def run(self, requests: list[Request], arrival_s: dict[str, float] | None = None,
-            on_finish: Callable[[Completion], None] | None = None,
-            after: dict[str, str] | None = None) -> dict[str, Completion]:
-        finished = self.engine.run(requests, arrival_s,
-                                   None if on_finish is None else lambda r: on_finish(Completion.from_request(r)),
-                                   after)
+    def run(
+        self,
+        requests: list[Request],
+        arrival_s: dict[str, float] | None = None,
+        on_finish: Callable[[Completion], None] | None = None,
+        after: dict[str, str] | None = None,
+    ) -> dict[str, Completion]:
+        finished = self.engine.run(
+            requests,
+            arrival_s,
+            None if on_finish is None else lambda r: on_finish(Completion.from_request(r)),
+            after,
+        )
         return {req_id: Completion.from_request(r) for req_id, r in finished.items()}
 
     def profile(self) -> dict[str, Any]:
         prof = self.engine.profile
-        return {"engine_steps": self.engine.num_steps,
-                "model_fraction": prof["model_s"] / max(prof["step_s"], 1e-9),
-                "outside_forward_fraction": 1 - prof["model_s"] / max(prof["step_s"], 1e-9),
-                "decode_steps": prof["decode_steps"],
-                "decode_step_ms": 1000 * prof["decode_step_s"] / max(prof["decode_steps"], 1),
-                "decode_model_fraction": prof["decode_model_s"] / max(prof["decode_step_s"], 1e-9)} \
-            | combined_stats([cache.stats()] if (cache := self.engine.scheduler.prefix_cache) else [])
+        return {
+            "engine_steps": self.engine.num_steps,
+            "model_fraction": prof["model_s"] / max(prof["step_s"], 1e-9),
+            "outside_forward_fraction": 1 - prof["model_s"] / max(prof["step_s"], 1e-9),
+            "decode_steps": prof["decode_steps"],
+            "decode_step_ms": 1000 * prof["decode_step_s"] / max(prof["decode_steps"], 1),
+            "decode_model_fraction": prof["decode_model_s"] / max(prof["decode_step_s"], 1e-9),
+        } | combined_stats([cache.stats()] if (cache := self.engine.scheduler.prefix_cache) else [])
 
     def reset_profile(self) -> None:
         self.engine.reset_profile()
@@ -110,23 +141,33 @@ class InProcessEngine(Engine):
 class RayEngine(Engine):
     """`colocated` / `disaggregated`: requests stream through a scheduler actor and its workers."""
 
-    def __init__(self, config: EngineConfig | None = None, *, handle: Any = None, capacity: int = 0) -> None:
-        """Start the scheduler of `config`, or drive a scheduler actor already started (`handle`, whose
-        slots hold `capacity` tokens; no tokenizer)."""
+    def __init__(
+        self, config: EngineConfig | None = None, *, handle: Any = None, capacity: int = 0
+    ) -> None:
+        """Start the scheduler of `config`, or drive a scheduler actor already started (`handle`,
+        whose slots hold `capacity` tokens; no tokenizer)."""
         if config is None:
-            self.handle, self.capacity, self.tokenizer, self.eos_token_ids = handle, capacity, None, frozenset()
+            self.handle = handle
+            self.capacity = capacity
+            self.tokenizer = None
+            self.eos_token_ids = frozenset()
             return
         from deploy.ray_engine import start_scheduler
         from workers.loader import load_tokenizer
 
         info = load_tokenizer(config.model)
         self.capacity = config.context_len(info.max_context)
-        self.tokenizer, self.eos_token_ids = use_chat_template(info.tokenizer, config.chat_template), info.eos_token_ids
+        self.tokenizer = use_chat_template(info.tokenizer, config.chat_template)
+        self.eos_token_ids = info.eos_token_ids
         self.handle = start_scheduler(config, info=info)
 
-    def run(self, requests: list[Request], arrival_s: dict[str, float] | None = None,
-            on_finish: Callable[[Completion], None] | None = None,
-            after: dict[str, str] | None = None) -> dict[str, Completion]:
+    def run(
+        self,
+        requests: list[Request],
+        arrival_s: dict[str, float] | None = None,
+        on_finish: Callable[[Completion], None] | None = None,
+        after: dict[str, str] | None = None,
+    ) -> dict[str, Completion]:
         from deploy.engine_client import EngineClient, complete
 
         StepPlanner.check_batch(requests, self.capacity)
@@ -144,8 +185,11 @@ class RayEngine(Engine):
     def profile(self) -> dict[str, Any]:
         stats = self.stats()
         caches = [w["prefix_cache"] for w in stats["workers"].values() if "prefix_cache" in w]
-        return {f"{kind}_{key}": value for kind, line in stats["timeline"].items() for key, value in line.items()} \
-            | combined_stats(caches)
+        return {
+            f"{kind}_{key}": value
+            for kind, line in stats["timeline"].items()
+            for key, value in line.items()
+        } | combined_stats(caches)
 
     def reset_profile(self) -> None:
         import ray
@@ -167,5 +211,6 @@ class RayEngine(Engine):
 
 
 def open_engine(config: EngineConfig, loaded: Any = None) -> Engine:
-    """Start the engine of `config.mode`; `loaded` (a LoadedModel) saves loading it again in local mode."""
+    """Start the engine of `config.mode`; `loaded` (a LoadedModel) saves loading it again in local
+    mode."""
     return InProcessEngine(config, loaded) if config.mode == "local" else RayEngine(config)

@@ -1,8 +1,9 @@
-"""The consumer side of the scheduler: one poll loop per cell fans outputs out to streams; lost cells fail over.
+"""The consumer side of the scheduler: one poll loop per cell fans outputs out to streams; lost
+cells fail over.
 
-Requests reach a scheduler through `Cells`: `OneScheduler` wraps one scheduler actor (the batch driver,
-the benchmark); `ServeCells` (deploy/serving/cells.py) chooses a running cell of the Serve deployment
-and submits to its scheduler, and when a cell dies its streams continue on another one.
+Requests reach a scheduler through `Cells`: `OneScheduler` wraps one scheduler actor (the batch
+driver, the benchmark); `ServeCells` (deploy/serving/cells.py) chooses a running cell of the Serve
+deployment and submits to its scheduler, and when a cell dies its streams continue on another one.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Placement:
-    """Where a request runs: its cell (the id of the scheduler instance that took it) and the scheduler
-    actor to poll and abort there."""
+    """Where a request runs: its cell (the id of the scheduler instance that took it) and the
+    scheduler actor to poll and abort there."""
 
     cell: str
     scheduler: Any
@@ -38,7 +39,9 @@ class Placement:
 class Cells(Protocol):
     failover_timeout_s: float | None  # None: a request whose cell is lost ends with an error
 
-    async def place(self, request: Request, consumer: str, failing_over: bool = False) -> Placement: ...
+    async def place(
+        self, request: Request, consumer: str, failing_over: bool = False
+    ) -> Placement: ...
 
     def lost(self, placement: Placement) -> None:
         """That placement's cell is gone: place nothing there."""
@@ -72,8 +75,10 @@ class _Stream:
     queue: asyncio.Queue[RequestOutput] = field(default_factory=asyncio.Queue)
     cell: str | None = None
     moving: bool = False  # its cell was lost: it is being placed again
-    early: list[tuple[str, RequestOutput]] = field(default_factory=list)  # came while it was being placed
-    lost_s: float | None = None  # when it was first lost since its last token (failover gives up after a timeout)
+    # came while it was being placed
+    early: list[tuple[str, RequestOutput]] = field(default_factory=list)
+    # when it was first lost since its last token (failover gives up after a timeout)
+    lost_s: float | None = None
     aborted: bool = False  # the client asked to abort it (`EngineClient.abort`)
     # what the client received so far: what a continuation starts from
     token_ids: list[int] = field(default_factory=list)
@@ -92,17 +97,17 @@ class _Stream:
 class EngineClient:
     """Streams requests through schedulers under one consumer id.
 
-    `generate(request)` yields the request's outputs as they come. One background task per cell polls
-    its scheduler for every output of this client's requests there at once (one message per step, not
-    one per token); it runs while any stream is open there. A stream read more slowly than steps come
-    gets the outputs that waited for it merged into one. Closing a stream before its last output (a
-    client that disconnected) aborts the request.
+    `generate(request)` yields the request's outputs as they come. One background task per cell
+    polls its scheduler for every output of this client's requests there at once (one message per
+    step, not one per token); it runs while any stream is open there. A stream read more slowly than
+    steps come gets the outputs that waited for it merged into one. Closing a stream before its last
+    output (a client that disconnected) aborts the request.
 
     A cell is lost when its scheduler dies (or restarts: polls answer from another instance); with
-    failover, it is lost for one stream when it ends it unasked (`unavailable`, or an abort the client
-    did not ask for: a placement attempt cancelled there, a replica being stopped). With
-    `cells.failover_timeout_s` set, each of its streams is placed again as a continuation (prompt and
-    the tokens this client received, same seed), so the stream goes on with no token missing or
+    failover, it is lost for one stream when it ends it unasked (`unavailable`, or an abort the
+    client did not ask for: a placement attempt cancelled there, a replica being stopped). With
+    `cells.failover_timeout_s` set, each of its streams is placed again as a continuation (prompt
+    and the tokens this client received, same seed), so the stream goes on with no token missing or
     repeated; if no cell takes it within the timeout, it ends with an `unavailable` error. Without
     it, the streams end with an error at once.
     """
@@ -119,7 +124,8 @@ class EngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
-        """Submit and stream. Raises what admission raises (ValueError, QueueFullError) before any output."""
+        """Submit and stream. Raises what admission raises (ValueError, QueueFullError) before any
+        output."""
         self._bind_loop()
         if request.req_id in self.streams:
             raise ValueError(f"request id {request.req_id!r} is already in use")
@@ -129,7 +135,8 @@ class EngineClient:
             await self._place(stream, request)
             while True:
                 out = await stream.queue.get()
-                while not out.finished and not stream.queue.empty():  # a slow reader gets what waits as one
+                # a slow reader gets what waits as one
+                while not out.finished and not stream.queue.empty():
                     out = out.then(stream.queue.get_nowait())
                 finished = out.finished
                 yield out
@@ -138,17 +145,19 @@ class EngineClient:
         finally:
             self.streams.pop(request.req_id, None)
             self.cells.done(request.req_id)
-            if not finished and stream.cell is not None:  # the caller went away: free its slot and KV now
+            # the caller went away: free its slot and KV now
+            if not finished and stream.cell is not None:
                 self.placements[stream.cell].scheduler.abort.remote(request.req_id)
 
     def _bind_loop(self) -> None:
-        """Used from another event loop than before (one `asyncio.run` per batch): the old loop's pollers
-        are gone, and a poll they left on a scheduler may still take outputs, so start afresh under a
-        new consumer id."""
+        """Used from another event loop than before (one `asyncio.run` per batch): the old loop's
+        pollers are gone, and a poll they left on a scheduler may still take outputs, so start
+        afresh under a new consumer id."""
         loop = asyncio.get_running_loop()
         if self._loop is not None and self._loop is not loop:
             self.consumer = f"consumer-{uuid.uuid4().hex[:12]}"
-            self.streams, self.pollers = {}, {}
+            self.streams = {}
+            self.pollers = {}
         self._loop = loop
 
     async def abort(self, req_id: str) -> bool:
@@ -159,13 +168,16 @@ class EngineClient:
         return await self.placements[stream.cell].scheduler.abort.remote(req_id)
 
     async def _place(self, stream: _Stream, request: Request, failing_over: bool = False) -> None:
-        stream.cell, stream.early = None, []
+        stream.cell = None
+        stream.early = []
         placed = await self.cells.place(request, self.consumer, failing_over)
         if self.streams.get(request.req_id) is not stream:  # the caller went away meanwhile
             placed.scheduler.abort.remote(request.req_id)
             return
-        stream.cell, stream.moving = placed.cell, False
-        for cell, out in stream.early:  # outputs its cell sent before the placement's answer came back
+        stream.cell = placed.cell
+        stream.moving = False
+        # outputs its cell sent before the placement's answer came back
+        for cell, out in stream.early:
             if cell == placed.cell:
                 self._deliver(cell, stream, out)
         stream.early = []
@@ -196,65 +208,100 @@ class EngineClient:
                     continue
                 if stream.cell is None:  # being placed (where, its placement has not said yet)
                     stream.early.append((cell, out))
-                elif stream.cell == cell and not stream.moving:  # (outputs of a cell it left are dropped)
+                # (outputs of a cell it left are dropped)
+                elif stream.cell == cell and not stream.moving:
                     self._deliver(cell, stream, out)
 
     def _deliver(self, cell: str, stream: _Stream, out: RequestOutput) -> None:
-        # with failover: a cell that cannot serve it, or gave it up unasked (a placement attempt cancelled
-        # there, a replica stopping), loses the stream to another cell
+        # with failover: a cell that cannot serve it, or gave it up unasked (a placement attempt
+        # cancelled there, a replica stopping), loses the stream to another cell
         if self.cells.failover_timeout_s is not None and (
-                out.unavailable or out.finish_reason == "abort" and not stream.aborted):
-            self._lost(cell, out.error or ("unavailable" if out.unavailable else "its cell aborted it"), [stream])
+            out.unavailable or out.finish_reason == "abort" and not stream.aborted
+        ):
+            self._lost(
+                cell,
+                out.error or ("unavailable" if out.unavailable else "its cell aborted it"),
+                [stream],
+            )
         else:
             stream.receive(out)
 
     def _lost(self, cell: str, error: str, streams: list[_Stream] | None = None) -> None:
-        """A cell is gone (for these streams, or all of its own): continue them elsewhere, or end them."""
+        """A cell is gone (for these streams, or all of its own): continue them elsewhere, or end
+        them."""
         self.cells.lost(self.placements[cell])
         for stream in streams if streams is not None else list(self.streams.values()):
-            if stream.cell != cell or stream.moving or self.streams.get(stream.request.req_id) is not stream:
+            if (
+                stream.cell != cell
+                or stream.moving
+                or self.streams.get(stream.request.req_id) is not stream
+            ):
                 continue
             if self.cells.failover_timeout_s is None:
                 stream.cell = None
-                stream.queue.put_nowait(RequestOutput(stream.request.req_id, finish_reason="error", error=error))
+                stream.queue.put_nowait(
+                    RequestOutput(stream.request.req_id, finish_reason="error", error=error)
+                )
                 continue
             stream.moving = True
             stream.lost_s = stream.lost_s or time.monotonic()
-            self.placements[cell].scheduler.abort.remote(stream.request.req_id)  # in case it is still there
+            # in case it is still there
+            self.placements[cell].scheduler.abort.remote(stream.request.req_id)
             background(self._fail_over(stream, error))
 
     async def _fail_over(self, stream: _Stream, error: str) -> None:
         """Place a lost stream's continuation on a live cell (`cells.place` waits for one up to its
-        timeout). A stream lost again before its next token waits a little longer each time, and gives up
-        once the timeout has passed since it was first lost."""
-        req_id, timeout = stream.request.req_id, self.cells.failover_timeout_s or 0.0
-        log.warning("cell of %s lost (%s): continuing it after %d tokens", req_id, error, len(stream.token_ids))
+        timeout). A stream lost again before its next token waits a little longer each time, and
+        gives up once the timeout has passed since it was first lost."""
+        req_id = stream.request.req_id
+        timeout = self.cells.failover_timeout_s or 0.0
+        log.warning(
+            "cell of %s lost (%s): continuing it after %d tokens",
+            req_id,
+            error,
+            len(stream.token_ids),
+        )
         waited = time.monotonic() - (stream.lost_s or time.monotonic())
         if waited < timeout:
             await asyncio.sleep(min(1.0, waited / 4))
             try:
-                await self._place(stream, continuation(stream.request, stream.token_ids, stream.logprobs,
-                                                       stream.text_len), failing_over=True)
+                await self._place(
+                    stream,
+                    continuation(
+                        stream.request, stream.token_ids, stream.logprobs, stream.text_len
+                    ),
+                    failing_over=True,
+                )
                 self.num_failovers += 1
                 return
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
         if self.streams.get(req_id) is stream:
-            stream.cell, stream.moving = None, False
-            stream.queue.put_nowait(RequestOutput(
-                req_id, finish_reason="error", unavailable=True,
-                error=f"its cell was lost and no other could continue it: {error}"))
+            stream.cell = None
+            stream.moving = False
+            stream.queue.put_nowait(
+                RequestOutput(
+                    req_id,
+                    finish_reason="error",
+                    unavailable=True,
+                    error=f"its cell was lost and no other could continue it: {error}",
+                )
+            )
 
 
 def unwrap(exc: BaseException) -> BaseException:
-    """What the engine raised, under Ray's and Serve's wrappers (each keeps the exception it wraps as `cause`)."""
-    while isinstance(getattr(exc, "cause", None), BaseException) and exc.cause is not exc:  # type: ignore[attr-defined]
-        exc = exc.cause  # type: ignore[attr-defined]
+    """What the engine raised, under Ray's and Serve's wrappers (each keeps the exception it wraps
+    as `cause`)."""
+    cause = getattr(exc, "cause", None)
+    while isinstance(cause, BaseException) and cause is not exc:
+        exc = cause
+        cause = getattr(exc, "cause", None)
     return exc
 
 
 async def complete(client: EngineClient, request: Request) -> Completion:
-    """Stream one request to its end and gather it into a Completion (with each token's arrival time)."""
+    """Stream one request to its end and gather it into a Completion (with each token's arrival
+    time)."""
     done = Completion(request.req_id, len(request.prompt_ids))
     async for out in client.generate(request):
         done.token_times_s += [time.perf_counter()] * len(out.token_ids)
@@ -264,5 +311,7 @@ async def complete(client: EngineClient, request: Request) -> Completion:
         if out.prompt_logprobs is not None:
             done.prompt_logprobs = out.prompt_logprobs
         if out.finished:
-            done.finish_reason, done.error, done.metrics = out.finish_reason, out.error, out.metrics
+            done.finish_reason = out.finish_reason
+            done.error = out.error
+            done.metrics = out.metrics
     return done

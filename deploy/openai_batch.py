@@ -1,10 +1,12 @@
-"""OpenAI batch files in the batch job: lines of `{"custom_id", "method", "url", "body"}`, as OpenAI's Batch API
-and vLLM's run_batch take them, for /v1/chat/completions, /v1/completions and /v1/responses.
+"""OpenAI batch files in the batch job: lines of `{"custom_id", "method", "url", "body"}`, as
+OpenAI's Batch API and vLLM's run_batch take them, for /v1/chat/completions, /v1/completions and
+/v1/responses.
 
-Each body is checked, and its reply shaped, by the HTTP endpoints' own code (`OpenAIServer`, the repliers),
-so a line's result is the body the server would have answered. A malformed line (not JSON, no custom_id, an
-unknown url, a custom_id twice) stops the job before any work, naming the line; a body the server would
-refuse gets its 4xx in its own result line, as OpenAI's batches report it, and the others run.
+Each body is checked, and its reply shaped, by the HTTP endpoints' own code (`OpenAIServer`, the
+repliers), so a line's result is the body the server would have answered. A malformed line (not
+JSON, no custom_id, an unknown url, a custom_id twice) stops the job before any work, naming the
+line; a body the server would refuse gets its 4xx in its own result line, as OpenAI's batches report
+it, and the others run.
 """
 
 from __future__ import annotations
@@ -30,8 +32,11 @@ from deploy.serving.responses.request import ResponsesBody
 from deploy.serving.schemas import APIError, ChatBody, CompletionBody, validation_error
 from scheduler.outputs import Completion, RequestOutput
 
-BODIES: dict[str, type[BaseModel]] = {"/v1/chat/completions": ChatBody, "/v1/completions": CompletionBody,
-                                      "/v1/responses": ResponsesBody}
+BODIES: dict[str, type[BaseModel]] = {
+    "/v1/chat/completions": ChatBody,
+    "/v1/completions": CompletionBody,
+    "/v1/responses": ResponsesBody,
+}
 
 
 class BatchLine(BaseModel):
@@ -44,7 +49,8 @@ class BatchLine(BaseModel):
 
 
 def is_openai_batch(path: str | Path) -> bool:
-    """Whether the file's first line is an OpenAI batch line (it has a custom_id), not a `pdserve generate` one."""
+    """Whether the file's first line is an OpenAI batch line (it has a custom_id), not a `pdserve
+    generate` one."""
     with open(path, encoding="utf-8") as f:
         first = next((raw for raw in f if raw.strip()), "")
     try:
@@ -66,7 +72,11 @@ def plan(server: OpenAIServer, line: BatchLine) -> tuple[Job, Replier | Response
     except ValidationError as e:
         return validation_error(e.errors())
     if body.stream:
-        return APIError(400, "`stream` is not available in a batch: each result is written whole", param="stream")
+        return APIError(
+            400,
+            "`stream` is not available in a batch: each result is written whole",
+            param="stream",
+        )
     try:
         return server.plan(body)
     except APIError as e:
@@ -79,12 +89,21 @@ async def _nothing_more() -> AsyncIterator[RequestOutput]:
 
 
 def _output(done: Completion) -> RequestOutput:
-    return RequestOutput(done.req_id, done.token_ids, done.text, done.finish_reason, done.error, done.metrics,
-                         done.logprobs, done.prompt_logprobs)
+    return RequestOutput(
+        done.req_id,
+        done.token_ids,
+        done.text,
+        done.finish_reason,
+        done.error,
+        done.metrics,
+        done.logprobs,
+        done.prompt_logprobs,
+    )
 
 
-async def _replies(planned: list[tuple[Job, Replier | ResponseReplier] | APIError],
-                   results: dict[str, Completion]) -> list[tuple[int, dict[str, Any]]]:
+async def _replies(
+    planned: list[tuple[Job, Replier | ResponseReplier] | APIError], results: dict[str, Completion]
+) -> list[tuple[int, dict[str, Any]]]:
     """Each line's status code and body."""
     replies = []
     for item in planned:
@@ -100,22 +119,49 @@ async def _replies(planned: list[tuple[Job, Replier | ResponseReplier] | APIErro
     return replies
 
 
-def run_openai_batch(config: ReplyConfig, input_path: str, output_path: str, progress: bool = True) -> list[dict]:
+def run_openai_batch(
+    config: ReplyConfig, input_path: str, output_path: str, progress: bool = True
+) -> list[dict]:
     """Read, check, generate, write OpenAI's batch output lines (in input order). Returns them."""
     lines = read_batch(input_path)
     with open_engine(config.engine()) as engine:
-        model = ServedModel(config.model_name, engine.tokenizer, engine.eos_token_ids, engine.capacity,
-                            config.tool_call_parser, config.reasoning_parser)
-        server = OpenAIServer(None, model)  # type: ignore[arg-type]  # plans and shapes; the engine runs
+        model = ServedModel(
+            config.model_name,
+            engine.tokenizer,
+            engine.eos_token_ids,
+            engine.capacity,
+            config.tool_call_parser,
+            config.reasoning_parser,
+        )
+        # plans and shapes; the engine runs
+        server = OpenAIServer(None, model)  # type: ignore[arg-type]
         planned = [plan(server, line) for line in lines]
-        requests = [r for item in planned if not isinstance(item, APIError) for r in item[0].requests]
-        bar = tqdm(total=len(requests), desc="generate", unit="req", file=sys.stderr, disable=not progress,
-                   mininterval=1.0)
+        requests = [
+            r for item in planned if not isinstance(item, APIError) for r in item[0].requests
+        ]
+        bar = tqdm(
+            total=len(requests),
+            desc="generate",
+            unit="req",
+            file=sys.stderr,
+            disable=not progress,
+            mininterval=1.0,
+        )
         results = engine.run(requests, on_finish=lambda _: bar.update()) if requests else {}
         bar.close()
     replies = asyncio.run(_replies(planned, results))
-    out = [{"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id,
-            "response": {"status_code": status, "request_id": f"req_{uuid.uuid4().hex}", "body": body},
-            "error": None} for line, (status, body) in zip(lines, replies, strict=True)]
+    out = [
+        {
+            "id": f"batch_req_{uuid.uuid4().hex}",
+            "custom_id": line.custom_id,
+            "response": {
+                "status_code": status,
+                "request_id": f"req_{uuid.uuid4().hex}",
+                "body": body,
+            },
+            "error": None,
+        }
+        for line, (status, body) in zip(lines, replies, strict=True)
+    ]
     write_atomically(output_path, out)
     return out

@@ -1,4 +1,5 @@
-"""Turning a user's generation parameters into a validated Request (shared by the batch job and HTTP)."""
+"""Turning a user's generation parameters into a validated Request (shared by the batch job and
+HTTP)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from scheduler.request import Request, SamplingParams
 
 
 def read_chat_template(value: str) -> str:
-    """`--chat-template`, as vLLM takes it: a file holding a Jinja chat template, or the template itself.
-    Raises ValueError for a value that is neither."""
+    """`--chat-template`, as vLLM takes it: a file holding a Jinja chat template, or the template
+    itself. Raises ValueError for a value that is neither."""
     path = Path(value).expanduser()
     if path.is_file():
         return path.read_text()
@@ -23,18 +24,23 @@ def read_chat_template(value: str) -> str:
 
 
 def use_chat_template(tokenizer: Any, chat_template: str | None) -> Any:
-    """The tokenizer with `chat_template` (the template's text, as the config holds it; None: the model's own)
-    for its chats."""
+    """The tokenizer with `chat_template` (the template's text, as the config holds it; None: the
+    model's own) for its chats."""
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer
 
 
-def encode_prompt(tokenizer: Any, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,
-                  prompt_token_ids: list[int] | None = None, template: dict[str, Any] | None = None) -> list[int]:
-    """Exactly one of: text (tokenized with the tokenizer's special tokens), chat messages (through the
-    model's chat template, generation prompt added unless `template`, the template's arguments, says
-    otherwise) or token ids (checked against the vocabulary)."""
+def encode_prompt(
+    tokenizer: Any,
+    prompt: str | None = None,
+    messages: list[dict[str, Any]] | None = None,
+    prompt_token_ids: list[int] | None = None,
+    template: dict[str, Any] | None = None,
+) -> list[int]:
+    """Exactly one of: text (tokenized with the tokenizer's special tokens), chat messages (through
+    the model's chat template, generation prompt added unless `template`, the template's arguments,
+    says otherwise) or token ids (checked against the vocabulary)."""
     given = [x is not None for x in (prompt, messages, prompt_token_ids)]
     if sum(given) != 1:
         raise ValueError("give exactly one of prompt, messages or prompt_token_ids")
@@ -43,8 +49,9 @@ def encode_prompt(tokenizer: Any, prompt: str | None = None, messages: list[dict
     if messages is not None:
         if not messages:
             raise ValueError("messages is empty")
-        text = tokenizer.apply_chat_template(messages, tokenize=False, **({"add_generation_prompt": True}
-                                                                          | (template or {})))
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, **({"add_generation_prompt": True} | (template or {}))
+        )
         return tokenizer(text, add_special_tokens=False).input_ids
     assert prompt is not None
     return tokenizer(prompt).input_ids
@@ -75,19 +82,38 @@ def build_request(
     structured: str | None = None,
     fork_of: str | None = None,
 ) -> Request:
-    """A Request with the model's EOS as a stop token unless ignore_eos; a random seed if none is given.
-    Raises ValueError for a value out of range (ParameterError, naming it, for min_tokens)."""
+    """A Request with the model's EOS as a stop token unless ignore_eos; a random seed if none is
+    given. Raises ValueError for a value out of range (ParameterError, naming it, for
+    min_tokens)."""
     stop_strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
     stops = frozenset(stop_token_ids) | (frozenset() if ignore_eos else eos_token_ids)
     if min_tokens > max_tokens:
-        raise ParameterError("min_tokens", f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})")
+        raise ParameterError(
+            "min_tokens", f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})"
+        )
     sampling = SamplingParams(
-        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
         seed=random.getrandbits(62) if seed is None else seed,
-        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-        repetition_penalty=repetition_penalty, min_tokens=min_tokens,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty,
+        min_tokens=min_tokens,
         suppress_ids=stops if min_tokens else frozenset(),
         logit_bias=tuple(sorted((int(t), float(b)) for t, b in (logit_bias or {}).items())),
-        logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured)
-    return Request(req_id=req_id, prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling,
-                   stop_token_ids=stops, stop_strings=stop_strings, priority=priority, fork_of=fork_of)
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        structured=structured,
+    )
+    return Request(
+        req_id=req_id,
+        prompt_ids=prompt_ids,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        stop_token_ids=stops,
+        stop_strings=stop_strings,
+        priority=priority,
+        fork_of=fork_of,
+    )

@@ -18,37 +18,50 @@ log = logging.getLogger(__name__)
 
 
 def init_ray(config: EngineConfig) -> None:
-    """Join the cluster in RAY_ADDRESS (as under `ray job submit`; `RAY_ADDRESS=auto` joins a cluster
-    started here with `ray start`), or start a new local Ray with CPUs enough for every worker
-    (logically: two workers on a 2-core laptop share its cores)."""
+    """Join the cluster in RAY_ADDRESS (as under `ray job submit`; `RAY_ADDRESS=auto` joins a
+    cluster started here with `ray start`), or start a new local Ray with CPUs enough for every
+    worker (logically: two workers on a 2-core laptop share its cores)."""
     if ray.is_initialized():
         return
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
         return
-    num_cpus = max(os.cpu_count() or 1, int(config.num_workers() * config.num_cpus_per_worker + 0.999))
+    num_cpus = max(
+        os.cpu_count() or 1, int(config.num_workers() * config.num_cpus_per_worker + 0.999)
+    )
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
 
 
 def scheduler_args(config: EngineConfig, info: TokenizerInfo | None = None) -> tuple[Any, ...]:
-    """The scheduler actor's constructor arguments for a config: its cell, how to spawn its workers and
-    the tokenizer its outputs are detokenized with (`info`, or loaded here). Loading the tokenizer
-    converts a GGUF once, before the workers look for the converted checkpoint."""
+    """The scheduler actor's constructor arguments for a config: its cell, how to spawn its workers
+    and the tokenizer its outputs are detokenized with (`info`, or loaded here). Loading the
+    tokenizer converts a GGUF once, before the workers look for the converted checkpoint."""
     info = info or load_tokenizer(config.model)
     capacity = config.context_len(info.max_context)
-    return config.cell_config(capacity), functools.partial(spawn_worker, config, capacity), info.tokenizer
+    return (
+        config.cell_config(capacity),
+        functools.partial(spawn_worker, config, capacity),
+        info.tokenizer,
+    )
 
 
-def create_scheduler(config: EngineConfig, info: TokenizerInfo | None = None, **options: Any) -> Any:
-    """Create the scheduler actor (which creates the workers); `options` are Ray actor options (a name)."""
+def create_scheduler(
+    config: EngineConfig, info: TokenizerInfo | None = None, **options: Any
+) -> Any:
+    """Create the scheduler actor (which creates the workers); `options` are Ray actor options (a
+    name)."""
     options = {"num_cpus": 0, "max_concurrency": 100_000, "enable_task_events": False} | options
     return ray.remote(CellActor).options(**options).remote(*scheduler_args(config, info))
 
 
-def start_scheduler(config: EngineConfig, name: str | None = None, info: TokenizerInfo | None = None) -> Any:
+def start_scheduler(
+    config: EngineConfig, name: str | None = None, info: TokenizerInfo | None = None
+) -> Any:
     """Create the scheduler actor and wait until every worker is ready."""
     init_ray(config)
-    handle = create_scheduler(config, info, **({"name": name, "get_if_exists": True} if name else {}))
+    handle = create_scheduler(
+        config, info, **({"name": name, "get_if_exists": True} if name else {})
+    )
     placement = ray.get(handle.ready.remote())
     log.info("scheduler ready: %s", placement)
     return handle

@@ -11,28 +11,36 @@ _PLAIN_FAST = {"TokenizersBackend._decode", "PreTrainedTokenizerFast._decode"}
 
 
 def _plain_backend(tokenizer: Any) -> Any:
-    """The `tokenizers` backend of a plain fast tokenizer (its decode is the backend's), else None."""
+    """The `tokenizers` backend of a plain fast tokenizer (its decode is the backend's), else
+    None."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     cls = type(tokenizer)
-    if backend is not None and getattr(cls._decode, "__qualname__", "") in _PLAIN_FAST \
-            and cls.decode.__qualname__ == "PreTrainedTokenizerBase.decode":
+    if (
+        backend is not None
+        and getattr(cls._decode, "__qualname__", "") in _PLAIN_FAST
+        and cls.decode.__qualname__ == "PreTrainedTokenizerBase.decode"
+    ):
         return backend
     return None
 
 
 def decoder(tokenizer: Any) -> Any:
-    """ids -> text, skipping special tokens, no clean-up of spaces. For a plain fast tokenizer it calls the
-    `tokenizers` backend directly, the same result without transformers' per-call argument handling (most
-    of the cost at a decode step's rate); any other tokenizer goes through its own `decode`."""
+    """ids -> text, skipping special tokens, no clean-up of spaces. For a plain fast tokenizer it
+    calls the `tokenizers` backend directly, the same result without transformers' per-call argument
+    handling (most of the cost at a decode step's rate); any other tokenizer goes through its own
+    `decode`."""
     backend = _plain_backend(tokenizer)
     if backend is not None:
         return functools.partial(backend.decode, skip_special_tokens=True)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    return lambda ids: tokenizer.decode(
+        ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+    )
 
 
 def _streamable(tokenizer: Any) -> Any:
-    """The backend of a plain fast tokenizer with a byte-level decoder, where text is its tokens' bytes joined
-    (so a decode that grows always extends the last one), and `tokenizers` has DecodeStream; else None."""
+    """The backend of a plain fast tokenizer with a byte-level decoder, where text is its tokens'
+    bytes joined (so a decode that grows always extends the last one), and `tokenizers` has
+    DecodeStream; else None."""
     backend = _plain_backend(tokenizer)
     if backend is None or type(backend.decoder).__name__ != "ByteLevel":
         return None
@@ -44,9 +52,10 @@ def _streamable(tokenizer: Any) -> Any:
 
 
 def _stream(backend: Any, window: list[int]) -> Any:
-    """token -> new text or None: what `IncrementalDetokenizer`'s two decodes per token give, in one call into
-    the backend (`tokenizers`' DecodeStream runs the same algorithm in Rust). `window`: the tokens decoded so
-    far that the next token's text is cut after (their text must end on a whole character)."""
+    """token -> new text or None: what `IncrementalDetokenizer`'s two decodes per token give, in one
+    call into the backend (`tokenizers`' DecodeStream runs the same algorithm in Rust). `window`:
+    the tokens decoded so far that the next token's text is cut after (their text must end on a
+    whole character)."""
     from tokenizers.decoders import DecodeStream
 
     stream = DecodeStream(skip_special_tokens=True)
@@ -58,34 +67,43 @@ def _stream(backend: Any, window: list[int]) -> Any:
 class IncrementalDetokenizer:
     """Turns a request's output tokens into text as they arrive.
 
-    `push(token)` returns the text that became final: a token that ends inside a multi-byte character
-    yields nothing until the character completes, and text that could be the start of a stop string
-    is held back until it cannot. On a stop string the text is cut before it and `stopped` is set; stop
-    strings match only once `min_tokens` tokens have been pushed.
-    Output that ends inside a character (bytes of a character never completed) gives no text for it.
+    `push(token)` returns the text that became final: a token that ends inside a multi-byte
+    character yields nothing until the character completes, and text that could be the start of a
+    stop string is held back until it cannot. On a stop string the text is cut before it and
+    `stopped` is set; stop strings match only once `min_tokens` tokens have been pushed. Output that
+    ends inside a character (bytes of a character never completed) gives no text for it.
     """
 
-    def __init__(self, tokenizer: Any, prompt_ids: list[int], stop_strings: tuple[str, ...] = (),
-                 min_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_ids: list[int],
+        stop_strings: tuple[str, ...] = (),
+        min_tokens: int = 0,
+    ) -> None:
         self._decode = decoder(tokenizer)
         self.ids = list(prompt_ids[-_PROMPT_CONTEXT:])
-        # one call per token from the first text on, or from the start when the prompt ends on a whole character
+        # one call per token from the first text on, or from the start when the prompt ends on a
+        # whole character
         self._backend = _streamable(tokenizer)
         self._step = None
         if self._backend is not None and not self._decode(self.ids).endswith("\ufffd"):
             self._step = _stream(self._backend, self.ids)
-        self.prefix_offset, self.read_offset = 0, len(self.ids)
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
         self.stop_strings = tuple(s for s in stop_strings if s)
         self.holdback = max((len(s) for s in self.stop_strings), default=1) - 1
         self.text = ""  # all final text so far
         self.num_emitted = 0  # characters of `text` already returned by push/flush
         self.stopped = False
-        self.num_pushed, self.min_tokens = 0, min_tokens
+        self.num_pushed = 0
+        self.min_tokens = min_tokens
 
     def resume(self, output_ids: list[int], num_sent: int) -> None:
-        """Continue a request whose first outputs were detokenized elsewhere and `num_sent` characters of
-        their text reached the client: what was held back then (a possible stop string's start, a broken
-        character) is emitted by the next push or flush, and nothing is emitted twice."""
+        """Continue a request whose first outputs were detokenized elsewhere and `num_sent`
+        characters of their text reached the client: what was held back then (a possible stop
+        string's start, a broken character) is emitted by the next push or flush, and nothing is
+        emitted twice."""
         for token_id in output_ids:
             self.push(token_id)
         self.num_emitted = min(num_sent, len(self.text))

@@ -21,24 +21,28 @@ from scheduler.request import TokenLogprob
 
 @dataclass(frozen=True)
 class KVPiece:
-    """KV rows of one request, positions start..start+num_tokens-1, that a prefill worker put into Ray's
-    object store after the step that computed them: one object per step, each request's rows at `offset`."""
+    """KV rows of one request, positions start..start+num_tokens-1, that a prefill worker put into
+    Ray's object store after the step that computed them: one object per step, each request's rows
+    at `offset`."""
 
     req_id: str
     start: int
     num_tokens: int
     ref: Any  # ray.ObjectRef of a numpy array [layers, 2, kv_heads, num_tokens, head_dim]
     num_bytes: int
-    export_s: float  # time the prefill worker spent on it (copy out and put; its step's, when shared)
-    offset: int = 0  # where its rows start along the token axis of the object (a step's pieces share one)
+    # time the prefill worker spent on it (copy out and put; its step's, when shared)
+    export_s: float
+    # where its rows start along the token axis of the object (a step's pieces share one)
+    offset: int = 0
 
 
 @dataclass(frozen=True)
 class KVHandoff:
     """A finished prompt's KV rows: the pieces its prefill worker sent out chunk by chunk, in order.
 
-    The only place the pieces' ObjectRefs live once the prompt is done: the scheduler passes this object
-    to the decode worker and drops it once imported (or the request ends), which frees the bytes.
+    The only place the pieces' ObjectRefs live once the prompt is done: the scheduler passes this
+    object to the decode worker and drops it once imported (or the request ends), which frees the
+    bytes.
     """
 
     req_id: str
@@ -62,8 +66,8 @@ class KVHandoff:
 
 @dataclass(frozen=True)
 class KVImport:
-    """Put a handoff's pieces past `handoff.imported` into a decode slot before this step's forward. Not
-    `final`: the pieces so far of a prompt still prefilling, into the slot reserved for it."""
+    """Put a handoff's pieces past `handoff.imported` into a decode slot before this step's forward.
+    Not `final`: the pieces so far of a prompt still prefilling, into the slot reserved for it."""
 
     slot: int
     handoff: KVHandoff
@@ -72,11 +76,13 @@ class KVImport:
 
 @dataclass
 class Samples:
-    """What one forward produced: a token per sampling chunk, and the log-probs the chunks asked for."""
+    """What one forward produced: a token per sampling chunk, and the log-probs the chunks asked
+    for."""
 
     tokens: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # of the sampled token
-    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # of a chunk's prompt_targets
+    # of a chunk's prompt_targets
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
 @dataclass
@@ -85,8 +91,10 @@ class StepResult:
 
     samples: Samples  # a token for every sampling chunk that ran, and the log-probs asked for
     kv_pieces: list[KVPiece] = field(default_factory=list)  # prefill workers: the plan's exports
-    failed_imports: list[str] = field(default_factory=list)  # decode workers: handoffs whose bytes were lost
-    import_s: dict[str, float] = field(default_factory=dict)  # decode workers: seconds to fetch and copy in
+    # decode workers: handoffs whose bytes were lost
+    failed_imports: list[str] = field(default_factory=list)
+    # decode workers: seconds to fetch and copy in
+    import_s: dict[str, float] = field(default_factory=dict)
     step_s: float = 0.0  # wall time of the step on the worker
     forward_s: float = 0.0  # of which inside the model's forward
 

@@ -1,4 +1,5 @@
-"""Applies sampled tokens to requests: text deltas, stop strings, and what each request's stream gets."""
+"""Applies sampled tokens to requests: text deltas, stop strings, and what each request's stream
+gets."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from scheduler.step_planner import StepPlanner
 
 @dataclass
 class RequestOutput:
-    """What one request's stream receives after a step: its new tokens and text, and whether it ended."""
+    """What one request's stream receives after a step: its new tokens and text, and whether it
+    ended."""
 
     req_id: str
     token_ids: list[int] = field(default_factory=list)  # new since the last output
@@ -21,28 +23,37 @@ class RequestOutput:
     finish_reason: str | None = None  # OpenAI's name; None while the request runs
     error: str | None = None
     metrics: dict[str, Any] = field(default_factory=dict)  # on the last output only
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token of token_ids, when asked for
+    # one per token of token_ids, when asked for
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     # prompt tokens 1.. (the first has none), on the request's first output, when asked for (echo)
     prompt_logprobs: list[TokenLogprob] | None = None
-    unavailable: bool = False  # an error only: no engine could take the request now (retrying later may work)
+    # an error only: no engine could take the request now (retrying later may work)
+    unavailable: bool = False
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def then(self, later: RequestOutput) -> RequestOutput:
-        """This output and the request's next one as one: tokens and text joined, the later one's ending."""
-        return RequestOutput(self.req_id, self.token_ids + later.token_ids, self.text + later.text,
-                             later.finish_reason, later.error, later.metrics or self.metrics,
-                             self.logprobs + later.logprobs,
-                             self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
-                             later.unavailable)
+        """This output and the request's next one as one: tokens and text joined, the later one's
+        ending."""
+        return RequestOutput(
+            self.req_id,
+            self.token_ids + later.token_ids,
+            self.text + later.text,
+            later.finish_reason,
+            later.error,
+            later.metrics or self.metrics,
+            self.logprobs + later.logprobs,
+            self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
+            later.unavailable,
+        )
 
 
 def coalesce(outputs: list[RequestOutput]) -> list[RequestOutput]:
-    """Successive outputs of each request as one (a consumer that polls once per decode burst gets one
-    output per request, not one per step); never across a request's final output, since its id may
-    already be in use again."""
+    """Successive outputs of each request as one (a consumer that polls once per decode burst gets
+    one output per request, not one per step); never across a request's final output, since its id
+    may already be in use again."""
     merged: list[RequestOutput] = []
     open_at: dict[str, int] = {}  # req_id -> index in merged of its unfinished output
     for out in outputs:
@@ -66,19 +77,26 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any = None) -> None:
         self.tokenizer = tokenizer
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self.requests: dict[str, Request] = {}  # unfinished requests: their log-probs are read from them
+        # unfinished requests: their log-probs are read from them
+        self.requests: dict[str, Request] = {}
 
     def add(self, request: Request) -> None:
         self.requests[request.req_id] = request
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_ids, request.stop_strings,
-                                           request.sampling.min_tokens)
-            if request.output_ids:  # a continuation: its first outputs were streamed by another scheduler
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                request.prompt_ids,
+                request.stop_strings,
+                request.sampling.min_tokens,
+            )
+            # a continuation: its first outputs were streamed by another scheduler
+            if request.output_ids:
                 detok.resume(request.output_ids, request.text_sent)
             self.detokenizers[request.req_id] = detok
 
     def apply(self, scheduler: StepPlanner, update: StepUpdate) -> list[RequestOutput]:
-        """After `scheduler.update`: push each token it took, apply stop strings, close finished requests."""
+        """After `scheduler.update`: push each token it took, apply stop strings, close finished
+        requests."""
         outputs: dict[str, RequestOutput] = {}
         finished = list(update.finished)
         for req_id, token in update.accepted.items():
@@ -87,7 +105,9 @@ class OutputProcessor:
             out.token_ids.append(token)
             request = self.requests.get(req_id)
             if request is not None:
-                if request.sampling.logprobs is not None and len(request.logprobs) == len(request.output_ids):
+                if request.sampling.logprobs is not None and len(request.logprobs) == len(
+                    request.output_ids
+                ):
                     out.logprobs.append(request.logprobs[-1])
                 if request.sampling.prompt_logprobs is not None and len(request.output_ids) == 1:
                     out.prompt_logprobs = list(request.prompt_logprobs)
@@ -103,7 +123,8 @@ class OutputProcessor:
             out.text += self.close(request)
             assert request.finish_reason is not None
             out.finish_reason = OPENAI_FINISH_REASON[request.finish_reason]
-            out.error, out.metrics = request.error, request.metrics()
+            out.error = request.error
+            out.metrics = request.metrics()
         return list(outputs.values())
 
     def close(self, request: Request) -> str:
@@ -136,16 +157,30 @@ class Completion:
     @classmethod
     def from_request(cls, request: Request) -> Completion:
         assert request.finish_reason is not None
-        prompt_logprobs = list(request.prompt_logprobs) if request.sampling.prompt_logprobs is not None else None
-        return cls(request.req_id, len(request.prompt_ids), list(request.output_ids), request.text,
-                   OPENAI_FINISH_REASON[request.finish_reason], request.error, request.metrics(),
-                   list(request.token_times_s), list(request.logprobs), prompt_logprobs)
+        prompt_logprobs = (
+            list(request.prompt_logprobs) if request.sampling.prompt_logprobs is not None else None
+        )
+        return cls(
+            request.req_id,
+            len(request.prompt_ids),
+            list(request.output_ids),
+            request.text,
+            OPENAI_FINISH_REASON[request.finish_reason],
+            request.error,
+            request.metrics(),
+            list(request.token_times_s),
+            list(request.logprobs),
+            prompt_logprobs,
+        )
 
     def arrival_gaps_s(self) -> list[tuple[float, float]]:
-        """(arrival time, gap since the previous arrival) as a client sees them: tokens that arrive in one
-        output (a reader that fell behind gets them merged) are one arrival, and its gap holds the whole
-        wait (vLLM's benchmark counts inter-token latency per chunk received the same way)."""
-        arrivals = [t for i, t in enumerate(self.token_times_s) if i == 0 or t != self.token_times_s[i - 1]]
+        """(arrival time, gap since the previous arrival) as a client sees them: tokens that arrive
+        in one output (a reader that fell behind gets them merged) are one arrival, and its gap
+        holds the whole wait (vLLM's benchmark counts inter-token latency per chunk received the
+        same way)."""
+        arrivals = [
+            t for i, t in enumerate(self.token_times_s) if i == 0 or t != self.token_times_s[i - 1]
+        ]
         return [(b, b - a) for a, b in zip(arrivals, arrivals[1:], strict=False)]
 
     def inter_token_s(self) -> list[float]:

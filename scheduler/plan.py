@@ -1,5 +1,5 @@
-"""The step plan: plain data the policy hands to a worker, naming which tokens to compute where; and the
-policy's other plain records (its queue entries, what a step's results did)."""
+"""The step plan: plain data the policy hands to a worker, naming which tokens to compute where; and
+the policy's other plain records (its queue entries, what a step's results did)."""
 
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ class Chunk:
     start_pos: int  # position of token_ids[0] in the request's sequence
     sample: bool  # the last token's logits choose the request's next output token
     output_index: int  # index that next token will have in the output; seeds its draw
-    # sent with the request's first chunk on a worker (and again after its cache there was lost); None
-    # otherwise: the worker keeps them (`scheduler/worker_copy.py`)
+    # sent with the request's first chunk on a worker (and again after its cache there was lost);
+    # None otherwise: the worker keeps them (`scheduler/worker_copy.py`)
     sampling: SamplingParams | None
-    # (prompt, output so far): the worker (re)builds the request's sampling state from it. Sent with a
-    # request's first sampling chunk on a worker, and again after its cache was lost, when its sampling
-    # needs history (penalties, a grammar); None otherwise.
+    # (prompt, output so far): the worker (re)builds the request's sampling state from it. Sent with
+    # a request's first sampling chunk on a worker, and again after its cache was lost, when its
+    # sampling needs history (penalties, a grammar); None otherwise.
     history: History | None = None
     # echo: prompt tokens start_pos+1.. whose log-probs this chunk returns; target i is predicted by
     # position start_pos + i
@@ -39,21 +39,24 @@ class Chunk:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One step for one worker: decode tokens first, then prompt chunks, never over the token budget."""
+    """One step for one worker: decode tokens first, then prompt chunks, never over the token
+    budget."""
 
     decode: list[Chunk]  # one token per decoding request, all sampled
     prefill: list[Chunk]  # prompt (or recompute) chunks, most urgent then oldest request first
-    preempted: list[str] = field(default_factory=list)  # evicted while planning; they wait to recompute
-    released: list[str] = field(default_factory=list)  # left this worker since its last plan: drop their state
-    # (source slot, destination slot, positions): KV rows to copy before the forward (n > 1: a choice
-    # takes its sibling's prompt instead of computing it again)
+    # evicted while planning; they wait to recompute
+    preempted: list[str] = field(default_factory=list)
+    # left this worker since its last plan: drop their state
+    released: list[str] = field(default_factory=list)
+    # (source slot, destination slot, positions): KV rows to copy before the forward (n > 1: a
+    # choice takes its sibling's prompt instead of computing it again)
     copies: list[tuple[int, int, int]] = field(default_factory=list)
     # prefix cache: (pool block, slot, first position) to load before the forward, and (slot, first
     # position, pool block) to save after it
     loads: list[tuple[int, int, int]] = field(default_factory=list)
     saves: list[tuple[int, int, int]] = field(default_factory=list)
-    # prefill workers: (req_id, slot, first position, end) of KV rows to send out after the forward, as each
-    # chunk is computed, so a finished prompt's handoff has only its last piece left to send
+    # prefill workers: (req_id, slot, first position, end) of KV rows to send out after the forward,
+    # as each chunk is computed, so a finished prompt's handoff has only its last piece left to send
     exports: list[tuple[str, int, int, int]] = field(default_factory=list)
 
     @property
@@ -70,15 +73,16 @@ class StepPlan:
 
 
 class StepUpdate(NamedTuple):
-    """What a step's results did: the tokens taken (a request that left while the step ran takes none)
-    and the requests that finished."""
+    """What a step's results did: the tokens taken (a request that left while the step ran takes
+    none) and the requests that finished."""
 
     accepted: dict[str, int]
     finished: list[Request]
 
 
 class WaitingEntry(NamedTuple):
-    """A queued request and the key it is admitted by: most urgent priority, then oldest, then first in."""
+    """A queued request and the key it is admitted by: most urgent priority, then oldest, then first
+    in."""
 
     priority: int
     arrival_s: float

@@ -1,7 +1,9 @@
-"""The block index of one worker's prefix cache: which token blocks its pool holds, and which to evict.
+"""The block index of one worker's prefix cache: which token blocks its pool holds, and which to
+evict.
 
-The worker only copies rows (a slot's block into the pool after a step, a pool block into a slot before
-one); every decision is made here, so the scheduler knows exactly what each worker has cached.
+The worker only copies rows (a slot's block into the pool after a step, a pool block into a slot
+before one); every decision is made here, so the scheduler knows exactly what each worker has
+cached.
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ BLOCK_SIZE = 16  # tokens per cached block
 
 
 def chain_hashes(tokens: list[int], num_blocks: int, known: list[bytes]) -> list[bytes]:
-    """The names of the first `num_blocks` full blocks of `tokens`: block i's name hashes its tokens and
-    the name of block i-1, so equal names mean equal prefixes. Extends and returns `known` (a prefix of
-    the answer computed before)."""
+    """The names of the first `num_blocks` full blocks of `tokens`: block i's name hashes its tokens
+    and the name of block i-1, so equal names mean equal prefixes. Extends and returns `known` (a
+    prefix of the answer computed before)."""
     while len(known) < num_blocks:
         i = len(known)
         digest = hashlib.blake2b(known[-1] if known else b"", digest_size=16)
-        digest.update(b",".join(str(t).encode() for t in tokens[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]))
+        digest.update(
+            b",".join(str(t).encode() for t in tokens[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE])
+        )
         known.append(digest.digest())
     return known
 
@@ -46,12 +50,12 @@ def common_blocks(a: list[bytes], b: list[bytes]) -> int:
 
 
 def routing_cost(request: Request, cache: PrefixCache | None, held: Iterable[Request]) -> int:
-    """The routing score of a worker for a new prompt, in tokens (lower is better): the uncomputed tokens of
-    the requests the worker holds, plus twice the prompt's tokens not cached there. Queued work plus the
-    uncached tokens once is what the prompt waits for before its first token; the uncached tokens again
-    are the work it adds for every request after it (so a prefix is not computed twice to save a little
-    queueing). Cached counts the worker's pool and the prompts it holds (what they share with this one
-    is computed by them, and cached, before this one runs)."""
+    """The routing score of a worker for a new prompt, in tokens (lower is better): the uncomputed
+    tokens of the requests the worker holds, plus twice the prompt's tokens not cached there. Queued
+    work plus the uncached tokens once is what the prompt waits for before its first token; the
+    uncached tokens again are the work it adds for every request after it (so a prefix is not
+    computed twice to save a little queueing). Cached counts the worker's pool and the prompts it
+    holds (what they share with this one is computed by them, and cached, before this one runs)."""
     names, held = block_names(request), list(held)
     shared = max((common_blocks(names, block_names(r)) for r in held), default=0) * BLOCK_SIZE
     pooled = cache.cached_tokens(names) if cache is not None else 0
@@ -60,41 +64,57 @@ def routing_cost(request: Request, cache: PrefixCache | None, held: Iterable[Req
 
 
 def combined_stats(caches: Iterable[dict[str, float]]) -> dict[str, float]:
-    """Several workers' cache stats as one line: prompt tokens looked up and served from a pool, the hit rate."""
+    """Several workers' cache stats as one line: prompt tokens looked up and served from a pool, the
+    hit rate."""
     caches = list(caches)
-    queried, hit = sum(c["queried_tokens"] for c in caches), sum(c["hit_tokens"] for c in caches)
-    return {"prefix_queried_tokens": queried, "prefix_hit_tokens": hit, "prefix_hit_rate": hit / max(queried, 1),
-            "prefix_evictions": sum(c["evictions"] for c in caches)} if caches else {}
+    queried = sum(c["queried_tokens"] for c in caches)
+    hit = sum(c["hit_tokens"] for c in caches)
+    return (
+        {
+            "prefix_queried_tokens": queried,
+            "prefix_hit_tokens": hit,
+            "prefix_hit_rate": hit / max(queried, 1),
+            "prefix_evictions": sum(c["evictions"] for c in caches),
+        }
+        if caches
+        else {}
+    )
 
 
 class PrefixCache:
-    """`num_blocks` pool blocks of BLOCK_SIZE tokens, named by their hash chain, evicted least recently used.
+    """`num_blocks` pool blocks of BLOCK_SIZE tokens, named by their hash chain, evicted least
+    recently used.
 
-    Blocks used by the plan being made (matched or saved) are never evicted for it: with a worker's steps
-    run in order, a block read by one step and overwritten by a later one is always read first.
+    Blocks used by the plan being made (matched or saved) are never evicted for it: with a worker's
+    steps run in order, a block read by one step and overwritten by a later one is always read
+    first.
     """
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.blocks: OrderedDict[bytes, int] = OrderedDict()  # name -> pool block, least recently used first
+        # name -> pool block, least recently used first
+        self.blocks: OrderedDict[bytes, int] = OrderedDict()
         self.free = list(range(num_blocks))
         self.pinned: set[bytes] = set()  # used by the plan being made
         self.queried_tokens = 0  # prompt tokens looked up at admission
         self.hit_tokens = 0  # of which served from the pool
         self.evictions = 0
-        self.saved: dict[str, int] = {}  # per running request: its leading blocks that are in the pool
+        # per running request: its leading blocks that are in the pool
+        self.saved: dict[str, int] = {}
 
-    # ---- per request ------------------------------------------------------------------------------
+    # ---- per request
+    # ------------------------------------------------------------------------------
     def admit(self, request: Request, slot: int) -> list[tuple[int, int, int]]:
-        """A request with an empty cache row takes a slot: load its longest cached prefix into the slot
-        and mark those tokens computed (all but the last token at most: one must run to sample). Returns
-        the loads, (pool block, slot, first position)."""
+        """A request with an empty cache row takes a slot: load its longest cached prefix into the
+        slot and mark those tokens computed (all but the last token at most: one must run to
+        sample). Returns the loads, (pool block, slot, first position)."""
         tokens = request.token_ids(0, request.num_tokens)
         blocks = self.match(block_names(request))
         request.num_computed = min(len(blocks) * BLOCK_SIZE, len(tokens) - 1)
-        if request.num_cached is None:  # a request readmitted after preemption keeps its first count
+        # a request readmitted after preemption keeps its first count
+        if request.num_cached is None:
             request.num_cached = request.num_computed
         self.queried_tokens += len(tokens)
         self.hit_tokens += request.num_computed
@@ -103,8 +123,8 @@ class PrefixCache:
 
     def save(self, running: Iterable[Request]) -> list[tuple[int, int, int]]:
         """After planning a step: every block of a running request that this step completes (or an
-        earlier one did) and whose tokens are all known goes into the pool. Returns the saves, (slot,
-        first position, pool block), to run after the step's forward."""
+        earlier one did) and whose tokens are all known goes into the pool. Returns the saves,
+        (slot, first position, pool block), to run after the step's forward."""
         saves = []
         for request in running:
             done = self.saved.get(request.req_id, 0)
@@ -121,8 +141,9 @@ class PrefixCache:
         return saves
 
     def should_wait(self, request: Request, running: Iterable[Request]) -> bool:
-        """A request with an empty row whose leading blocks a running request here is still computing (and
-        the pool lacks) waits for them rather than computing them a second time alongside."""
+        """A request with an empty row whose leading blocks a running request here is still
+        computing (and the pool lacks) waits for them rather than computing them a second time
+        alongside."""
         if request.num_computed or request.wants_prompt_logprobs:
             return False
         names = block_names(request)
@@ -134,10 +155,12 @@ class PrefixCache:
         return False
 
     def forget(self, req_id: str) -> None:
-        """Its cache row is gone (it left, or was preempted: readmitted, it matches the pool again)."""
+        """Its cache row is gone (it left, or was preempted: readmitted, it matches the pool
+        again)."""
         self.saved.pop(req_id, None)
 
-    # ---- blocks -----------------------------------------------------------------------------------
+    # ---- blocks
+    # -----------------------------------------------------------------------------------
     def match(self, names: list[bytes]) -> list[int]:
         """Pool blocks of the longest cached prefix of `names` (marked used)."""
         found = []
@@ -151,7 +174,8 @@ class PrefixCache:
         return found
 
     def cached_tokens(self, names: list[bytes]) -> int:
-        """Tokens of the longest cached prefix of `names`, without touching anything (for routing)."""
+        """Tokens of the longest cached prefix of `names`, without touching anything (for
+        routing)."""
         count = 0
         for name in names:
             if name not in self.blocks:
@@ -160,8 +184,8 @@ class PrefixCache:
         return count * BLOCK_SIZE
 
     def allocate(self, name: bytes) -> int | None:
-        """A pool block for a new block `name` (the least recently used one evicted if the pool is full);
-        None if it is cached already or every block is in use by this plan."""
+        """A pool block for a new block `name` (the least recently used one evicted if the pool is
+        full); None if it is cached already or every block is in use by this plan."""
         if name in self.blocks:
             self.blocks.move_to_end(name)
             self.pinned.add(name)
@@ -187,6 +211,11 @@ class PrefixCache:
         self.pinned.clear()
 
     def stats(self) -> dict[str, float]:
-        return {"blocks": self.num_blocks, "blocks_used": len(self.blocks), "queried_tokens": self.queried_tokens,
-                "hit_tokens": self.hit_tokens, "hit_rate": self.hit_tokens / max(self.queried_tokens, 1),
-                "evictions": self.evictions}
+        return {
+            "blocks": self.num_blocks,
+            "blocks_used": len(self.blocks),
+            "queried_tokens": self.queried_tokens,
+            "hit_tokens": self.hit_tokens,
+            "hit_rate": self.hit_tokens / max(self.queried_tokens, 1),
+            "evictions": self.evictions,
+        }

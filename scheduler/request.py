@@ -7,7 +7,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-PENDING = -1  # a token id that is not known yet: sampled by the step in flight, fed in by its worker
+# a token id that is not known yet: sampled by the step in flight, fed in by its worker
+PENDING = -1
 
 
 class RequestStatus(enum.Enum):
@@ -38,23 +39,29 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on each logit_bias value
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each token. temperature 0 means greedy; top_k 0, top_p 1 and min_p 0 disable those filters.
+    """How to pick each token. temperature 0 means greedy; top_k 0, top_p 1 and min_p 0 disable
+    those filters.
 
-    Logit processing runs in this order on each row: logit_bias, the penalties, the structured-output
-    mask, min_tokens (stop ids masked); then temperature, top-k, top-p and the draw. Log-probs are the
-    model's own (before any of that), as vLLM and OpenAI report them.
+    Logit processing runs in this order on each row: logit_bias, the penalties, the
+    structured-output mask, min_tokens (stop ids masked); then temperature, top-k, top-p and the
+    draw. Log-probs are the model's own (before any of that), as vLLM and OpenAI report them.
     """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
-    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one (after temperature)
-    seed: int = 0  # with the token's index, seeds that token's draw: samples never depend on the batch
+    # drop tokens less likely than min_p times the most likely one (after temperature)
+    min_p: float = 0.0
+    # with the token's index, seeds that token's draw: samples never depend on the batch
+    seed: int = 0
     presence_penalty: float = 0.0  # subtracted once from every token already in the output
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output
-    repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt+output tokens
-    min_tokens: int = 0  # `suppress_ids` cannot be sampled (and stop strings do not match) before this many
-    suppress_ids: frozenset[int] = frozenset()  # the request's stop ids, masked while under min_tokens
+    # divides positive / multiplies negative logits of prompt+output tokens
+    repetition_penalty: float = 1.0
+    # `suppress_ids` cannot be sampled (and stop strings do not match) before this many
+    min_tokens: int = 0
+    # the request's stop ids, masked while under min_tokens
+    suppress_ids: frozenset[int] = frozenset()
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     logprobs: int | None = None  # None: no log-probs; k: the sampled token's and the k most likely
     prompt_logprobs: int | None = None  # likewise for every prompt token after the first (echo)
@@ -78,8 +85,10 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         for token, bias in self.logit_bias:
             if token < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-                raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-{MAX_LOGIT_BIAS:g}, "
-                                 f"{MAX_LOGIT_BIAS:g}], got {token}: {bias}")
+                raise ValueError(
+                    f"logit_bias needs token ids >= 0 and biases in [-{MAX_LOGIT_BIAS:g}, "
+                    f"{MAX_LOGIT_BIAS:g}], got {token}: {bias}"
+                )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
@@ -91,7 +100,9 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
 
     @property
     def needs_history(self) -> bool:
@@ -101,7 +112,11 @@ class SamplingParams:
     @property
     def processes_logits(self) -> bool:
         """Anything to do to a row's logits before temperature and the draw."""
-        return self.needs_history or bool(self.logit_bias) or (self.min_tokens > 0 and bool(self.suppress_ids))
+        return (
+            self.needs_history
+            or bool(self.logit_bias)
+            or (self.min_tokens > 0 and bool(self.suppress_ids))
+        )
 
 
 @dataclass(frozen=True)
@@ -117,10 +132,10 @@ class TokenLogprob:
 class Request:
     """One generation request and its progress.
 
-    The tokens a request has are its prompt followed by its output; `num_computed` counts how many of
-    them are in its cache row. There is no separate prefill phase: a request whose uncomputed tokens
-    are exactly its last sampled token is decoding; otherwise it is computing a prompt (or, after
-    preemption or a lost worker, recomputing prompt + output).
+    The tokens a request has are its prompt followed by its output; `num_computed` counts how many
+    of them are in its cache row. There is no separate prefill phase: a request whose uncomputed
+    tokens are exactly its last sampled token is decoding; otherwise it is computing a prompt (or,
+    after preemption or a lost worker, recomputing prompt + output).
     """
 
     req_id: str
@@ -130,7 +145,8 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()  # EOS unless ignore_eos, plus the caller's
     stop_strings: tuple[str, ...] = ()  # matched on the detokenized text by the engine, not here
     priority: int = 0  # lower is more urgent
-    fork_of: str | None = None  # n > 1: a sibling with the same prompt whose prompt KV this one may copy
+    # n > 1: a sibling with the same prompt whose prompt KV this one may copy
+    fork_of: str | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
@@ -142,7 +158,8 @@ class Request:
     text: str = ""  # detokenized output, cut before a stop string; filled by the engine
     num_recomputes: int = 0  # times its cache was lost (worker died, handoff lost) and recomputed
     num_preemptions: int = 0  # times it was evicted for a more urgent request (then recomputed)
-    num_exported: int = 0  # on a prefill worker: leading rows of its cache row already sent out (KV pieces)
+    # on a prefill worker: leading rows of its cache row already sent out (KV pieces)
+    num_exported: int = 0
     num_cached: int | None = None  # prompt tokens its first admission loaded from the prefix cache
 
     arrival_s: float = field(default_factory=time.perf_counter)
@@ -150,16 +167,22 @@ class Request:
     first_token_s: float | None = None
     finish_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)  # when each output token was sampled
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, if sampling.logprobs is set
-    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. (echo), as computed
-    block_names: list[bytes] = field(default_factory=list, repr=False)  # prefix cache: its full blocks' names
-    text_sent: int = 0  # a continuation (see `continuation`): characters of its text the client already has
+    # per output token, if sampling.logprobs is set
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    # prompt tokens 1.. (echo), as computed
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # prefix cache: its full blocks' names
+    block_names: list[bytes] = field(default_factory=list, repr=False)
+    # a continuation (see `continuation`): characters of its text the client already has
+    text_sent: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError(f"request {self.req_id!r}: the prompt is empty")
         if self.max_tokens < 1:
-            raise ValueError(f"request {self.req_id!r}: max_tokens must be >= 1, got {self.max_tokens}")
+            raise ValueError(
+                f"request {self.req_id!r}: max_tokens must be >= 1, got {self.max_tokens}"
+            )
 
     @property
     def num_tokens(self) -> int:
@@ -172,8 +195,9 @@ class Request:
         return len(self.output_ids) + self.num_pending
 
     def token_ids(self, start: int, stop: int) -> list[int]:
-        """Tokens start..stop-1 of prompt + output, without building the joined list; a token still being
-        sampled by a step in flight reads as PENDING (the worker that samples it feeds it in)."""
+        """Tokens start..stop-1 of prompt + output, without building the joined list; a token still
+        being sampled by a step in flight reads as PENDING (the worker that samples it feeds it
+        in)."""
         known = self.num_tokens
         if stop > known:
             return self.token_ids(start, known) + [PENDING] * (stop - max(start, known))
@@ -195,23 +219,32 @@ class Request:
 
     @property
     def wants_prompt_logprobs(self) -> bool:
-        """It still needs prompt log-probs (echo): every prompt position must be computed, none copied."""
-        return self.sampling.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids) - 1
+        """It still needs prompt log-probs (echo): every prompt position must be computed, none
+        copied."""
+        return (
+            self.sampling.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < len(self.prompt_ids) - 1
+        )
 
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
     def mark_finished(self, reason: FinishReason, error: str | None = None) -> None:
-        self.status, self.finish_reason, self.error = RequestStatus.FINISHED, reason, error
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.error = error
         self.num_pending = 0  # whatever a step in flight samples for it is dropped
         self.slot = None
         self.finish_s = time.perf_counter()
 
     def reset_cache(self) -> None:
-        """Its cache is gone (evicted, or lost with a worker): recompute prompt + output so far, then
-        continue where it stopped. The one recompute path for preemption and faults."""
-        self.num_computed, self.num_pending, self.slot, self.status = 0, 0, None, RequestStatus.WAITING
+        """Its cache is gone (evicted, or lost with a worker): recompute prompt + output so far,
+        then continue where it stopped. The one recompute path for preemption and faults."""
+        self.num_computed = 0
+        self.num_pending = 0
+        self.slot = None
+        self.status = RequestStatus.WAITING
         self.num_exported = 0
 
     def metrics(self) -> dict[str, float]:
@@ -219,7 +252,8 @@ class Request:
         queue (arrival to first slot), prefill (to first token), decode (first token to finish);
         and how often it was preempted."""
         end = self.finish_s if self.finish_s is not None else time.perf_counter()
-        first, scheduled = self.first_token_s, self.scheduled_s
+        first = self.first_token_s
+        scheduled = self.scheduled_s
         num_later = len(self.output_ids) - 1
         return {
             "ttft_s": first - self.arrival_s if first is not None else 0.0,
@@ -233,13 +267,28 @@ class Request:
         }
 
 
-def continuation(request: Request, output_ids: list[int], logprobs: list[TokenLogprob], text_sent: int) -> Request:
-    """`request` as it stands after its client received `output_ids` (with their log-probs and `text_sent`
-    characters of text): queued anywhere, it is recomputed from prompt + those tokens like a preempted
-    request and continues exactly where it stopped, since each draw is seeded by (seed, token index).
-    It computes its own prompt (no sibling to copy from) and, once a token was sent, sends no prompt
-    log-probs again (they came with the first output)."""
-    sampling = dataclasses.replace(request.sampling, prompt_logprobs=None) if output_ids else request.sampling
-    return Request(request.req_id, list(request.prompt_ids), request.max_tokens, sampling, request.stop_token_ids,
-                   request.stop_strings, request.priority, output_ids=list(output_ids), logprobs=list(logprobs),
-                   text_sent=text_sent)
+def continuation(
+    request: Request, output_ids: list[int], logprobs: list[TokenLogprob], text_sent: int
+) -> Request:
+    """`request` as it stands after its client received `output_ids` (with their log-probs and
+    `text_sent` characters of text): queued anywhere, it is recomputed from prompt + those tokens
+    like a preempted request and continues exactly where it stopped, since each draw is seeded by
+    (seed, token index). It computes its own prompt (no sibling to copy from) and, once a token was
+    sent, sends no prompt log-probs again (they came with the first output)."""
+    sampling = (
+        dataclasses.replace(request.sampling, prompt_logprobs=None)
+        if output_ids
+        else request.sampling
+    )
+    return Request(
+        request.req_id,
+        list(request.prompt_ids),
+        request.max_tokens,
+        sampling,
+        request.stop_token_ids,
+        request.stop_strings,
+        request.priority,
+        output_ids=list(output_ids),
+        logprobs=list(logprobs),
+        text_sent=text_sent,
+    )

@@ -1,4 +1,5 @@
-"""Decode-first, token-budgeted, chunked-prefill scheduling policy over a fixed set of cache slots."""
+"""Decode-first, token-budgeted, chunked-prefill scheduling policy over a fixed set of cache
+slots."""
 
 from __future__ import annotations
 
@@ -18,31 +19,50 @@ class StepPlanner:
 
     Each `plan()`: admit waiting requests (most urgent priority, then oldest) while slots are free;
     give every decoding request one token; spend what is left of `token_budget` on chunks of at most
-    `prefill_chunk` tokens for requests still computing their prompt (`_prefill_order`). `update()` takes the
-    sampled tokens, applies stop conditions and returns the finished requests (their slots are free)."""
+    `prefill_chunk` tokens for requests still computing their prompt (`_prefill_order`). `update()`
+    takes the sampled tokens, applies stop conditions and returns the finished requests (their slots
+    are free)."""
 
-    def __init__(self, num_slots: int, capacity: int, token_budget: int = 256, prefill_chunk: int = 128,
-                 max_waiting: int | None = None, max_preemptions: int = 2, decodes: bool = True,
-                 prefix_cache_blocks: int = 0) -> None:
-        limits = {"num_slots": (num_slots, 1), "capacity": (capacity, 1), "token_budget": (token_budget, 1),
-                  "prefill_chunk": (prefill_chunk, 1), "max_waiting": (max_waiting or 0, 0),
-                  "max_preemptions": (max_preemptions, 0)}
+    def __init__(
+        self,
+        num_slots: int,
+        capacity: int,
+        token_budget: int = 256,
+        prefill_chunk: int = 128,
+        max_waiting: int | None = None,
+        max_preemptions: int = 2,
+        decodes: bool = True,
+        prefix_cache_blocks: int = 0,
+    ) -> None:
+        limits = {
+            "num_slots": (num_slots, 1),
+            "capacity": (capacity, 1),
+            "token_budget": (token_budget, 1),
+            "prefill_chunk": (prefill_chunk, 1),
+            "max_waiting": (max_waiting or 0, 0),
+            "max_preemptions": (max_preemptions, 0),
+        }
         for name, (value, least) in limits.items():
             if value < least:
                 raise ValueError(f"{name} must be >= {least}, got {value}")
         self.max_preemptions = max_preemptions
-        self.decodes = decodes  # False on a prefill worker: a prompt that sampled its first token leaves
+        # False on a prefill worker: a prompt that sampled its first token leaves
+        self.decodes = decodes
         self.num_preemptions = 0  # evictions so far
         self.num_recomputed_tokens = 0  # cached tokens those evictions threw away
-        self.num_slots, self.capacity = num_slots, capacity
-        self.token_budget, self.prefill_chunk = token_budget, prefill_chunk
+        self.num_slots = num_slots
+        self.capacity = capacity
+        self.token_budget = token_budget
+        self.prefill_chunk = prefill_chunk
         self.max_waiting = max_waiting
         self.free_slots: list[int] = list(range(num_slots))
-        self.reserved: dict[str, int] = {}  # prompts prefilling elsewhere -> the slot their KV is imported into
+        # prompts prefilling elsewhere -> the slot their KV is imported into
+        self.reserved: dict[str, int] = {}
         self.waiting: list[WaitingEntry] = []  # sorted by admission key
         self.running: list[Request] = []  # most urgent, then oldest (re-sorted by every plan)
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
-        self.worker_copy = WorkerCopy()  # what the worker holds per request: each chunk sends only what it lacks
+        # what the worker holds per request: each chunk sends only what it lacks
+        self.worker_copy = WorkerCopy()
         self._order = itertools.count()
         # the worker's prefix cache, this many blocks of BLOCK_SIZE tokens; None: no cache
         self.prefix_cache = PrefixCache(prefix_cache_blocks) if prefix_cache_blocks else None
@@ -56,8 +76,8 @@ class StepPlanner:
 
     @staticmethod
     def check_batch(requests: list[Request], capacity: int) -> None:
-        """Raise ValueError for the first request of a batch that can never run (an id used twice in it,
-        or too long for a slot), before any of them is submitted."""
+        """Raise ValueError for the first request of a batch that can never run (an id used twice in
+        it, or too long for a slot), before any of them is submitted."""
         seen: set[str] = set()
         for request in requests:
             if request.req_id in seen:
@@ -71,7 +91,8 @@ class StepPlanner:
         needed = len(request.prompt_ids) + request.max_tokens
         if needed > capacity:
             raise ValueError(
-                f"request {request.req_id!r}: prompt ({len(request.prompt_ids)} tokens) plus max_tokens "
+                f"request {request.req_id!r}: prompt ({len(request.prompt_ids)} tokens) plus "
+                "max_tokens "
                 f"({request.max_tokens}) is {needed}, over the context limit of {capacity} tokens"
             )
 
@@ -88,21 +109,28 @@ class StepPlanner:
         entry = WaitingEntry(request.priority, request.arrival_s, next(self._order), request)
         bisect.insort(self.waiting, entry, key=lambda e: (e.priority, e.arrival_s, e.order))
 
-    # ---- planning ---------------------------------------------------------------------------------
+    # ---- planning
+    # ---------------------------------------------------------------------------------
     def plan(self, max_admit: int | None = None) -> StepPlan:
-        """Admit what fits, at most `max_admit` requests (preempting for more urgent ones), then plan one
-        step (see the class docstring)."""
+        """Admit what fits, at most `max_admit` requests (preempting for more urgent ones), then
+        plan one step (see the class docstring)."""
         preempted: list[str] = []
         copies: list[tuple[int, int, int]] = []
         loads: list[tuple[int, int, int]] = []
-        index, admit = 0, len(self.waiting) if max_admit is None else max_admit
+        index = 0
+        admit = len(self.waiting) if max_admit is None else max_admit
         while index < len(self.waiting) and admit > 0:
             request = self.waiting[index].request
             sibling = self._fork_source(request)
-            if sibling is not None and (sibling.slot is None or sibling.num_computed < len(request.prompt_ids) - 1) \
-                    or sibling is None and self.prefix_cache is not None \
-                    and self.prefix_cache.should_wait(request, self.running):
-                index += 1  # its prefix is being computed here: copying it soon beats computing it again
+            if (
+                sibling is not None
+                and (sibling.slot is None or sibling.num_computed < len(request.prompt_ids) - 1)
+                or sibling is None
+                and self.prefix_cache is not None
+                and self.prefix_cache.should_wait(request, self.running)
+            ):
+                # its prefix is being computed here: copying it soon beats computing it again
+                index += 1
                 continue
             reserved = self.reserved.pop(request.req_id, None)
             if reserved is None and not self.free_slots:
@@ -118,63 +146,97 @@ class StepPlanner:
             request.slot = self.free_slots.pop(0) if reserved is None else reserved
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            if sibling is not None and sibling.slot is not None:  # all but the last prompt token: that one
-                request.num_computed = len(request.prompt_ids) - 1  # samples this choice's first token
+            # all but the last prompt token: that one
+            if sibling is not None and sibling.slot is not None:
+                # samples this choice's first token
+                request.num_computed = len(request.prompt_ids) - 1
                 copies.append((sibling.slot, request.slot, request.num_computed))
-            elif self.prefix_cache is not None and not request.num_computed and not request.wants_prompt_logprobs:
+            elif (
+                self.prefix_cache is not None
+                and not request.num_computed
+                and not request.wants_prompt_logprobs
+            ):
                 loads += self.prefix_cache.admit(request, request.slot)
-        self.running.sort(key=lambda r: (r.priority, r.arrival_s))  # prompt chunks: most urgent, then oldest
+        # prompt chunks: most urgent, then oldest
+        self.running.sort(key=lambda r: (r.priority, r.arrival_s))
 
         budget = self.token_budget
         decode: list[Chunk] = []
         for request in self.running:
-            if budget and self.decodes and request.is_decoding \
-                    and request.num_outputs_planned < request.max_tokens:
+            if (
+                budget
+                and self.decodes
+                and request.is_decoding
+                and request.num_outputs_planned < request.max_tokens
+            ):
                 decode.append(self._chunk(request, 1))
                 budget -= 1
         prefill: list[Chunk] = []
         for request in self._prefill_order():
             if not budget:
                 break
-            # a prefill worker computes whatever is uncomputed (a recompute's last known token too), but
-            # never a token still being sampled: that request leaves with its handoff
+            # a prefill worker computes whatever is uncomputed (a recompute's last known token too),
+            # but never a token still being sampled: that request leaves with its handoff
             waits = request.is_decoding if self.decodes else request.num_pending > 0
             if not waits and request.num_uncomputed > 0:
                 length = min(request.num_uncomputed, self.prefill_chunk, budget)
                 prefill.append(self._chunk(request, length))
                 budget -= length
         exports = []
-        for chunk in decode + prefill:  # planned is as good as computed: the next plan may follow at once
+        # planned is as good as computed: the next plan may follow at once
+        for chunk in decode + prefill:
             request = self.requests[chunk.req_id]
             request.num_computed += chunk.num_tokens
             request.num_pending += chunk.sample
-            if not self.decodes:  # rows loaded from the pool or a sibling go out with the first piece
-                exports.append((chunk.req_id, chunk.slot, request.num_exported, request.num_computed))
+            # rows loaded from the pool or a sibling go out with the first piece
+            if not self.decodes:
+                exports.append(
+                    (chunk.req_id, chunk.slot, request.num_exported, request.num_computed)
+                )
                 request.num_exported = request.num_computed
         saves = self.prefix_cache.save(self.running) if self.prefix_cache is not None else []
-        released = self.worker_copy.take_released() if decode or prefill else []  # an empty plan is not sent
-        return StepPlan(decode=decode, prefill=prefill, preempted=preempted, released=released, copies=copies,
-                        loads=loads, saves=saves, exports=exports)
+        # an empty plan is not sent
+        released = self.worker_copy.take_released() if decode or prefill else []
+        return StepPlan(
+            decode=decode,
+            prefill=prefill,
+            preempted=preempted,
+            released=released,
+            copies=copies,
+            loads=loads,
+            saves=saves,
+            exports=exports,
+        )
 
     def _prefill_order(self) -> list[Request]:
-        """Running requests in the order their prompts get chunks: most urgent, then oldest, but of each priority only
-        the oldest prompt needing more than one chunk goes ahead of shorter ones (one long one at most, not all)."""
+        """Running requests in the order their prompts get chunks: most urgent, then oldest, but of
+        each priority only the oldest prompt needing more than one chunk goes ahead of shorter ones
+        (one long one at most, not all)."""
         long = {id(r): r for r in self.running if r.num_uncomputed > self.prefill_chunk}
-        first = {r.priority: r for r in reversed(long.values())}  # the oldest long prompt of each priority
-        return sorted(self.running, key=lambda r: (r.priority, id(r) in long and first[r.priority] is not r))
+        # the oldest long prompt of each priority
+        first = {r.priority: r for r in reversed(long.values())}
+        return sorted(
+            self.running, key=lambda r: (r.priority, id(r) in long and first[r.priority] is not r)
+        )
 
     def _fork_source(self, request: Request) -> Request | None:
-        """n > 1: the sibling on this scheduler with the same prompt, whose prompt KV this request (with an
-        empty cache) copies instead of computing it; it waits while the sibling's prompt is not computed."""
-        if request.fork_of is None or request.num_computed or len(request.prompt_ids) < 2 \
-                or request.wants_prompt_logprobs:  # echo: its own prompt positions must be computed
+        """n > 1: the sibling on this scheduler with the same prompt, whose prompt KV this request
+        (with an empty cache) copies instead of computing it; it waits while the sibling's prompt is
+        not computed."""
+        if (
+            request.fork_of is None
+            or request.num_computed
+            or len(request.prompt_ids) < 2
+            or request.wants_prompt_logprobs
+        ):  # echo: its own prompt positions must be computed
             return None
         sibling = self.requests.get(request.fork_of)
         return sibling if sibling is not None and sibling.prompt_ids == request.prompt_ids else None
 
     def reserve(self, req_id: str) -> bool:
-        """Keep a free slot for a prompt prefilling on another worker (its KV is imported into it piece by
-        piece, and it takes the slot when it is handed off here), if more slots are free than requests wait."""
+        """Keep a free slot for a prompt prefilling on another worker (its KV is imported into it
+        piece by piece, and it takes the slot when it is handed off here), if more slots are free
+        than requests wait."""
         if req_id not in self.reserved and len(self.free_slots) > len(self.waiting):
             self.reserved[req_id] = self.free_slots.pop()
         return req_id in self.reserved
@@ -191,11 +253,17 @@ class StepPlanner:
         """The running request to evict for `candidate`: strictly less urgent, evicted fewer than
         `max_preemptions` times (so a stream of urgent requests cannot starve it), the least urgent
         of those, then the one with the most work left."""
-        evictable = [r for r in self.running
-                     if r.priority > candidate.priority and r.num_preemptions < self.max_preemptions]
+        evictable = [
+            r
+            for r in self.running
+            if r.priority > candidate.priority and r.num_preemptions < self.max_preemptions
+        ]
         if not evictable:
             return None
-        return max(evictable, key=lambda r: (r.priority, r.max_tokens - r.num_outputs_planned + r.num_uncomputed))
+        return max(
+            evictable,
+            key=lambda r: (r.priority, r.max_tokens - r.num_outputs_planned + r.num_uncomputed),
+        )
 
     def _preempt(self, request: Request) -> None:
         """Free its slot now; it waits again and, readmitted, recomputes prompt + output so far."""
@@ -204,7 +272,8 @@ class StepPlanner:
         self.num_recomputed_tokens += request.num_computed
         request.reset_cache()
         request.num_preemptions += 1
-        self.worker_copy.forget(request.req_id)  # what the worker sampled for it in flight is void: resend
+        # what the worker sampled for it in flight is void: resend
+        self.worker_copy.forget(request.req_id)
         if self.prefix_cache is not None:
             self.prefix_cache.forget(request.req_id)
         self._enqueue(request)
@@ -230,14 +299,21 @@ class StepPlanner:
             prompt_targets=targets,
         )
 
-    # ---- results ----------------------------------------------------------------------------------
-    def update(self, plan: StepPlan, sampled: dict[str, int], logprobs: dict[str, TokenLogprob] | None = None,
-               prompt_logprobs: dict[str, list[TokenLogprob]] | None = None) -> StepUpdate:
-        """Record a planned step's results: the tokens taken and the requests that finished in it. `sampled` maps req_id
-        to the token sampled for each chunk with `sample=True`; `logprobs` to its log-probs, for requests that asked;
-        `prompt_logprobs` to those of the chunk's `prompt_targets`. Chunks of requests that left meanwhile (finished,
-        aborted or evicted while the step ran) are ignored; so is the token a later step in flight samples for a
-        request that finished in this one."""
+    # ---- results
+    # ----------------------------------------------------------------------------------
+    def update(
+        self,
+        plan: StepPlan,
+        sampled: dict[str, int],
+        logprobs: dict[str, TokenLogprob] | None = None,
+        prompt_logprobs: dict[str, list[TokenLogprob]] | None = None,
+    ) -> StepUpdate:
+        """Record a planned step's results: the tokens taken and the requests that finished in it.
+        `sampled` maps req_id to the token sampled for each chunk with `sample=True`; `logprobs` to
+        its log-probs, for requests that asked; `prompt_logprobs` to those of the chunk's
+        `prompt_targets`. Chunks of requests that left meanwhile (finished, aborted or evicted while
+        the step ran) are ignored; so is the token a later step in flight samples for a request that
+        finished in this one."""
         finished: list[Request] = []
         accepted: dict[str, int] = {}
         now = time.perf_counter()
@@ -245,14 +321,24 @@ class StepPlanner:
             request = self.requests.get(chunk.req_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
-            if chunk.start_pos + chunk.num_tokens > request.num_computed or \
-                    chunk.output_index != len(request.output_ids) and chunk.sample:
-                raise RuntimeError(f"{chunk.req_id}: a result for positions {chunk.start_pos}+{chunk.num_tokens}, "
-                                   f"output {chunk.output_index}, that was never planned")
-            if chunk.prompt_targets and prompt_logprobs and chunk.req_id in prompt_logprobs \
-                    and len(request.prompt_logprobs) >= chunk.start_pos:
-                known = request.prompt_logprobs  # index i: prompt token i + 1; a recompute's repeats are dropped
-                known += prompt_logprobs[chunk.req_id][len(known) - chunk.start_pos:]
+            if (
+                chunk.start_pos + chunk.num_tokens > request.num_computed
+                or chunk.output_index != len(request.output_ids)
+                and chunk.sample
+            ):
+                raise RuntimeError(
+                    f"{chunk.req_id}: a result for positions {chunk.start_pos}+{chunk.num_tokens}, "
+                    f"output {chunk.output_index}, that was never planned"
+                )
+            if (
+                chunk.prompt_targets
+                and prompt_logprobs
+                and chunk.req_id in prompt_logprobs
+                and len(request.prompt_logprobs) >= chunk.start_pos
+            ):
+                # index i: prompt token i + 1; a recompute's repeats are dropped
+                known = request.prompt_logprobs
+                known += prompt_logprobs[chunk.req_id][len(known) - chunk.start_pos :]
             if not chunk.sample:
                 continue
             token = accepted[chunk.req_id] = sampled[chunk.req_id]
@@ -272,14 +358,16 @@ class StepPlanner:
         return StepUpdate(accepted, finished)
 
     def finish(self, req_id: str, reason: FinishReason, error: str | None = None) -> Request | None:
-        """End a request in any state and return its slot; None if it is unknown or already ended."""
+        """End a request in any state and return its slot; None if it is unknown or already
+        ended."""
         if (request := self.evict(req_id)) is not None:
             request.mark_finished(reason, error)
         return request
 
     def evict(self, req_id: str) -> Request | None:
-        """Take a request off this scheduler without finishing it (its slot, reserved or not, is free at once);
-        the caller moves it on (a finished prompt with its KV, a lost cache to be recomputed). None if not here."""
+        """Take a request off this scheduler without finishing it (its slot, reserved or not, is
+        free at once); the caller moves it on (a finished prompt with its KV, a lost cache to be
+        recomputed). None if not here."""
         self.unreserve(req_id)
         request = self.requests.pop(req_id, None)
         if request is None:
@@ -291,19 +379,22 @@ class StepPlanner:
             self.waiting = [e for e in self.waiting if e.request is not request]
         else:
             self._release_slot(request)
-        request.slot, request.status = None, RequestStatus.WAITING
+        request.slot = None
+        request.status = RequestStatus.WAITING
         return request
 
     def _release_slot(self, request: Request) -> None:
         self.running.remove(request)
         assert request.slot is not None, f"{request.req_id} is running without a slot"
-        bisect.insort(self.free_slots, request.slot)  # lowest slots first keeps decode rows in a short span
+        # lowest slots first keeps decode rows in a short span
+        bisect.insort(self.free_slots, request.slot)
 
     def abort(self, req_id: str) -> Request | None:
         """Cancel a request in any state; its slot is free at once."""
         return self.finish(req_id, FinishReason.ABORT)
 
-    # ---- introspection ----------------------------------------------------------------------------
+    # ---- introspection
+    # ----------------------------------------------------------------------------
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.running

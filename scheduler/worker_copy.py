@@ -1,4 +1,5 @@
-"""What a worker holds for each request, as its scheduler keeps track: a step message sends only what changed."""
+"""What a worker holds for each request, as its scheduler keeps track: a step message sends only
+what changed."""
 
 from __future__ import annotations
 
@@ -7,20 +8,22 @@ from scheduler.request import Request, SamplingParams
 
 
 class WorkerCopy:
-    """A request's sampling parameters go to a worker once, with its first chunk there; its history (what
-    penalties count and a grammar follows) once, with its first sampling chunk there, when its sampling
-    needs it. When the request leaves the worker, or its cache there is lost, the worker is told to drop
-    both (`take_released`), and its next chunk there, if any, sends them again."""
+    """A request's sampling parameters go to a worker once, with its first chunk there; its history
+    (what penalties count and a grammar follows) once, with its first sampling chunk there, when its
+    sampling needs it. When the request leaves the worker, or its cache there is lost, the worker is
+    told to drop both (`take_released`), and its next chunk there, if any, sends them again."""
 
     def __init__(self) -> None:
         self.params: set[str] = set()  # requests whose sampling parameters the worker holds
         self.states: set[str] = set()  # of those, the ones whose sampling state it holds
-        self.released: list[str] = []  # forgotten since the last plan: the worker may drop what it holds
+        # forgotten since the last plan: the worker may drop what it holds
+        self.released: list[str] = []
 
     def send(self, request: Request, sample: bool) -> tuple[SamplingParams | None, History | None]:
-        """What a chunk of the request carries: its sampling parameters and history, each None if the
-        worker holds it already (or, for history, does not need it)."""
-        req_id, params = request.req_id, request.sampling
+        """What a chunk of the request carries: its sampling parameters and history, each None if
+        the worker holds it already (or, for history, does not need it)."""
+        req_id = request.req_id
+        params = request.sampling
         history = None
         if sample and params.needs_history and req_id not in self.states:
             history = (tuple(request.prompt_ids), tuple(request.output_ids))

@@ -1,4 +1,5 @@
-"""Shared fixtures: one local Ray for the whole session (started on first use) and a tiny checkpoint.
+"""Shared fixtures: one local Ray for the whole session (started on first use) and a tiny
+checkpoint.
 
 Every Ray the tests start authenticates with a token of this test session's own, passed in the
 environment: a fresh machine needs no `~/.ray/auth_token`, and the tests never write one.
@@ -17,9 +18,9 @@ os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
 
 @pytest.fixture(scope="session", autouse=True)
 def decode_kernel():
-    """Build the CPU kernels (decode attention, packed matmuls, fused elementwise ops) once, up front
-    (about 40 s on a fresh machine), instead of inside whichever test, worker actor or Serve replica
-    first needs them."""
+    """Build the CPU kernels (decode attention, packed matmuls, fused elementwise ops) once, up
+    front (about 40 s on a fresh machine), instead of inside whichever test, worker actor or Serve
+    replica first needs them."""
     from workers.kernels import load_kernels
 
     return load_kernels()
@@ -32,14 +33,20 @@ def tiny_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """A local Ray with more logical CPUs than cores, so 2 prefill + 2 decode workers fit on 2 cores."""
+    """A local Ray with more logical CPUs than cores, so 2 prefill + 2 decode workers fit on 2
+    cores."""
     import ray
 
     from tests.factories import free_port
 
     metrics_port = free_port()
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
-             _metrics_export_port=metrics_port)
+    ray.init(
+        address="local",
+        num_cpus=8,
+        include_dashboard=False,
+        log_to_driver=False,
+        _metrics_export_port=metrics_port,
+    )
     ray.metrics_port = metrics_port  # for the test that scrapes Ray's Prometheus endpoint
     yield ray
     ray.shutdown()

@@ -1,4 +1,5 @@
-"""Small factories shared by the tests: tiny random models with clear argmax margins, and requests."""
+"""Small factories shared by the tests: tiny random models with clear argmax margins, and
+requests."""
 
 from __future__ import annotations
 
@@ -28,30 +29,71 @@ def tiny_hf_config(kind: str = "llama"):  # type: ignore[no-untyped-def]
         SmolLM3Config,
     )
 
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                  initializer_range=0.25, eos_token_id=VOCAB - 1, bos_token_id=1, pad_token_id=0)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.25,
+        eos_token_id=VOCAB - 1,
+        bos_token_id=1,
+        pad_token_id=0,
+    )
     if kind == "llama":
         return LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=True)
     if kind == "llama3-scaled":
-        return LlamaConfig(**common, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
-                           "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                           "original_max_position_embeddings": 256})
-    if kind == "mistral":  # a window as long as the context: full attention, as Mistral 7B v0.1 at 4k
+        return LlamaConfig(
+            **common,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256,
+            },
+        )
+    # a window as long as the context: full attention, as Mistral 7B v0.1 at 4k
+    if kind == "mistral":
         return MistralConfig(**common, sliding_window=1024, tie_word_embeddings=False)
     if kind == "qwen2":
         return Qwen2Config(**common)
     if kind == "qwen3":
         return Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
-    if kind == "granite":  # Granite 3's multipliers (its attention one is 1 / head_dim, not head_dim ** -0.5)
-        return GraniteConfig(**common, embedding_multiplier=12.0, logits_scaling=2.0, residual_multiplier=0.22,
-                             attention_multiplier=1 / 16, tie_word_embeddings=True)
+    # Granite 3's multipliers (its attention one is 1 / head_dim, not head_dim ** -0.5)
+    if kind == "granite":
+        return GraniteConfig(
+            **common,
+            embedding_multiplier=12.0,
+            logits_scaling=2.0,
+            residual_multiplier=0.22,
+            attention_multiplier=1 / 16,
+            tie_word_embeddings=True,
+        )
     if kind == "smollm3":  # its second layer without RoPE, as SmolLM3 leaves out every fourth
-        return SmolLM3Config(**common, no_rope_layers=[1, 0], rope_theta=5e6, tie_word_embeddings=True)
-    if kind == "phi3":  # fused qkv_proj and gate_up_proj; longrope past 64 tokens, as Phi-3 128k past 4k
-        factors = {"short_factor": [1.0 + i / 8 for i in range(8)], "long_factor": [2.0 + i for i in range(8)]}
-        return Phi3Config(**common, tie_word_embeddings=False, original_max_position_embeddings=64, rope_parameters={
-            "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64, **factors})
+        return SmolLM3Config(
+            **common, no_rope_layers=[1, 0], rope_theta=5e6, tie_word_embeddings=True
+        )
+    # fused qkv_proj and gate_up_proj; longrope past 64 tokens, as Phi-3 128k past 4k
+    if kind == "phi3":
+        factors = {
+            "short_factor": [1.0 + i / 8 for i in range(8)],
+            "long_factor": [2.0 + i for i in range(8)],
+        }
+        return Phi3Config(
+            **common,
+            tie_word_embeddings=False,
+            original_max_position_embeddings=64,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "original_max_position_embeddings": 64,
+                **factors,
+            },
+        )
     raise ValueError(kind)
 
 
@@ -77,20 +119,32 @@ def prompt_ids(length: int, seed: int) -> list[int]:
     return torch.randint(2, VOCAB - 1, (length,), generator=g).tolist()
 
 
-def make_request(req_id: str, prompt_len: int = 10, max_tokens: int = 4, priority: int = 0,
-                 stop_token_ids: frozenset[int] = frozenset(), seed: int | None = None,
-                 arrival_s: float | None = None) -> Request:
+def make_request(
+    req_id: str,
+    prompt_len: int = 10,
+    max_tokens: int = 4,
+    priority: int = 0,
+    stop_token_ids: frozenset[int] = frozenset(),
+    seed: int | None = None,
+    arrival_s: float | None = None,
+) -> Request:
     """One greedy request; its prompt is 1..prompt_len, or random ids drawn from `seed`."""
     prompt = list(range(1, prompt_len + 1)) if seed is None else prompt_ids(prompt_len, seed)
-    request = Request(req_id=req_id, prompt_ids=prompt, max_tokens=max_tokens, priority=priority,
-                      stop_token_ids=stop_token_ids)
+    request = Request(
+        req_id=req_id,
+        prompt_ids=prompt,
+        max_tokens=max_tokens,
+        priority=priority,
+        stop_token_ids=stop_token_ids,
+    )
     if arrival_s is not None:
         request.arrival_s = arrival_s
     return request
 
 
 async def wait_for_stats(handle: Any, condition: Any, timeout: float = 60.0) -> dict[str, Any]:
-    """Poll a scheduler's stats until `condition(stats)` holds; return them (AssertionError on timeout)."""
+    """Poll a scheduler's stats until `condition(stats)` holds; return them (AssertionError on
+    timeout)."""
     deadline, stats = time.monotonic() + timeout, None
     while time.monotonic() < deadline:
         stats = await handle.stats.remote()
@@ -101,7 +155,10 @@ async def wait_for_stats(handle: Any, condition: Any, timeout: float = 60.0) -> 
 
 
 def make_requests(
-    n: int, prompt_lens: list[int], max_tokens: list[int], sampling: SamplingParams | None = None,
+    n: int,
+    prompt_lens: list[int],
+    max_tokens: list[int],
+    sampling: SamplingParams | None = None,
     stop_token_ids: frozenset[int] = frozenset(),
 ) -> list[Request]:
     """n requests cycling through the given prompt lengths and output lengths."""
@@ -125,20 +182,31 @@ CHAT_TEMPLATE = (
 
 @functools.cache
 def tiny_tokenizer():  # type: ignore[no-untyped-def]
-    """A byte-level BPE tokenizer with VOCAB ids (EOS last), so text and multi-byte characters work."""
+    """A byte-level BPE tokenizer with VOCAB ids (EOS last), so text and multi-byte characters
+    work."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 1, special_tokens=["<unk>", "<s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    corpus = ["the quick brown fox jumps over the lazy dog", "hello world, héllo wörld", "paris is in france"] * 5
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB - 1,
+        special_tokens=["<unk>", "<s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = [
+        "the quick brown fox jumps over the lazy dog",
+        "hello world, héllo wörld",
+        "paris is in france",
+    ] * 5
     tok.train_from_iterator(corpus, trainer)
     tok.add_tokens([f"<extra_{i}>" for i in range(VOCAB - 1 - tok.get_vocab_size())])
     tok.add_special_tokens(["</s>"])  # id VOCAB - 1: the configs' EOS
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
     fast.chat_template = CHAT_TEMPLATE
     assert fast.eos_token_id == VOCAB - 1, fast.eos_token_id
     return fast
@@ -160,15 +228,19 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def served_app(checkpoint: str, name: str, **args: Any) -> Iterator[str]:
-    """The pdserve Serve app on the tiny checkpoint (served as "tiny") on a free loopback port; yields its
-    base URL and shuts Serve down after."""
+    """The pdserve Serve app on the tiny checkpoint (served as "tiny") on a free loopback port;
+    yields its base URL and shuts Serve down after."""
     from ray import serve
 
     from deploy.serving.app import build_app
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"model": checkpoint, "served_model_name": "tiny", **args}), name=name, route_prefix="/")
+    serve.run(
+        build_app({"model": checkpoint, "served_model_name": "tiny", **args}),
+        name=name,
+        route_prefix="/",
+    )
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

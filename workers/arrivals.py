@@ -1,4 +1,5 @@
-"""Releasing work at arrival offsets, or when the work it follows ends: the one mechanism behind every driver."""
+"""Releasing work at arrival offsets, or when the work it follows ends: the one mechanism behind
+every driver."""
 
 from __future__ import annotations
 
@@ -13,27 +14,36 @@ T = TypeVar("T")
 
 
 class ArrivalSchedule(Generic[T]):
-    """Items released `offset` seconds after `start()`, in offset order (ties keep their given order).
+    """Items released `offset` seconds after `start()`, in offset order (ties keep their given
+    order).
 
     `due()` returns what has arrived since the last call; `wait_s()` says how long until the next
     arrival. The local engine polls it between steps; the Ray and HTTP drivers sleep on it.
 
     Chains (`after`: the key of the item an item follows, or None): an item that follows another is
-    released when the driver reports that one `ended`, not at its offset: a closed loop, such as a steady
-    population of streams each replaced as it ends. Chains are background load: while items outside
-    every chain (the foreground) are still to come or running, a chain goes on; once the last of them
-    has ended, what remains of every chain is dropped (never released). Without foreground items, chains
-    run to their ends. An item whose predecessor is not in the schedule is an ordinary one.
+    released when the driver reports that one `ended`, not at its offset: a closed loop, such as a
+    steady population of streams each replaced as it ends. Chains are background load: while items
+    outside every chain (the foreground) are still to come or running, a chain goes on; once the
+    last of them has ended, what remains of every chain is dropped (never released). Without
+    foreground items, chains run to their ends. An item whose predecessor is not in the schedule is
+    an ordinary one.
     """
 
-    def __init__(self, items: Iterable[T], offsets: Callable[[T], float] = lambda item: 0.0,
-                 clock: Callable[[], float] = time.perf_counter, key: Callable[[T], Hashable] = id,
-                 after: Callable[[T], Hashable | None] = lambda item: None) -> None:
+    def __init__(
+        self,
+        items: Iterable[T],
+        offsets: Callable[[T], float] = lambda item: 0.0,
+        clock: Callable[[], float] = time.perf_counter,
+        key: Callable[[T], Hashable] = id,
+        after: Callable[[T], Hashable | None] = lambda item: None,
+    ) -> None:
         items = list(items)
         keys = {key(item) for item in items}
         order = itertools.count()
-        self.clock, self.key = clock, key
-        self.held: dict[Hashable, list[T]] = {}  # predecessor's key -> the items released when it ends
+        self.clock = clock
+        self.key = key
+        # predecessor's key -> the items released when it ends
+        self.held: dict[Hashable, list[T]] = {}
         chained: set[Hashable] = set()
         timed = []
         for item in items:
@@ -50,25 +60,37 @@ class ArrivalSchedule(Generic[T]):
         self.t0 = clock()
 
     @classmethod
-    def by_key(cls, items: Iterable[T], arrival_s: dict[Any, float] | None = None,
-               after: dict[Any, Any] | None = None,
-               key: Callable[[T], Hashable] = lambda item: item.req_id) -> ArrivalSchedule[T]:  # type: ignore[attr-defined]
-        """Items named by `key` (a request's id by default): each arrives at `arrival_s[name]` (0 if absent),
-        or when the item named `after[name]` ends."""
+    def by_key(
+        cls,
+        items: Iterable[T],
+        arrival_s: dict[Any, float] | None = None,
+        after: dict[Any, Any] | None = None,
+        key: Callable[[T], Hashable] = lambda item: item.req_id,
+    ) -> ArrivalSchedule[T]:  # type: ignore[attr-defined]
+        """Items named by `key` (a request's id by default): each arrives at `arrival_s[name]` (0 if
+        absent), or when the item named `after[name]` ends."""
         arrival_s, after = arrival_s or {}, after or {}
-        return cls(items, lambda item: arrival_s.get(key(item), 0.0), key=key, after=lambda item: after.get(key(item)))
+        return cls(
+            items,
+            lambda item: arrival_s.get(key(item), 0.0),
+            key=key,
+            after=lambda item: after.get(key(item)),
+        )
 
     def start(self) -> None:
         self.t0 = self.clock()
 
     def due(self) -> list[T]:
         now = self.clock() - self.t0
-        count = next((i for i, entry in enumerate(self.pending) if entry[0] > now), len(self.pending))
+        count = next(
+            (i for i, entry in enumerate(self.pending) if entry[0] > now), len(self.pending)
+        )
         released, self.pending = self.pending[:count], self.pending[count:]
         return [item for _, _, item in released]
 
     def ended(self, key: Hashable) -> None:
-        """The item of this key has ended: release what follows it (or drop it, once the foreground is done)."""
+        """The item of this key has ended: release what follows it (or drop it, once the foreground
+        is done)."""
         self.foreground.discard(key)
         following = self.held.pop(key, [])
         if self.has_foreground and not self.foreground:
@@ -76,7 +98,9 @@ class ArrivalSchedule(Generic[T]):
             self.held = {}
             return
         now = self.clock() - self.t0
-        self.pending = sorted(self.pending + [(now, -1, item) for item in following], key=lambda e: e[:2])
+        self.pending = sorted(
+            self.pending + [(now, -1, item) for item in following], key=lambda e: e[:2]
+        )
 
     def _drop(self, items: list[T]) -> None:
         while items:
@@ -85,8 +109,8 @@ class ArrivalSchedule(Generic[T]):
             items += self.held.pop(self.key(item), [])
 
     def wait_s(self) -> float:
-        """Seconds until the next arrival (0 if one is due or none is left; infinite while only items that
-        wait for another to end are left)."""
+        """Seconds until the next arrival (0 if one is due or none is left; infinite while only
+        items that wait for another to end are left)."""
         if not self.pending:
             return math.inf if self.held else 0.0
         return max(0.0, self.pending[0][0] - (self.clock() - self.t0))
@@ -95,9 +119,11 @@ class ArrivalSchedule(Generic[T]):
         return bool(self.pending or self.held)
 
 
-async def run_at_arrivals(schedule: ArrivalSchedule[T], start: Callable[[T], Awaitable[Any]]) -> list[Any]:
-    """Start `start(item)` for each item as it arrives, concurrently (an item that follows another when that
-    one's `start` returns); the results in the order the items started."""
+async def run_at_arrivals(
+    schedule: ArrivalSchedule[T], start: Callable[[T], Awaitable[Any]]
+) -> list[Any]:
+    """Start `start(item)` for each item as it arrives, concurrently (an item that follows another
+    when that one's `start` returns); the results in the order the items started."""
     tasks: list[asyncio.Task[Any]] = []
     woken = asyncio.Event()
 

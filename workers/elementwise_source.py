@@ -1,10 +1,12 @@
-"""C++ source of the fused per-layer elementwise kernels (residual add + RMSNorm, rotary + cache write, SiLU-mul)."""
+"""C++ source of the fused per-layer elementwise kernels (residual add + RMSNorm, rotary + cache
+write, SiLU-mul)."""
 
-# Appended to `workers.kernel_source.SOURCE` (it uses its load/store helpers). Each kernel does what the eager
-# torch ops of `workers.kernels` do, rounding to the tensor's dtype wherever they round (bf16 after every
-# op, as torch does), in one pass over the rows instead of several ops of a dozen dispatches and thread
-# forks each. fp32 differs from the eager ops only in the order of a row's sum of squares and by about
-# 1 ulp in exp (built with -ffp-contract=off, so a*b + c*d is not fused into one rounding).
+# Appended to `workers.kernel_source.SOURCE` (it uses its load/store helpers). Each kernel does what
+# the eager torch ops of `workers.kernels` do, rounding to the tensor's dtype wherever they round
+# (bf16 after every op, as torch does), in one pass over the rows instead of several ops of a dozen
+# dispatches and thread forks each. fp32 differs from the eager ops only in the order of a row's sum
+# of squares and by about 1 ulp in exp (built with -ffp-contract=off, so a*b + c*d is not fused into
+# one rounding).
 ELEMENTWISE = r"""
 template <typename T> static inline float rounded(float x);
 template <> inline float rounded<float>(float x) { return x; }
@@ -14,17 +16,20 @@ template <> inline float rounded<uint16_t>(float x) {  // to the nearest bfloat1
     return __builtin_bit_cast(float, bits & 0xFFFF0000u);
 }
 
-// exp(x) for any x: kernel_source's exp_nonpositive (the same polynomial holds for x > 0), clamped to +87.
-// (The sources are compiled as one unit, kernel_source's first.)
+// exp(x) for any x: kernel_source's exp_nonpositive (the same polynomial holds for x > 0), clamped
+// to +87. (The sources are compiled as one unit, kernel_source's first.)
 static inline float exp_any(float x) { return exp_nonpositive(x > 87.f ? 87.f : x); }
 
-template <typename T> static T* ptr(const torch::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+template <typename T> static T* ptr(const torch::Tensor& t) {
+    return reinterpret_cast<T*>(t.data_ptr());
+}
 
 static int64_t rows_per_task(int64_t row_elems) { return std::max<int64_t>(1, 32768 / row_elems); }
 
 // x: [N, H] becomes x + delta (if given); returns rms_norm(x) * w: [N, H]
 template <typename T>
-static void add_rms_norm_run(T* x, const T* delta, const T* w, T* out, int64_t N, int64_t H, float eps) {
+static void add_rms_norm_run(T* x, const T* delta, const T* w, T* out, int64_t N, int64_t H,
+                             float eps) {
     at::parallel_for(0, N, rows_per_task(H), [&](int64_t begin, int64_t end) {
         for (int64_t n = begin; n < end; ++n) {
             T* xr = x + n * H;
@@ -43,36 +48,41 @@ static void add_rms_norm_run(T* x, const T* delta, const T* w, T* out, int64_t N
             }
             const float r = 1.f / std::sqrt(ss / float(H) + eps);
 #pragma omp simd
-            for (int64_t h = 0; h < H; ++h) store(out + n * H, h, load(w, h) * rounded<T>(load(xr, h) * r));
+            for (int64_t h = 0; h < H; ++h)
+                store(out + n * H, h, load(w, h) * rounded<T>(load(xr, h) * r));
         }
     });
 }
 
-torch::Tensor add_rms_norm(torch::Tensor x, std::optional<torch::Tensor> delta, torch::Tensor w, double eps) {
-    TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.scalar_type() == w.scalar_type(), "bad tensors");
+torch::Tensor add_rms_norm(torch::Tensor x, std::optional<torch::Tensor> delta, torch::Tensor w,
+                           double eps) {
+    TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && x.scalar_type() == w.scalar_type(),
+                "bad tensors");
     TORCH_CHECK(!delta || (delta->is_contiguous() && delta->sizes() == x.sizes()), "bad delta");
     auto out = torch::empty_like(x);
     const int64_t H = x.size(-1), N = x.numel() / H;
     if (x.scalar_type() == torch::kFloat)
-        add_rms_norm_run<float>(ptr<float>(x), delta ? ptr<float>(*delta) : nullptr, ptr<float>(w), ptr<float>(out),
-                                N, H, float(eps));
+        add_rms_norm_run<float>(ptr<float>(x), delta ? ptr<float>(*delta) : nullptr, ptr<float>(w),
+                                ptr<float>(out), N, H, float(eps));
     else
-        add_rms_norm_run<uint16_t>(ptr<uint16_t>(x), delta ? ptr<uint16_t>(*delta) : nullptr, ptr<uint16_t>(w),
-                                   ptr<uint16_t>(out), N, H, float(eps));
+        add_rms_norm_run<uint16_t>(ptr<uint16_t>(x), delta ? ptr<uint16_t>(*delta) : nullptr,
+                                   ptr<uint16_t>(w), ptr<uint16_t>(out), N, H, float(eps));
     return out;
 }
 
-// qkv: [N, H + 2 KVH, D]; cos, sin: [N, D]; k_cache, v_cache: [S, KVH, C, D]; slots, positions: [N].
-// q and k rotate (x cos + rotate_half(x) sin); k and v go to their cache rows; returns q: [N, H, D]
+// qkv: [N, H + 2 KVH, D]; cos, sin: [N, D]; k_cache, v_cache: [S, KVH, C, D]; slots, positions:
+// [N]. q and k rotate (x cos + rotate_half(x) sin); k and v go to their cache rows; returns q: [N,
+// H, D]
 template <typename T>
-static void rope_run(const T* qkv, const T* cos, const T* sin, T* q, T* kc, T* vc, const int64_t* slots,
-                     const int64_t* positions, int64_t N, int64_t H, int64_t KVH, int64_t C, int64_t D) {
+static void rope_run(const T* qkv, const T* cos, const T* sin, T* q, T* kc, T* vc,
+                     const int64_t* slots, const int64_t* positions, int64_t N, int64_t H,
+                     int64_t KVH, int64_t C, int64_t D) {
     const int64_t half = D / 2, width = (H + 2 * KVH) * D;
     at::parallel_for(0, N, rows_per_task(width), [&](int64_t begin, int64_t end) {
         for (int64_t n = begin; n < end; ++n) {
             const T* c = cos + n * D;
             const T* s = sin + n * D;
-            const int64_t cache_row = slots[n] * KVH * C + positions[n];  // (slot, head 0, position)
+            const int64_t cache_row = slots[n] * KVH * C + positions[n]; // (slot, head 0, position)
             for (int64_t head = 0; head < H + 2 * KVH; ++head) {
                 const T* src = qkv + n * width + head * D;
                 T* dst = head < H ? q + (n * H + head) * D
@@ -85,29 +95,35 @@ static void rope_run(const T* qkv, const T* cos, const T* sin, T* q, T* kc, T* v
 #pragma omp simd
                 for (int64_t d = 0; d < D; ++d) {
                     const float rot = d < half ? -load(src, d + half) : load(src, d - half);
-                    store(dst, d, rounded<T>(load(src, d) * load(c, d)) + rounded<T>(rot * load(s, d)));
+                    store(dst, d,
+                          rounded<T>(load(src, d) * load(c, d)) + rounded<T>(rot * load(s, d)));
                 }
             }
         }
     });
 }
 
-torch::Tensor rope_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
-                             torch::Tensor v_cache, torch::Tensor slots, torch::Tensor positions, int64_t H) {
-    TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() && k_cache.is_contiguous()
-                && v_cache.is_contiguous(), "contiguous tensors expected");
-    TORCH_CHECK(qkv.scalar_type() == cos.scalar_type() && qkv.scalar_type() == k_cache.scalar_type(), "one dtype");
+torch::Tensor rope_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                             torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                             torch::Tensor positions, int64_t H) {
+    TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() &&
+                    k_cache.is_contiguous() && v_cache.is_contiguous(),
+                "contiguous tensors expected");
+    TORCH_CHECK(qkv.scalar_type() == cos.scalar_type() &&
+                    qkv.scalar_type() == k_cache.scalar_type(),
+                "one dtype");
     const int64_t N = qkv.size(0), D = qkv.size(2), KVH = k_cache.size(1), C = k_cache.size(2);
     TORCH_CHECK(qkv.size(1) == H + 2 * KVH && cos.numel() == N * D, "bad shapes");
     auto q = torch::empty({N, H, D}, qkv.options());
     const int64_t* s = slots.data_ptr<int64_t>();
     const int64_t* p = positions.data_ptr<int64_t>();
     if (qkv.scalar_type() == torch::kFloat)
-        rope_run<float>(ptr<float>(qkv), ptr<float>(cos), ptr<float>(sin), ptr<float>(q), ptr<float>(k_cache),
-                        ptr<float>(v_cache), s, p, N, H, KVH, C, D);
+        rope_run<float>(ptr<float>(qkv), ptr<float>(cos), ptr<float>(sin), ptr<float>(q),
+                        ptr<float>(k_cache), ptr<float>(v_cache), s, p, N, H, KVH, C, D);
     else
-        rope_run<uint16_t>(ptr<uint16_t>(qkv), ptr<uint16_t>(cos), ptr<uint16_t>(sin), ptr<uint16_t>(q),
-                           ptr<uint16_t>(k_cache), ptr<uint16_t>(v_cache), s, p, N, H, KVH, C, D);
+        rope_run<uint16_t>(ptr<uint16_t>(qkv), ptr<uint16_t>(cos), ptr<uint16_t>(sin),
+                           ptr<uint16_t>(q), ptr<uint16_t>(k_cache), ptr<uint16_t>(v_cache), s, p,
+                           N, H, KVH, C, D);
     return q;
 }
 
@@ -138,10 +154,11 @@ static void silu_mul_run(const T* gate_up, T* out, int64_t N, int64_t I) {
             const __m512 one = _mm512_set1_ps(1.f);
             for (; i + 16 <= I; i += 16) {
                 const __m512 a = load16(g + i);
-                const __m512 e = exp16_nonpositive(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), a),
-                                                                 _mm512_set1_ps(87.f)));
+                const __m512 e = exp16_nonpositive(
+                    _mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), a), _mm512_set1_ps(87.f)));
                 const __m512 silu = rounded16<T>(_mm512_div_ps(a, _mm512_add_ps(one, e)));
-                store_rounded16(out + n * I + i, rounded16<T>(_mm512_mul_ps(silu, load16(g + I + i))));
+                store_rounded16(out + n * I + i,
+                                rounded16<T>(_mm512_mul_ps(silu, load16(g + I + i))));
             }
 #endif
             for (; i < I; ++i) {

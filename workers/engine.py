@@ -1,4 +1,5 @@
-"""The in-process engine (`local` mode): the scheduling policy stepping a model runner in one thread."""
+"""The in-process engine (`local` mode): the scheduling policy stepping a model runner in one
+thread."""
 
 from __future__ import annotations
 
@@ -15,16 +16,24 @@ from workers.runner import ModelRunner
 
 
 class LocalEngine:
-    """Plans a step, runs it, records the sampled tokens, applies stop strings: `step()` is one turn.
+    """Plans a step, runs it, records the sampled tokens, applies stop strings: `step()` is one
+    turn.
 
     `submit` and `abort` may be called from other threads while `run` steps; they take effect at the
     next step. With a tokenizer, each request's `text` is kept up to date and stop strings apply.
     """
 
     def __init__(self, runner: ModelRunner, scheduler: StepPlanner, tokenizer: Any = None) -> None:
-        if scheduler.capacity > runner.cache.capacity or scheduler.num_slots > runner.cache.num_slots:
-            raise ValueError("the scheduler plans more slots or positions than the runner's cache holds")
-        self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
+        if (
+            scheduler.capacity > runner.cache.capacity
+            or scheduler.num_slots > runner.cache.num_slots
+        ):
+            raise ValueError(
+                "the scheduler plans more slots or positions than the runner's cache holds"
+            )
+        self.runner = runner
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
         self.outputs = OutputProcessor(tokenizer)
         self.reset_profile()
         self._lock = threading.Lock()
@@ -33,8 +42,13 @@ class LocalEngine:
         """Zero the step count and the profile: seconds per whole step and inside the model forward,
         overall and for decode-only steps."""
         self.num_steps = 0
-        self.profile = {"step_s": 0.0, "model_s": 0.0, "decode_steps": 0, "decode_step_s": 0.0,
-                        "decode_model_s": 0.0}
+        self.profile = {
+            "step_s": 0.0,
+            "model_s": 0.0,
+            "decode_steps": 0,
+            "decode_step_s": 0.0,
+            "decode_model_s": 0.0,
+        }
 
     def submit(self, request: Request) -> None:
         """Queue a request; raises ValueError (nothing queued) if it can never run."""
@@ -57,10 +71,13 @@ class LocalEngine:
             plan = self.scheduler.plan()
         samples = self.runner.execute(plan)
         with self._lock:
-            update = self.scheduler.update(plan, samples.tokens, samples.logprobs, samples.prompt_logprobs)
+            update = self.scheduler.update(
+                plan, samples.tokens, samples.logprobs, samples.prompt_logprobs
+            )
             outputs = self.outputs.apply(self.scheduler, update)
         self.num_steps += 1
-        elapsed, profile = time.perf_counter() - start, self.profile
+        elapsed = time.perf_counter() - start
+        profile = self.profile
         profile["step_s"] += elapsed
         profile["model_s"] += self.runner.last_forward_s
         if plan.decode and not plan.prefill:
@@ -81,11 +98,11 @@ class LocalEngine:
         on_finish: Callable[[Request], None] | None = None,
         after: dict[str, str] | None = None,
     ) -> dict[str, Request]:
-        """Submit requests (each at its `arrival_s` offset from now, if given, or when the request it
-        follows in `after` ends: `ArrivalSchedule`), step until all finish.
+        """Submit requests (each at its `arrival_s` offset from now, if given, or when the request
+        it follows in `after` ends: `ArrivalSchedule`), step until all finish.
 
-        Returns every request that ran by id (a chain's remainder dropped once the rest has ended did not).
-        A request that cannot run raises before anything is submitted.
+        Returns every request that ran by id (a chain's remainder dropped once the rest has ended
+        did not). A request that cannot run raises before anything is submitted.
         """
         requests = list(requests)
         StepPlanner.check_batch(requests, self.scheduler.capacity)

@@ -1,9 +1,10 @@
-"""C++ source of the ragged decode-attention kernel, and the helpers the other kernel sources share."""
+"""C++ source of the ragged decode-attention kernel, and the helpers the other kernel sources
+share."""
 
-# Built by `workers.kernels` with `elementwise_source` and `gemm_source` appended. Two paths: AVX-512
-# intrinsics where the build machine has them (-march=native) and the head dim is 16, 32, 64 or 128, and
-# plain loops otherwise (other CPUs, other head dims). Both keep scores and sums in fp32 whatever the
-# cache dtype.
+# Built by `workers.kernels` with `elementwise_source` and `gemm_source` appended. Two paths:
+# AVX-512 intrinsics where the build machine has them (-march=native) and the head dim is 16, 32, 64
+# or 128, and plain loops otherwise (other CPUs, other head dims). Both keep scores and sums in fp32
+# whatever the cache dtype.
 SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -28,9 +29,9 @@ static inline void store(uint16_t* p, int64_t i, float x) {
     p[i] = uint16_t(bits >> 16);
 }
 
-// exp(x) for x <= 0 (scores minus their max): x = n ln2 + r, exp(r) by Cephes' degree-6 polynomial, 2^n
-// in the exponent bits. About 1 ulp; below -87 it returns about 1e-38, which a softmax sum cannot tell
-// from 0.
+// exp(x) for x <= 0 (scores minus their max): x = n ln2 + r, exp(r) by Cephes' degree-6 polynomial,
+// 2^n in the exponent bits. About 1 ulp; below -87 it returns about 1e-38, which a softmax sum
+// cannot tell from 0.
 static inline float exp_nonpositive(float x) {
     x = x < -87.f ? -87.f : x;
     const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
@@ -46,10 +47,11 @@ static inline float exp_nonpositive(float x) {
     return p * __builtin_bit_cast(float, (int32_t(n) + 127) << 23);
 }
 
-// One (row, KV head): its G query rows over keys 0..len-1. q, out: [G, D]; k, v: [len.., D]; scores: G * len.
+// One (row, KV head): its G query rows over keys 0..len-1. q, out: [G, D]; k, v: [len.., D];
+// scores: G * len.
 template <typename T>
-static void attend_scalar(const T* q, const T* k, const T* v, int64_t len, int64_t G, int64_t D, float scale,
-                          float* scores, T* out) {
+static void attend_scalar(const T* q, const T* k, const T* v, int64_t len, int64_t G, int64_t D,
+                          float scale, float* scores, T* out) {
     std::vector<float> qf(G * D), acc(G * D, 0.f), row(D), inv(G);
     for (int64_t i = 0; i < G * D; ++i) qf[i] = load(q, i) * scale;
     for (int64_t t = 0; t < len; ++t) {
@@ -98,7 +100,8 @@ static inline void store16(uint16_t* p, __m512 x) {
 
 static inline __m512 exp16_nonpositive(__m512 x) {  // exp_nonpositive, 16 lanes at a time
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    const __m512 half_up = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+    const __m512 half_up =
+        _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
     const __m512 n = _mm512_roundscale_ps(half_up, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
     r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
@@ -109,7 +112,8 @@ static inline __m512 exp16_nonpositive(__m512 x) {  // exp_nonpositive, 16 lanes
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    const __m512i bits =
+        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
@@ -117,8 +121,9 @@ static inline __mmask16 tail(int64_t t, int64_t len) {
     return len - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (len - t)) - 1);
 }
 
-// attend_scalar with D = 16 NV: up to GB query rows at a time keep their q and their output accumulators
-// in registers (GB * NV <= 16 of the 32), so each key and value row is loaded once per group of GB.
+// attend_scalar with D = 16 NV: up to GB query rows at a time keep their q and their output
+// accumulators in registers (GB * NV <= 16 of the 32), so each key and value row is loaded once per
+// group of GB.
 template <typename T, int NV>
 static void attend_avx512(const T* q, const T* k, const T* v, int64_t len, int64_t G, float scale,
                           float* scores, T* out) {
@@ -129,8 +134,9 @@ static void attend_avx512(const T* q, const T* k, const T* v, int64_t len, int64
         float inv[GB];
         for (int g = 0; g < GB; ++g)
             for (int i = 0; i < NV; ++i) {
-                qv[g][i] = g < ng ? _mm512_mul_ps(load16(q + (g0 + g) * D + 16 * i), _mm512_set1_ps(scale))
-                                  : _mm512_setzero_ps();
+                qv[g][i] =
+                    g < ng ? _mm512_mul_ps(load16(q + (g0 + g) * D + 16 * i), _mm512_set1_ps(scale))
+                           : _mm512_setzero_ps();
                 acc[g][i] = _mm512_setzero_ps();
             }
         for (int64_t t = 0; t < len; ++t) {
@@ -151,7 +157,8 @@ static void attend_avx512(const T* q, const T* k, const T* v, int64_t len, int64
             const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
             for (int64_t t = 0; t < len; t += 16) {
                 const __mmask16 m = tail(t, len);
-                const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + t), top));
+                const __m512 e =
+                    exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + t), top));
                 _mm512_mask_storeu_ps(sg + t, m, e);
                 sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
             }
@@ -168,14 +175,15 @@ static void attend_avx512(const T* q, const T* k, const T* v, int64_t len, int64
         }
         for (int g = 0; g < ng; ++g)
             for (int i = 0; i < NV; ++i)
-                store16(out + (g0 + g) * D + 16 * i, _mm512_mul_ps(acc[g][i], _mm512_set1_ps(inv[g])));
+                store16(out + (g0 + g) * D + 16 * i,
+                        _mm512_mul_ps(acc[g][i], _mm512_set1_ps(inv[g])));
     }
 }
 #endif
 
 template <typename T>
-static void attend(const T* q, const T* k, const T* v, int64_t len, int64_t G, int64_t D, float scale,
-                   float* scores, T* out) {
+static void attend(const T* q, const T* k, const T* v, int64_t len, int64_t G, int64_t D,
+                   float scale, float* scores, T* out) {
 #if defined(__AVX512F__)
     switch (D) {
         case 16: return attend_avx512<T, 1>(q, k, v, len, G, scale, scores, out);
@@ -187,11 +195,12 @@ static void attend(const T* q, const T* k, const T* v, int64_t len, int64_t G, i
     attend_scalar(q, k, v, len, G, D, scale, scores, out);
 }
 
-// q, out: [B, KVH, G, D]; k, v: [S, KVH, C, D] contiguous; slots, lengths: [B] int64. Each thread takes
-// the next (row, KV head) pair, longest rows first, so threads finish together however ragged the rows.
+// q, out: [B, KVH, G, D]; k, v: [S, KVH, C, D] contiguous; slots, lengths: [B] int64. Each thread
+// takes the next (row, KV head) pair, longest rows first, so threads finish together however ragged
+// the rows.
 template <typename T>
-static void run(const T* q, const T* k, const T* v, const int64_t* slots, const int64_t* lengths, T* out,
-                int64_t B, int64_t KVH, int64_t G, int64_t C, int64_t D, float scale) {
+static void run(const T* q, const T* k, const T* v, const int64_t* slots, const int64_t* lengths,
+                T* out, int64_t B, int64_t KVH, int64_t G, int64_t C, int64_t D, float scale) {
     std::vector<int64_t> order(B * KVH);
     std::iota(order.begin(), order.end(), 0);
     std::stable_sort(order.begin(), order.end(),
@@ -202,25 +211,30 @@ static void run(const T* q, const T* k, const T* v, const int64_t* slots, const 
         for (int64_t i = next++; i < B * KVH; i = next++) {
             const int64_t item = order[i], b = item / KVH, h = item % KVH;
             const int64_t base = (slots[b] * KVH + h) * C * D;
-            attend(q + item * G * D, k + base, v + base, lengths[b], G, D, scale, scores.data(), out + item * G * D);
+            attend(q + item * G * D, k + base, v + base, lengths[b], G, D, scale, scores.data(),
+                   out + item * G * D);
         }
     });
 }
 
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor slots,
-                               torch::Tensor lengths, double scale) {
-    TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "contiguous tensors expected");
-    TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "one dtype expected");
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                               torch::Tensor slots, torch::Tensor lengths, double scale) {
+    TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
+                "contiguous tensors expected");
+    TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
+                "one dtype expected");
     auto out = torch::empty_like(q);
     const int64_t B = q.size(0), KVH = q.size(1), G = q.size(2), D = q.size(3), C = k.size(2);
     const int64_t* s = slots.data_ptr<int64_t>();
     const int64_t* l = lengths.data_ptr<int64_t>();
     if (q.scalar_type() == torch::kFloat) {
-        run<float>(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), s, l, out.data_ptr<float>(),
-                   B, KVH, G, C, D, float(scale));
+        run<float>(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), s, l,
+                   out.data_ptr<float>(), B, KVH, G, C, D, float(scale));
     } else {
         TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "float32 or bfloat16 expected");
-        auto bits = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
+        auto bits = [](const torch::Tensor& t) {
+            return reinterpret_cast<uint16_t*>(t.data_ptr());
+        };
         run<uint16_t>(bits(q), bits(k), bits(v), s, l, bits(out), B, KVH, G, C, D, float(scale));
     }
     return out;

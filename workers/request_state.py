@@ -1,5 +1,5 @@
-"""What a worker keeps per request between steps: its sampling parameters, the tokens penalties count, and
-its grammar matcher."""
+"""What a worker keeps per request between steps: its sampling parameters, the tokens penalties
+count, and its grammar matcher."""
 
 from __future__ import annotations
 
@@ -22,11 +22,16 @@ class Matcher(Protocol):
 
 
 class RequestState:
-    """Built from a request's prompt and output so far (`history` of its first sampling chunk on this
-    worker), then advanced by every token this worker samples for it."""
+    """Built from a request's prompt and output so far (`history` of its first sampling chunk on
+    this worker), then advanced by every token this worker samples for it."""
 
-    def __init__(self, params: SamplingParams, prompt_ids: tuple[int, ...], output_ids: tuple[int, ...],
-                 matcher: Matcher | None) -> None:
+    def __init__(
+        self,
+        params: SamplingParams,
+        prompt_ids: tuple[int, ...],
+        output_ids: tuple[int, ...],
+        matcher: Matcher | None,
+    ) -> None:
         self.prompt_ids = frozenset(prompt_ids) if params.repetition_penalty != 1.0 else frozenset()
         self.counts: Counter[int] = Counter()
         self.matcher = matcher
@@ -38,20 +43,25 @@ class RequestState:
         """The request's next output token."""
         self.counts[token] += 1
         self.num_outputs += 1
-        # after EOS the request has ended: a step already in flight may still sample for it (dropped)
+        # after EOS the request has ended: a step already in flight may still sample for it
+        # (dropped)
         if self.matcher is not None and not self.matcher.ended:
             self.matcher.accept(token)
 
     def penalize(self, row: torch.Tensor, params: SamplingParams) -> None:
-        """In place on a float row: repetition penalty over prompt and output tokens (a positive logit
-        divided, a negative one multiplied), then frequency (per occurrence) and presence (once) penalties
-        over output tokens."""
+        """In place on a float row: repetition penalty over prompt and output tokens (a positive
+        logit divided, a negative one multiplied), then frequency (per occurrence) and presence
+        (once) penalties over output tokens."""
         vocab = row.shape[-1]
         if params.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(t for t in self.prompt_ids | self.counts.keys() if t < vocab), dtype=torch.long)
+            seen = torch.tensor(
+                sorted(t for t in self.prompt_ids | self.counts.keys() if t < vocab),
+                dtype=torch.long,
+            )
             values = row[seen]
-            row[seen] = torch.where(values > 0, values / params.repetition_penalty,
-                                    values * params.repetition_penalty)
+            row[seen] = torch.where(
+                values > 0, values / params.repetition_penalty, values * params.repetition_penalty
+            )
         if (params.frequency_penalty or params.presence_penalty) and self.counts:
             pairs = [(t, c) for t, c in self.counts.items() if t < vocab]
             ids = torch.tensor([t for t, _ in pairs], dtype=torch.long)
@@ -60,13 +70,14 @@ class RequestState:
 
 
 class RequestStates:
-    """A worker's sampling parameters and states by request id. `grammars` compiles response formats (built on
-    first use)."""
+    """A worker's sampling parameters and states by request id. `grammars` compiles response formats
+    (built on first use)."""
 
     def __init__(self, grammar_factory: Any = None) -> None:
         self.params: dict[str, SamplingParams] = {}  # from each request's first chunk here
         self.states: dict[str, RequestState] = {}
-        self._grammar_factory = grammar_factory  # () -> GrammarCompiler, or None: no structured output here
+        # () -> GrammarCompiler, or None: no structured output here
+        self._grammar_factory = grammar_factory
         self._compiler: Any = None
 
     def remember(self, chunks: list[Chunk]) -> None:
@@ -90,7 +101,9 @@ class RequestStates:
         if params.structured is not None:
             if self._compiler is None:
                 if self._grammar_factory is None:
-                    raise ValueError("this worker has no tokenizer, so it cannot follow a response_format")
+                    raise ValueError(
+                        "this worker has no tokenizer, so it cannot follow a response_format"
+                    )
                 self._compiler = self._grammar_factory()
             matcher = self._compiler.matcher(params.structured)
         self.states[req_id] = RequestState(params, history[0], history[1], matcher)

@@ -25,34 +25,67 @@ log = logging.getLogger(__name__)
 class ModelRunner:
     """Owns a model and a slot KV cache sized `num_slots × capacity`, and runs plans on them."""
 
-    def __init__(self, model: DecoderLM, num_slots: int, capacity: int, tokenizer: Any = None,
-                 prefix_blocks: int = 0) -> None:
+    def __init__(
+        self,
+        model: DecoderLM,
+        num_slots: int,
+        capacity: int,
+        tokenizer: Any = None,
+        prefix_blocks: int = 0,
+    ) -> None:
         self.model = model.eval()
         weight = model.model.embed_tokens.weight
-        self.device, self.dtype = weight.device, weight.dtype
+        self.device = weight.device
+        self.dtype = weight.dtype
         spec = model.spec
-        per_token = SlotKVCache.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype)
-        # build the CPU kernels (once per machine) now, not inside a step; their matmul packs a copy of every
-        # matrix on first use (counted here as every 2-D parameter: the embedding too, when it is not the head)
+        per_token = SlotKVCache.bytes_per_token(
+            spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype
+        )
+        # build the CPU kernels (once per machine) now, not inside a step; their matmul packs a copy
+        # of every matrix on first use (counted here as every 2-D parameter: the embedding too, when
+        # it is not the head)
         kernels = load_kernels() if self.device.type == "cpu" else None
-        packed = 0 if kernels is None else sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 2)
+        packed = (
+            0
+            if kernels is None
+            else sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 2)
+        )
         check_fits(num_slots, capacity, prefix_blocks, BLOCK_SIZE, per_token, self.device, packed)
-        self.cache = SlotKVCache(spec.num_layers, num_slots, spec.num_kv_heads, capacity, spec.head_dim,
-                                 dtype=self.dtype, device=self.device, num_blocks=prefix_blocks, block_size=BLOCK_SIZE)
+        self.cache = SlotKVCache(
+            spec.num_layers,
+            num_slots,
+            spec.num_kv_heads,
+            capacity,
+            spec.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+            num_blocks=prefix_blocks,
+            block_size=BLOCK_SIZE,
+        )
         self.last_forward_s = 0.0  # seconds inside the model in the last execute(), for profiling
-        self.last_sampled: dict[str, int] = {}  # what the last execute() sampled: fed in for PENDING tokens
-        grammars = None if tokenizer is None else lambda: _grammar_compiler(tokenizer, spec.vocab_size)
+        # what the last execute() sampled: fed in for PENDING tokens
+        self.last_sampled: dict[str, int] = {}
+        grammars = (
+            None if tokenizer is None else lambda: _grammar_compiler(tokenizer, spec.vocab_size)
+        )
         self.states = RequestStates(grammars)  # per request: what penalties count, its grammar
-        log.info("KV cache: %d slots x %d tokens, prefix cache %d tokens, %d bytes per token, %.1f MiB in all",
-                 num_slots, capacity, prefix_blocks * BLOCK_SIZE, per_token, self.cache.total_bytes / 2**20)
+        log.info(
+            "KV cache: %d slots x %d tokens, prefix cache %d tokens, %d bytes per token, %.1f MiB "
+            "in all",
+            num_slots,
+            capacity,
+            prefix_blocks * BLOCK_SIZE,
+            per_token,
+            self.cache.total_bytes / 2**20,
+        )
 
     def execute(self, plan: StepPlan) -> Samples:
-        """Run every chunk of the plan in one forward; return the sampled token of each sampling chunk and
-        the log-probs chunks asked for.
+        """Run every chunk of the plan in one forward; return the sampled token of each sampling
+        chunk and the log-probs chunks asked for.
 
-        A PENDING token is the one this runner sampled for that request in its previous execute() (the
-        scheduler planned this step before it knew it). A chunk whose PENDING token this runner never
-        sampled (its request's cache was lost here) is dropped: no result comes back for it.
+        A PENDING token is the one this runner sampled for that request in its previous execute()
+        (the scheduler planned this step before it knew it). A chunk whose PENDING token this runner
+        never sampled (its request's cache was lost here) is dropped: no result comes back for it.
         """
         self.states.drop(plan.released)
         self.states.remember(plan.chunks)
@@ -64,20 +97,30 @@ class ModelRunner:
         fed = decode + [(c, ids) for c in plan.prefill if (ids := self._fed(c)) is not None]
         if not fed:  # (a step that only imports KV, or whose chunks' caches were lost here)
             self._save_blocks(plan)
-            self.last_sampled, self.last_forward_s = {}, 0.0
+            self.last_sampled = {}
+            self.last_forward_s = 0.0
             return Samples()
         chunks = [c for c, _ in fed]
-        input_ids, layout = BatchLayout.pack([(c.slot, ids, c.start_pos) for c, ids in fed], len(decode),
-                                             self.device)
-        starts = list(itertools.accumulate((c.num_tokens for c in chunks), initial=0))  # flat index of each chunk
+        input_ids, layout = BatchLayout.pack(
+            [(c.slot, ids, c.start_pos) for c, ids in fed], len(decode), self.device
+        )
+        # flat index of each chunk
+        starts = list(itertools.accumulate((c.num_tokens for c in chunks), initial=0))
         sampling = [c for c in chunks if c.sample]
         echo = [(c, start) for c, start in zip(chunks, starts, strict=False) if c.prompt_targets]
-        logits_indices = [start + c.num_tokens - 1 for c, start in zip(chunks, starts, strict=False) if c.sample]
+        logits_indices = [
+            start + c.num_tokens - 1 for c, start in zip(chunks, starts, strict=False) if c.sample
+        ]
         for c, start in echo:  # target i is predicted by the chunk's token i
             logits_indices += range(start, start + len(c.prompt_targets))
         forward_start = time.perf_counter()
-        logits = self.model(input_ids, layout, self.cache,
-                            torch.tensor(logits_indices, dtype=torch.long, device=self.device))  # [M, vocab]
+        logits = self.model(
+            input_ids,
+            layout,
+            self.cache,
+            # [M, vocab]
+            torch.tensor(logits_indices, dtype=torch.long, device=self.device),
+        )
         self.last_forward_s = time.perf_counter() - forward_start
         self._save_blocks(plan)
         samples = Samples()
@@ -88,7 +131,9 @@ class ModelRunner:
             rows = logits[row : row + len(c.prompt_targets)]
             row += len(c.prompt_targets)
             num_top = self.states.params_of(c).prompt_logprobs or 0
-            samples.prompt_logprobs[c.req_id] = token_logprobs(rows, list(c.prompt_targets), [num_top] * len(rows))
+            samples.prompt_logprobs[c.req_id] = token_logprobs(
+                rows, list(c.prompt_targets), [num_top] * len(rows)
+            )
         self.last_sampled = samples.tokens
         return samples
 
@@ -96,7 +141,9 @@ class ModelRunner:
         for slot, start, block in plan.saves:
             self.cache.save_block(slot, start, block)
 
-    def _sample(self, logits: torch.Tensor, chunks: list[Chunk], samples: Samples) -> dict[str, int]:
+    def _sample(
+        self, logits: torch.Tensor, chunks: list[Chunk], samples: Samples
+    ) -> dict[str, int]:
         params = [self.states.params_of(c) for c in chunks]
         states = []
         for c, p in zip(chunks, params, strict=True):
@@ -104,7 +151,9 @@ class ModelRunner:
                 self.states.rebuild(c.req_id, p, c.history)
             state = self.states.get(c.req_id) if p.needs_history else None
             if p.needs_history and (state is None or state.num_outputs != c.output_index):
-                raise RuntimeError(f"{c.req_id}: no sampling state for output {c.output_index} on this worker")
+                raise RuntimeError(
+                    f"{c.req_id}: no sampling state for output {c.output_index} on this worker"
+                )
             states.append(state)
         tokens = sample(logits, params, [c.output_index for c in chunks], states)
         for state, token in zip(states, tokens, strict=True):
@@ -112,7 +161,9 @@ class ModelRunner:
                 state.consume(token)
         asked = [i for i, p in enumerate(params) if p.logprobs is not None]
         if asked:
-            lps = token_logprobs(logits[asked], [tokens[i] for i in asked], [params[i].logprobs or 0 for i in asked])
+            lps = token_logprobs(
+                logits[asked], [tokens[i] for i in asked], [params[i].logprobs or 0 for i in asked]
+            )
             samples.logprobs = {chunks[i].req_id: lp for i, lp in zip(asked, lps, strict=True)}
         return {c.req_id: t for c, t in zip(chunks, tokens, strict=True)}
 
@@ -127,6 +178,7 @@ class ModelRunner:
 
 
 def _grammar_compiler(tokenizer: Any, vocab_size: int) -> Any:
-    from workers.grammar import GrammarCompiler  # its library loads only when a request needs a grammar
+    # its library loads only when a request needs a grammar
+    from workers.grammar import GrammarCompiler
 
     return GrammarCompiler(tokenizer, vocab_size)

@@ -1,4 +1,5 @@
-"""Token sampling: logit processing (bias, min_tokens, penalties, grammar), then greedy or a seeded draw."""
+"""Token sampling: logit processing (bias, min_tokens, penalties, grammar), then greedy or a seeded
+draw."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ def draw_seed(seed: int, output_index: int) -> int:
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then min-p, top-k and top-p on one row of logits. Returns new logits `[vocab]`."""
+    """Temperature, then min-p, top-k and top-p on one row of logits. Returns new logits
+    `[vocab]`."""
     logits = logits.float() / params.temperature
     if params.min_p > 0:
         probs = logits.softmax(-1)
@@ -35,37 +37,51 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def process_logits(logits: torch.Tensor, params: SamplingParams, output_index: int,
-                   state: RequestState | None) -> torch.Tensor:
-    """A new float row: logit_bias added; repetition, frequency and presence penalties (vLLM's definitions);
-    every token the request's grammar forbids masked; then the stop ids masked while under min_tokens,
-    unless nothing else is left (a complete JSON reply allows only EOS: the grammar wins)."""
+def process_logits(
+    logits: torch.Tensor, params: SamplingParams, output_index: int, state: RequestState | None
+) -> torch.Tensor:
+    """A new float row: logit_bias added; repetition, frequency and presence penalties (vLLM's
+    definitions); every token the request's grammar forbids masked; then the stop ids masked while
+    under min_tokens, unless nothing else is left (a complete JSON reply allows only EOS: the
+    grammar wins)."""
     row = logits.float().clone()
     if params.logit_bias:
         ids, biases = zip(*params.logit_bias, strict=True)
         in_vocab = [i for i, t in enumerate(ids) if t < row.shape[-1]]
-        row[torch.tensor([ids[i] for i in in_vocab], dtype=torch.long)] += torch.tensor([biases[i] for i in in_vocab])
+        row[torch.tensor([ids[i] for i in in_vocab], dtype=torch.long)] += torch.tensor(
+            [biases[i] for i in in_vocab]
+        )
     if state is not None:
         state.penalize(row, params)
         if state.matcher is not None:
             state.matcher.mask_logits(row)
     if output_index < params.min_tokens and params.suppress_ids:
-        suppressed = torch.tensor(sorted(t for t in params.suppress_ids if t < row.shape[-1]), dtype=torch.long)
+        suppressed = torch.tensor(
+            sorted(t for t in params.suppress_ids if t < row.shape[-1]), dtype=torch.long
+        )
         masked = row.index_fill(0, suppressed, float("-inf"))
         if bool(torch.isfinite(masked).any()):
             row = masked
     return row
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int],
-           states: list[RequestState | None] | None = None) -> list[int]:
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    output_indices: list[int],
+    states: list[RequestState | None] | None = None,
+) -> list[int]:
     """One token per row of `logits [M, vocab]`: rows with nothing to process or draw in one argmax,
     the others each processed (`process_logits`) and then argmax (greedy) or one seeded draw."""
     tokens = logits.argmax(dim=-1).tolist()
     for i, (p, index) in enumerate(zip(params, output_indices, strict=True)):
         if p.greedy and not p.processes_logits:
             continue
-        row = process_logits(logits[i], p, index, states[i] if states else None) if p.processes_logits else logits[i]
+        row = (
+            process_logits(logits[i], p, index, states[i] if states else None)
+            if p.processes_logits
+            else logits[i]
+        )
         if p.greedy:
             tokens[i] = int(row.argmax())
             continue
@@ -75,15 +91,25 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_indices: l
     return tokens
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprob]:
+def token_logprobs(
+    logits: torch.Tensor, token_ids: list[int], num_top: list[int]
+) -> list[TokenLogprob]:
     """The model's own log-probabilities (before any processing) of `token_ids`, one per row of
     `logits [M, vocab]`, each with the `num_top[i]` most likely tokens of its row."""
     if not token_ids:
         return []
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(1, torch.tensor(token_ids, dtype=torch.long, device=logits.device)[:, None])[:, 0]
+    chosen = logprobs.gather(
+        1, torch.tensor(token_ids, dtype=torch.long, device=logits.device)[:, None]
+    )[:, 0]
     k = max(num_top)
-    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
-    chosen_list, values, ids = chosen.tolist(), top_values.tolist(), top_ids.tolist()
-    return [TokenLogprob(token, chosen_list[i], tuple(zip(ids[i][:n], values[i][:n], strict=True)))
-            for i, (token, n) in enumerate(zip(token_ids, num_top, strict=True))]
+    top_values, top_ids = (
+        logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    )
+    chosen_list = chosen.tolist()
+    values = top_values.tolist()
+    ids = top_ids.tolist()
+    return [
+        TokenLogprob(token, chosen_list[i], tuple(zip(ids[i][:n], values[i][:n], strict=True)))
+        for i, (token, n) in enumerate(zip(token_ids, num_top, strict=True))
+    ]

@@ -1,1 +1,2 @@
-"""Measuring: workloads, baselines, sweeps, statistics, figures, the HTTP client, load, GPU bench."""
+"""Measuring: workloads, baselines, sweeps, statistics, figures, the HTTP client, load, GPU
+bench."""

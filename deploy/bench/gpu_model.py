@@ -1,4 +1,5 @@
-"""The GPU bench's model: a Qwen3-0.6B-shaped (or tiny) checkpoint with random weights, built offline."""
+"""The GPU bench's model: a Qwen3-0.6B-shaped (or tiny) checkpoint with random weights, built
+offline."""
 
 from __future__ import annotations
 
@@ -16,24 +17,46 @@ def qwen3_config(preset: str) -> Any:
 
     if preset == "qwen3-0.6b":
         return Qwen3Config(
-            vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-            num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, max_position_embeddings=40960,
-            rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False,
-            bos_token_id=151643, eos_token_id=151645, pad_token_id=0,
+            vocab_size=151936,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+            max_position_embeddings=40960,
+            rms_norm_eps=1e-6,
+            hidden_act="silu",
+            attention_bias=False,
+            bos_token_id=151643,
+            eos_token_id=151645,
+            pad_token_id=0,
         )
     if preset == "tiny":
         return Qwen3Config(
-            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
-            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, max_position_embeddings=1024,
-            rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=511, pad_token_id=0,
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+            max_position_embeddings=1024,
+            rms_norm_eps=1e-6,
+            bos_token_id=1,
+            eos_token_id=511,
+            pad_token_id=0,
         )
     raise ValueError(f"unknown preset {preset!r}; use one of {', '.join(PRESETS)}")
 
 
 def word_level_tokenizer(vocab_size: int, eos_token_id: int) -> Any:
-    """A tokenizer built offline: token i is the word `t{i}`, so every id decodes and load_model finds one."""
+    """A tokenizer built offline: token i is the word `t{i}`, so every id decodes and load_model
+    finds one."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -41,11 +64,14 @@ def word_level_tokenizer(vocab_size: int, eos_token_id: int) -> Any:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token=f"t{eos_token_id}")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="t0", eos_token=f"t{eos_token_id}"
+    )
 
 
 def build_checkpoint(preset: str, dtype: torch.dtype, device: str, seed: int, root: Path) -> Path:
-    """Save a random-weight model of the preset (and a tokenizer) under `root`; reuse one saved before."""
+    """Save a random-weight model of the preset (and a tokenizer) under `root`; reuse one saved
+    before."""
     from transformers import AutoModelForCausalLM
 
     path = root / f"{preset}-{str(dtype).removeprefix('torch.')}-seed{seed}"

@@ -1,15 +1,16 @@
-"""Sends a bench workload to a running OpenAI-compatible endpoint (`pdserve bench --url`), streaming.
+"""Sends a bench workload to a running OpenAI-compatible endpoint (`pdserve bench --url`),
+streaming.
 
-Each request is a `/v1/completions` call with the prompt as token ids, greedy, `ignore_eos` (so every
-request makes exactly its output length on servers that honour it, as pdserve and vLLM do) and
+Each request is a `/v1/completions` call with the prompt as token ids, greedy, `ignore_eos` (so
+every request makes exactly its output length on servers that honour it, as pdserve and vLLM do) and
 `stream_options.include_usage`. Times are taken as the client sees them, the way vLLM's serving
 benchmark takes them: TTFT at the first chunk that carries text, inter-token gaps between chunks,
-TPOT as (end - first chunk) / (completion tokens - 1) with the token count from `usage`. Requests the
-endpoint refuses (e.g. 429 when its queue is full) or breaks are counted as failed, not timed.
+TPOT as (end - first chunk) / (completion tokens - 1) with the token count from `usage`. Requests
+the endpoint refuses (e.g. 429 when its queue is full) or breaks are counted as failed, not timed.
 
-Streams are read with aiohttp, as vLLM's serving benchmark reads them: its C parser costs the client about
-a third of httpx's CPU per streamed token, which matters when client and server share a machine's cores.
-The one-off calls (`wait_ready`, `served_model`) use httpx.
+Streams are read with aiohttp, as vLLM's serving benchmark reads them: its C parser costs the client
+about a third of httpx's CPU per streamed token, which matters when client and server share a
+machine's cores. The one-off calls (`wait_ready`, `served_model`) use httpx.
 """
 
 from __future__ import annotations
@@ -34,21 +35,28 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
 
 
 class EndpointError(RuntimeError):
-    """The endpoint cannot be benched at all (unreachable, serves no model, every request failed)."""
+    """The endpoint cannot be benched at all (unreachable, serves no model, every request
+    failed)."""
 
 
-def session(connections: int, timeout_s: float, api_key: str | None = None) -> aiohttp.ClientSession:
-    """A client session for `stream_request`: up to `connections` open at once; `timeout_s` bounds connecting
-    and each wait for the next bytes, not a whole stream."""
+def session(
+    connections: int, timeout_s: float, api_key: str | None = None
+) -> aiohttp.ClientSession:
+    """A client session for `stream_request`: up to `connections` open at once; `timeout_s` bounds
+    connecting and each wait for the next bytes, not a whole stream."""
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=connections), headers=auth_headers(api_key),
+        connector=aiohttp.TCPConnector(limit=connections),
+        headers=auth_headers(api_key),
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s),
-        read_bufsize=1 << 20)  # an SSE line (one chunk, log-probs and all) must fit the buffer
+        read_bufsize=1 << 20,
+    )  # an SSE line (one chunk, log-probs and all) must fit the buffer
 
 
-async def stream_request(http: aiohttp.ClientSession, url: str, body: dict[str, Any], rid: str,
-                         prompt_tokens: int = 0) -> Completion:
-    """POST one streaming completion or chat request (`url` is the endpoint's full address) and time it.
+async def stream_request(
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any], rid: str, prompt_tokens: int = 0
+) -> Completion:
+    """POST one streaming completion or chat request (`url` is the endpoint's full address) and time
+    it.
 
     A refusal, an error event, a broken stream (no finish_reason, no usage, no `data: [DONE]`) or a
     transport error makes a failed completion (`error` set) that callers count, rather than raising.
@@ -56,7 +64,8 @@ async def stream_request(http: aiohttp.ClientSession, url: str, body: dict[str, 
     done = Completion(rid, prompt_tokens)
     start = time.perf_counter()
     first: float | None = None
-    completion_tokens, finished = None, False
+    completion_tokens = None
+    finished = False
     try:
         async with http.post(url, json=body) as r:
             if r.status != 200:
@@ -83,7 +92,8 @@ async def stream_request(http: aiohttp.ClientSession, url: str, body: dict[str, 
                         done.text += text
                         done.token_times_s.append(now)
                     done.finish_reason = choice.get("finish_reason") or done.finish_reason
-    except (TimeoutError, aiohttp.ClientError, ValueError) as e:  # ValueError: bad JSON, a line too long
+    # ValueError: bad JSON, a line too long
+    except (TimeoutError, aiohttp.ClientError, ValueError) as e:
         done.error = f"{type(e).__name__}: {e}"
         return done
     end = time.perf_counter()
@@ -97,20 +107,33 @@ async def stream_request(http: aiohttp.ClientSession, url: str, body: dict[str, 
         return done
     assert completion_tokens is not None
     first = first if first is not None else end
-    done.token_ids = [0] * completion_tokens  # the endpoint reports how many, not which (text is kept)
-    done.metrics = {"ttft_s": first - start, "e2e_s": end - start,
-                    "tpot_s": (end - first) / (completion_tokens - 1) if completion_tokens > 1 else 0.0}
+    # the endpoint reports how many, not which (text is kept)
+    done.token_ids = [0] * completion_tokens
+    done.metrics = {
+        "ttft_s": first - start,
+        "e2e_s": end - start,
+        "tpot_s": (end - first) / (completion_tokens - 1) if completion_tokens > 1 else 0.0,
+    }
     return done
 
 
-def run_http(url: str, model: str, prompts: list[list[int]], output_lens: list[int], arrival_s: list[float],
-             priorities: list[int], api_key: str | None = None,
-             on_finish: Callable[[Completion], None] | None = None, sequential: bool = False,
-             after: list[int | None] | None = None) -> tuple[dict[str, Completion], float]:
-    """Send every request at its arrival offset, or when the request it follows (`after`, by index) ends,
-    concurrently (`sequential`: one at a time, each when the one before has finished, the low-load case);
-    return the completions of those sent by id ("0", "1", ...), and the seconds from the first request
-    sent to the last one ended (the client's own set-up, such as its TLS context, is not timed)."""
+def run_http(
+    url: str,
+    model: str,
+    prompts: list[list[int]],
+    output_lens: list[int],
+    arrival_s: list[float],
+    priorities: list[int],
+    api_key: str | None = None,
+    on_finish: Callable[[Completion], None] | None = None,
+    sequential: bool = False,
+    after: list[int | None] | None = None,
+) -> tuple[dict[str, Completion], float]:
+    """Send every request at its arrival offset, or when the request it follows (`after`, by index)
+    ends, concurrently (`sequential`: one at a time, each when the one before has finished, the
+    low-load case); return the completions of those sent by id ("0", "1", ...), and the seconds from
+    the first request sent to the last one ended (the client's own set-up, such as its TLS context,
+    is not timed)."""
     url = url.rstrip("/")
 
     async def everything() -> tuple[list[Completion], float]:
@@ -118,10 +141,19 @@ def run_http(url: str, model: str, prompts: list[list[int]], output_lens: list[i
             start = time.perf_counter()
 
             async def send(i: int) -> Completion:
-                body = {"model": model, "prompt": prompts[i], "max_tokens": output_lens[i], "temperature": 0.0,
-                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-                        "priority": priorities[i]}
-                done = await stream_request(http, f"{url}/completions", body, str(i), len(prompts[i]))
+                body = {
+                    "model": model,
+                    "prompt": prompts[i],
+                    "max_tokens": output_lens[i],
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                    "priority": priorities[i],
+                }
+                done = await stream_request(
+                    http, f"{url}/completions", body, str(i), len(prompts[i])
+                )
                 if on_finish is not None:
                     on_finish(done)
                 return done
@@ -129,8 +161,12 @@ def run_http(url: str, model: str, prompts: list[list[int]], output_lens: list[i
             if sequential:
                 done = [await send(i) for i in range(len(prompts))]
             else:
-                schedule = ArrivalSchedule.by_key(range(len(prompts)), dict(enumerate(arrival_s)),
-                                                  dict(enumerate(after or [])), key=lambda i: i)
+                schedule = ArrivalSchedule.by_key(
+                    range(len(prompts)),
+                    dict(enumerate(arrival_s)),
+                    dict(enumerate(after or [])),
+                    key=lambda i: i,
+                )
                 done = await run_at_arrivals(schedule, send)
             return done, time.perf_counter() - start
 
@@ -139,9 +175,9 @@ def run_http(url: str, model: str, prompts: list[list[int]], output_lens: list[i
 
 
 def wait_ready(url: str, timeout_s: float = 120.0) -> None:
-    """Wait until the endpoint's `/health` (next to `/v1`) answers 200: a service that is still starting
-    refuses connections or answers 503. An endpoint without `/health` (404) counts as ready. Tries at
-    least once; says on stderr what it waits for."""
+    """Wait until the endpoint's `/health` (next to `/v1`) answers 200: a service that is still
+    starting refuses connections or answers 503. An endpoint without `/health` (404) counts as
+    ready. Tries at least once; says on stderr what it waits for."""
     health = f"{url.rstrip('/').removesuffix('/v1')}/health"
     start = next_note = time.monotonic()
     while True:
@@ -162,7 +198,8 @@ def wait_ready(url: str, timeout_s: float = 120.0) -> None:
 
 
 def served_model(url: str, api_key: str | None = None) -> dict[str, Any]:
-    """The first model the endpoint lists (`/v1/models`): its id and, on pdserve, its max_model_len."""
+    """The first model the endpoint lists (`/v1/models`): its id and, on pdserve, its
+    max_model_len."""
     try:
         r = httpx.get(f"{url.rstrip('/')}/models", headers=auth_headers(api_key), timeout=30.0)
         r.raise_for_status()

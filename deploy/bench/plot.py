@@ -1,10 +1,11 @@
-"""Draws `pdserve bench` summaries as one PNG: the slots sweep, the token-budget sweep, the rate sweep.
+"""Draws `pdserve bench` summaries as one PNG: the slots sweep, the token-budget sweep, the rate
+sweep.
 
-Panels: output tokens/s and mean TPOT against slots (with the serial and static `generate`
-baselines when measured); p50 and p99 TTFT and p99 inter-token latency against the token budget (runs
-under Poisson load: what a bigger budget buys and what it costs); and,
-when several rates were run, p50/p99 TTFT and goodput against the arrival rate. A panel whose sweep
-was not run shows the points there are and says so.
+Panels: output tokens/s and mean TPOT against slots (with the serial and static `generate` baselines
+when measured); p50 and p99 TTFT and p99 inter-token latency against the token budget (runs under
+Poisson load: what a bigger budget buys and what it costs); and, when several rates were run,
+p50/p99 TTFT and goodput against the arrival rate. A panel whose sweep was not run shows the points
+there are and says so.
 """
 
 from __future__ import annotations
@@ -17,20 +18,32 @@ _FIXED = ("mode", "slots", "token_budget", "rate", "priorities")
 
 def _label(settings: dict[str, Any]) -> str:
     parts = [str(settings["mode"])] if settings.get("mode") else []
-    parts += [f"{k}={v:g}" for k, v in settings.items() if k not in ("mode", "priorities") and v is not None]
+    parts += [
+        f"{k}={v:g}"
+        for k, v in settings.items()
+        if k not in ("mode", "priorities") and v is not None
+    ]
     return ", ".join(parts + (["no priorities"] if settings.get("priorities") is False else []))
 
 
-def _series(lines: list[dict[str, Any]], x: str, where: Any = None) -> dict[str, list[dict[str, Any]]]:
-    """Lines grouped by every setting except `x`, each group sorted by `x`; keyed by a legend label."""
+def _series(
+    lines: list[dict[str, Any]], x: str, where: Any = None
+) -> dict[str, list[dict[str, Any]]]:
+    """Lines grouped by every setting except `x`, each group sorted by `x`; keyed by a legend
+    label."""
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for line in lines:
-        if where is None or where(line):  # lines of different workloads (runs, files) never share a series
+        # lines of different workloads (runs, files) never share a series
+        if where is None or where(line):
             workload = (line.get("requests"), line.get("output_tokens"), line.get("seed"))
             groups[(_label({k: line.get(k) for k in _FIXED if k != x}), workload)].append(line)
     labels = [label for label, _ in groups]
-    return {(label if labels.count(label) == 1 else f"{label}, {workload[0]} req / {workload[1]} tok"):
-            sorted(members, key=lambda line: line[x]) for (label, workload), members in groups.items()}
+    return {
+        (
+            label if labels.count(label) == 1 else f"{label}, {workload[0]} req / {workload[1]} tok"
+        ): sorted(members, key=lambda line: line[x])
+        for (label, workload), members in groups.items()
+    }
 
 
 def _log2_ticks(ax: Any, values: list[int]) -> None:
@@ -41,28 +54,48 @@ def _log2_ticks(ax: Any, values: list[int]) -> None:
         ax.minorticks_off()
 
 
-def _ttft_with(ax: Any, series: dict[str, list[dict[str, Any]]], x: str, other: str, other_label: str,
-               other_style: str) -> None:
-    """TTFT p50 (solid) and p99 (dashed) of each series against `x`, and one more figure on a right axis."""
+def _ttft_with(
+    ax: Any,
+    series: dict[str, list[dict[str, Any]]],
+    x: str,
+    other: str,
+    other_label: str,
+    other_style: str,
+) -> None:
+    """TTFT p50 (solid) and p99 (dashed) of each series against `x`, and one more figure on a right
+    axis."""
     right = ax.twinx()
     for label, group in series.items():
         xs = [line[x] for line in group]
-        (handle,) = ax.plot(xs, [line["ttft_ms_p50"] for line in group], "o-", label=f"TTFT p50: {label}")
-        ax.plot(xs, [line["ttft_ms_p99"] for line in group], "^--", color=handle.get_color(),
-                label=f"TTFT p99: {label}")
-        right.plot(xs, [line[other] for line in group], other_style, color=handle.get_color(), alpha=0.7)
+        (handle,) = ax.plot(
+            xs, [line["ttft_ms_p50"] for line in group], "o-", label=f"TTFT p50: {label}"
+        )
+        ax.plot(
+            xs,
+            [line["ttft_ms_p99"] for line in group],
+            "^--",
+            color=handle.get_color(),
+            label=f"TTFT p99: {label}",
+        )
+        right.plot(
+            xs, [line[other] for line in group], other_style, color=handle.get_color(), alpha=0.7
+        )
     right.set_ylabel(other_label)
 
 
 def plot_bench(summaries: list[dict[str, Any]], path: str) -> dict[str, dict[str, list[float]]]:
-    """Draw the figure to `path`; return what each panel plots: title -> line label -> its y values."""
+    """Draw the figure to `path`; return what each panel plots: title -> line label -> its y
+    values."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    # a rate panel only for settings run at several rates (files of other workloads may sit at rate 0)
-    by_rate = {label: group for label, group in _series(summaries, "rate").items() if len(group) > 1}
+    # a rate panel only for settings run at several rates (files of other workloads may sit at rate
+    # 0)
+    by_rate = {
+        label: group for label, group in _series(summaries, "rate").items() if len(group) > 1
+    }
     panels = 3 if by_rate else 2
     fig, axes = plt.subplots(1, panels, figsize=(6.2 * panels, 4.6), constrained_layout=True)
 
@@ -73,21 +106,37 @@ def plot_bench(summaries: list[dict[str, Any]], path: str) -> dict[str, dict[str
     by_slots = _series(saturated, "slots", lambda line: line.get("slots") is not None)
     for label, group in by_slots.items():
         xs = [line["slots"] for line in group]
-        (handle,) = ax.plot(xs, [line["output_tok_s"] for line in group], "o-", label=f"tok/s: {label}")
-        tpot_ax.plot(xs, [line["tpot_ms_mean"] for line in group], "s--", color=handle.get_color(), alpha=0.6,
-                     label=f"TPOT: {label}")
+        (handle,) = ax.plot(
+            xs, [line["output_tok_s"] for line in group], "o-", label=f"tok/s: {label}"
+        )
+        tpot_ax.plot(
+            xs,
+            [line["tpot_ms_mean"] for line in group],
+            "s--",
+            color=handle.get_color(),
+            alpha=0.6,
+            label=f"TPOT: {label}",
+        )
     first = summaries[0] if summaries else {}
-    static = f"static generate, batch {first['static_batch']}" if "static_batch" in first else "static generate"
-    for key, name, style in (("static_tok_s", static, ":"),
-                             ("serial_tok_s", "serial generate", "-.")):
+    static = (
+        f"static generate, batch {first['static_batch']}"
+        if "static_batch" in first
+        else "static generate"
+    )
+    for key, name, style in (
+        ("static_tok_s", static, ":"),
+        ("serial_tok_s", "serial generate", "-."),
+    ):
         if key in first:
             ax.axhline(first[key], color="grey", linestyle=style, label=name)
     _log2_ticks(ax, [line["slots"] for group in by_slots.values() for line in group])
     ax.set_xlabel("slots (requests decoding at once)")
     ax.set_ylabel("output tokens/s (solid)")
     tpot_ax.set_ylabel("mean TPOT, ms (dashed)")
-    ax.set_title("Throughput and TPOT vs slots" + ("" if any(len(g) > 1 for g in by_slots.values())
-                                                 else " (no slots sweep in this run)"))
+    ax.set_title(
+        "Throughput and TPOT vs slots"
+        + ("" if any(len(g) > 1 for g in by_slots.values()) else " (no slots sweep in this run)")
+    )
     if by_slots:
         ax.legend(fontsize=7, loc="lower right")
     ax.grid(alpha=0.3)
@@ -95,12 +144,17 @@ def plot_bench(summaries: list[dict[str, Any]], path: str) -> dict[str, dict[str
     ax = axes[1]
     poisson = [line for line in summaries if line.get("rate", 0.0) > 0]
     by_budget = _series(poisson, "token_budget", lambda line: line.get("token_budget") is not None)
-    _ttft_with(ax, by_budget, "token_budget", "itl_ms_p99", "inter-token latency p99, ms (dotted x)", "x:")
+    _ttft_with(
+        ax, by_budget, "token_budget", "itl_ms_p99", "inter-token latency p99, ms (dotted x)", "x:"
+    )
     _log2_ticks(ax, [line["token_budget"] for group in by_budget.values() for line in group])
     ax.set_xlabel("token budget (tokens per step)")
     ax.set_ylabel("TTFT, ms")
-    note = "" if any(len(g) > 1 for g in by_budget.values()) else (
-        " (no Poisson runs)" if not poisson else " (no budget sweep in this run)")
+    note = (
+        ""
+        if any(len(g) > 1 for g in by_budget.values())
+        else (" (no Poisson runs)" if not poisson else " (no budget sweep in this run)")
+    )
     ax.set_title("TTFT and ITL vs token budget, Poisson load" + note)
     if by_budget:
         ax.legend(fontsize=7)
@@ -118,25 +172,38 @@ def plot_bench(summaries: list[dict[str, Any]], path: str) -> dict[str, dict[str
     model = summaries[0].get("served_model") or summaries[0].get("model") if summaries else ""
     fig.suptitle(f"pdserve bench: {model}", fontsize=10)
     fig.savefig(path, dpi=110)
-    drawn = {panel.get_title(): {line.get_label(): [float(y) for y in line.get_ydata()]
-                                 for twin in fig.axes if twin.bbox.bounds == panel.bbox.bounds
-                                 for line in twin.get_lines()}
-             for panel in axes}
+    drawn = {
+        panel.get_title(): {
+            line.get_label(): [float(y) for y in line.get_ydata()]
+            for twin in fig.axes
+            if twin.bbox.bounds == panel.bbox.bounds
+            for line in twin.get_lines()
+        }
+        for panel in axes
+    }
     plt.close(fig)
     return drawn
 
 
 def plot_interference(series: dict[str, dict[str, list]], path: str) -> dict[str, int]:
-    """The interference scenario, one panel per run: each steady stream's inter-token latency over time (dots)
-    with the long prompts' arrivals marked (vertical lines), on one y scale. `series` maps a run's label
-    to {"itl": [(seconds, ms), ...], "arrivals": [seconds, ...]}. Returns the points drawn per panel."""
+    """The interference scenario, one panel per run: each steady stream's inter-token latency over
+    time (dots) with the long prompts' arrivals marked (vertical lines), on one y scale. `series`
+    maps a run's label to {"itl": [(seconds, ms), ...], "arrivals": [seconds, ...]}. Returns the
+    points drawn per panel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(series), 1, figsize=(11, 3.2 * len(series)), sharex=True, sharey=True,
-                             constrained_layout=True, squeeze=False)
+    fig, axes = plt.subplots(
+        len(series),
+        1,
+        figsize=(11, 3.2 * len(series)),
+        sharex=True,
+        sharey=True,
+        constrained_layout=True,
+        squeeze=False,
+    )
     drawn = {}
     for ax, (label, points) in zip(axes[:, 0], series.items(), strict=True):
         for t in points["arrivals"]:
@@ -144,7 +211,9 @@ def plot_interference(series: dict[str, dict[str, list]], path: str) -> dict[str
         ax.plot([t for t, _ in points["itl"]], [ms for _, ms in points["itl"]], ".", markersize=2)
         ax.set_yscale("log")
         ax.set_ylabel("steady streams' ITL, ms")
-        ax.set_title(f"{label}: inter-token latency of the steady streams (red: a long prompt arrives)")
+        ax.set_title(
+            f"{label}: inter-token latency of the steady streams (red: a long prompt arrives)"
+        )
         ax.grid(alpha=0.3)
         drawn[label] = len(points["itl"])
     axes[-1, 0].set_xlabel("seconds since the start")

@@ -1,5 +1,5 @@
-"""Bench workloads: random-token prompts (shared prefixes, chat replays) or a JSONL file, output lengths,
-Poisson arrivals, urgency."""
+"""Bench workloads: random-token prompts (shared prefixes, chat replays) or a JSONL file, output
+lengths, Poisson arrivals, urgency."""
 
 from __future__ import annotations
 
@@ -17,17 +17,21 @@ class Workload:
     output_lens: list[int]
     arrival_s: list[float]  # offsets from the start (all 0: everything at once)
     urgent: list[bool]  # urgent requests get priority 0, the others 1 (when priorities are on)
-    steady: tuple[bool, ...] = ()  # interference: the steady decoding streams (the others: long prompts)
+    # interference: the steady decoding streams (the others: long prompts)
+    steady: tuple[bool, ...] = ()
     long_start_s: float = 0.0  # interference: when the long prompts' Poisson arrivals begin
-    after: tuple[int | None, ...] = ()  # the request each one starts after (its end, not an arrival time)
+    # the request each one starts after (its end, not an arrival time)
+    after: tuple[int | None, ...] = ()
 
     def at_rate(self, rate: float, seed: int) -> Workload:
-        """Poisson arrivals at `rate` (all at once when 0); in an interference workload only the long
-        prompts arrive so, from `long_start_s`, and the steady streams all start at 0."""
+        """Poisson arrivals at `rate` (all at once when 0); in an interference workload only the
+        long prompts arrive so, from `long_start_s`, and the steady streams all start at 0."""
         if not self.steady:
             return replace(self, arrival_s=poisson_arrivals(len(self.prompts), rate, seed))
         later = iter(poisson_arrivals(self.steady.count(False), rate, seed))
-        return replace(self, arrival_s=[0.0 if s else self.long_start_s + next(later) for s in self.steady])
+        return replace(
+            self, arrival_s=[0.0 if s else self.long_start_s + next(later) for s in self.steady]
+        )
 
     @property
     def num_output_tokens(self) -> int:
@@ -59,48 +63,75 @@ def poisson_arrivals(num_requests: int, rate: float, seed: int) -> list[float]:
     if rate < 0:
         raise ValueError(f"rate must be >= 0, got {rate}")
     rng = random.Random(f"arrivals-{seed}")
-    arrivals, t = [], 0.0
+    arrivals = []
+    t = 0.0
     for _ in range(num_requests):
         arrivals.append(t)
         t += rng.expovariate(rate) if rate > 0 else 0.0
     return arrivals
 
 
-def make_workload(num_requests: int, prompt_len: str, output_len: str, vocab_size: int, seed: int,
-                  rate: float = 0.0, urgent_fraction: float = 0.0) -> Workload:
+def make_workload(
+    num_requests: int,
+    prompt_len: str,
+    output_len: str,
+    vocab_size: int,
+    seed: int,
+    rate: float = 0.0,
+    urgent_fraction: float = 0.0,
+) -> Workload:
     """Random-token prompts and output lengths drawn uniformly from the ranges, Poisson arrivals at
-    `rate` requests/s (0: all at once) and a random `urgent_fraction` of urgent requests, reproducibly.
-    The prompts and lengths depend only on the seed, not on the rate."""
+    `rate` requests/s (0: all at once) and a random `urgent_fraction` of urgent requests,
+    reproducibly. The prompts and lengths depend only on the seed, not on the rate."""
     rng = random.Random(seed)
-    (p_lo, p_hi), (o_lo, o_hi) = parse_range(prompt_len), parse_range(output_len)
-    low_id = min(100, vocab_size // 4)  # keep clear of the special tokens at the start of most vocabularies
-    prompts = [[rng.randrange(low_id, vocab_size) for _ in range(rng.randint(p_lo, p_hi))]
-               for _ in range(num_requests)]
+    (p_lo, p_hi) = parse_range(prompt_len)
+    (o_lo, o_hi) = parse_range(output_len)
+    # keep clear of the special tokens at the start of most vocabularies
+    low_id = min(100, vocab_size // 4)
+    prompts = [
+        [rng.randrange(low_id, vocab_size) for _ in range(rng.randint(p_lo, p_hi))]
+        for _ in range(num_requests)
+    ]
     output_lens = [rng.randint(o_lo, o_hi) for _ in range(num_requests)]
     urgent = [rng.random() < urgent_fraction for _ in range(num_requests)]
     return Workload(prompts, output_lens, poisson_arrivals(num_requests, rate, seed), urgent)
 
 
-def shared_prefix_workload(num_requests: int, groups: int, prefix_len: int, suffix_len: str, output_len: str,
-                           vocab_size: int, seed: int, urgent_fraction: float = 0.0) -> Workload:
-    """`groups` system prompts of `prefix_len` random tokens; each request is one of them (drawn at random)
-    followed by its own random suffix, lengths from the ranges, reproducibly."""
+def shared_prefix_workload(
+    num_requests: int,
+    groups: int,
+    prefix_len: int,
+    suffix_len: str,
+    output_len: str,
+    vocab_size: int,
+    seed: int,
+    urgent_fraction: float = 0.0,
+) -> Workload:
+    """`groups` system prompts of `prefix_len` random tokens; each request is one of them (drawn at
+    random) followed by its own random suffix, lengths from the ranges, reproducibly."""
     if groups < 1 or prefix_len < 0:
-        raise ValueError(f"--groups must be >= 1 and --prefix-len >= 0, got {groups} and {prefix_len}")
+        raise ValueError(
+            f"--groups must be >= 1 and --prefix-len >= 0, got {groups} and {prefix_len}"
+        )
     rng = random.Random(f"shared-{seed}")
     low_id = min(100, vocab_size // 4)
-    prefixes = [[rng.randrange(low_id, vocab_size) for _ in range(prefix_len)] for _ in range(groups)]
-    suffixes = make_workload(num_requests, suffix_len, output_len, vocab_size, seed, urgent_fraction=urgent_fraction)
+    prefixes = [
+        [rng.randrange(low_id, vocab_size) for _ in range(prefix_len)] for _ in range(groups)
+    ]
+    suffixes = make_workload(
+        num_requests, suffix_len, output_len, vocab_size, seed, urgent_fraction=urgent_fraction
+    )
     prompts = [prefixes[rng.randrange(groups)] + suffix for suffix in suffixes.prompts]
     return replace(suffixes, prompts=prompts)
 
 
-def chat_workload(conversations: int, turns: int, turn_len: str, output_len: str, vocab_size: int,
-                  seed: int) -> Workload:
-    """A multi-turn chat replay: turn k of a conversation is its turn k-1 prompt, a stand-in assistant reply
-    (random tokens of an output length) and a new user message of `turn_len` tokens, so every prompt
-    contains the turns before it. Requests are ordered turn by turn (all first turns, then all second
-    turns, ...), so a conversation's turns arrive in order."""
+def chat_workload(
+    conversations: int, turns: int, turn_len: str, output_len: str, vocab_size: int, seed: int
+) -> Workload:
+    """A multi-turn chat replay: turn k of a conversation is its turn k-1 prompt, a stand-in
+    assistant reply (random tokens of an output length) and a new user message of `turn_len` tokens,
+    so every prompt contains the turns before it. Requests are ordered turn by turn (all first
+    turns, then all second turns, ...), so a conversation's turns arrive in order."""
     if conversations < 1 or turns < 1:
         raise ValueError(f"--groups and --turns must be >= 1, got {conversations} and {turns}")
     rng = random.Random(f"chat-{seed}")
@@ -118,30 +149,52 @@ def chat_workload(conversations: int, turns: int, turn_len: str, output_len: str
     return replace(base, prompts=prompts)
 
 
-def interference_workload(steady: int, steady_prompt_len: str, steady_output_len: str, num_long: int,
-                          prompt_len: str, output_len: str, vocab_size: int, seed: int,
-                          long_start_s: float, generations: int = 1) -> Workload:
-    """`steady` decoding streams (short prompts, long outputs) that all start at once, and `num_long` long
-    prompts (short outputs) arriving from `long_start_s` on: what disaggregation is for.
+def interference_workload(
+    steady: int,
+    steady_prompt_len: str,
+    steady_output_len: str,
+    num_long: int,
+    prompt_len: str,
+    output_len: str,
+    vocab_size: int,
+    seed: int,
+    long_start_s: float,
+    generations: int = 1,
+) -> Workload:
+    """`steady` decoding streams (short prompts, long outputs) that all start at once, and
+    `num_long` long prompts (short outputs) arriving from `long_start_s` on: what disaggregation is
+    for.
 
-    With `generations` > 1 the streams are a steady population: each is followed, when it ends, by a new
-    one (request `i + steady` starts after request `i`), up to `generations` in all, for as long as long
-    prompts are still to come or running (`ArrivalSchedule` drops the rest). Outputs drawn from a range
-    then spread the streams' context lengths, so the decode step stays the same size instead of growing
-    with every stream's context at once."""
+    With `generations` > 1 the streams are a steady population: each is followed, when it ends, by a
+    new one (request `i + steady` starts after request `i`), up to `generations` in all, for as long
+    as long prompts are still to come or running (`ArrivalSchedule` drops the rest). Outputs drawn
+    from a range then spread the streams' context lengths, so the decode step stays the same size
+    instead of growing with every stream's context at once."""
     if generations < 1:
         raise ValueError(f"generations must be >= 1, got {generations}")
     count = steady * generations
     streams = make_workload(count, steady_prompt_len, steady_output_len, vocab_size, seed)
     prompts = make_workload(num_long, prompt_len, output_len, vocab_size, seed + 1)
     after = tuple([None] * steady + list(range(count - steady)) + [None] * num_long)
-    return Workload(streams.prompts + prompts.prompts, streams.output_lens + prompts.output_lens,
-                    [0.0] * (count + num_long), [False] * (count + num_long),
-                    tuple([True] * count + [False] * num_long), long_start_s, after)
+    return Workload(
+        streams.prompts + prompts.prompts,
+        streams.output_lens + prompts.output_lens,
+        [0.0] * (count + num_long),
+        [False] * (count + num_long),
+        tuple([True] * count + [False] * num_long),
+        long_start_s,
+        after,
+    )
 
 
-def load_workload(path: str, tokenizer: Any, num_requests: int, output_len: str, seed: int,
-                  urgent_fraction: float = 0.0) -> Workload:
+def load_workload(
+    path: str,
+    tokenizer: Any,
+    num_requests: int,
+    output_len: str,
+    seed: int,
+    urgent_fraction: float = 0.0,
+) -> Workload:
     """Prompts from a JSONL file, one object per line with `prompt` (text), `messages` (chat) or
     `prompt_token_ids`, and optionally `max_tokens` (else drawn from `output_len`). The first
     `num_requests` lines are used (all if 0)."""
@@ -149,7 +202,8 @@ def load_workload(path: str, tokenizer: Any, num_requests: int, output_len: str,
 
     rng = random.Random(seed)
     o_lo, o_hi = parse_range(output_len)
-    prompts, output_lens = [], []
+    prompts = []
+    output_lens = []
     with open(path) as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -158,7 +212,9 @@ def load_workload(path: str, tokenizer: Any, num_requests: int, output_len: str,
                 break
             try:
                 item = json.loads(line)
-                fields = {k: item[k] for k in ("prompt", "messages", "prompt_token_ids") if k in item}
+                fields = {
+                    k: item[k] for k in ("prompt", "messages", "prompt_token_ids") if k in item
+                }
                 prompts.append(encode_prompt(tokenizer, **fields))
                 output_lens.append(int(item.get("max_tokens") or rng.randint(o_lo, o_hi)))
             except (ValueError, TypeError, AttributeError) as e:
@@ -171,14 +227,19 @@ def load_workload(path: str, tokenizer: Any, num_requests: int, output_len: str,
 
 def engine_requests(work: Workload, priorities: bool) -> list[Request]:
     """The workload as greedy requests "0", "1", ... that make exactly their output lengths."""
-    return [Request(req_id=str(i), prompt_ids=p, max_tokens=n, sampling=SamplingParams(), priority=prio)
-            for i, (p, n, prio) in enumerate(zip(work.prompts, work.output_lens, work.priorities(priorities),
-                                                 strict=True))]
+    return [
+        Request(req_id=str(i), prompt_ids=p, max_tokens=n, sampling=SamplingParams(), priority=prio)
+        for i, (p, n, prio) in enumerate(
+            zip(work.prompts, work.output_lens, work.priorities(priorities), strict=True)
+        )
+    ]
 
 
 def warmup_request(work: Workload) -> Request:
-    """A request run before the clock starts, as long as the workload's longest prompt: first calls into
-    torch, fresh worker processes and the first large buffers (a long prompt's attention, its KV handoff
-    in the object store) are slower than every later one, and a server in steady state has paid for them."""
+    """A request run before the clock starts, as long as the workload's longest prompt: first calls
+    into torch, fresh worker processes and the first large buffers (a long prompt's attention, its
+    KV handoff in the object store) are slower than every later one, and a server in steady state
+    has paid for them."""
     longest = max(work.prompts, key=len)
-    return Request(req_id="warmup", prompt_ids=longest[::-1], max_tokens=2)  # reversed: shares no prefix
+    # reversed: shares no prefix
+    return Request(req_id="warmup", prompt_ids=longest[::-1], max_tokens=2)

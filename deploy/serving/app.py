@@ -3,7 +3,6 @@
 `build_app(args)` is the import path for `serve run` / `serve deploy deploy/serve_config.yaml`.
 """
 
-
 import asyncio
 import logging
 from typing import Any
@@ -54,20 +53,27 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     return error_response(APIError(exc.status_code, str(exc.detail), "invalid_request_error"))
 
 
-@serve.deployment(name="OpenAIIngress", max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
+@serve.deployment(
+    name="OpenAIIngress", max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0}
+)
 @serve.ingress(ingress_app)
 class OpenAIIngress:
-    """Validates, tokenizes and streams; each replica places requests on the cells (`ServeCells`)."""
+    """Validates, tokenizes and streams; each replica places requests on the cells
+    (`ServeCells`)."""
 
     def __init__(self, cells: DeploymentHandle, config: dict[str, Any]) -> None:
         from workers.loader import load_tokenizer
 
         self.config = ServiceConfig(**config)
         info = load_tokenizer(self.config.model)
-        model = ServedModel(self.config.model_name, use_chat_template(info.tokenizer, self.config.chat_template),
-                            info.eos_token_ids,
-                            self.config.context_len(info.max_context), self.config.tool_call_parser,
-                            self.config.reasoning_parser)
+        model = ServedModel(
+            self.config.model_name,
+            use_chat_template(info.tokenizer, self.config.chat_template),
+            info.eos_token_ids,
+            self.config.context_len(info.max_context),
+            self.config.tool_call_parser,
+            self.config.reasoning_parser,
+        )
         self.cells = cells
         app_name = serve.get_replica_context().app_name
         self.client = EngineClient(ServeCells(cells, app_name, self.config.failover_timeout_s))
@@ -81,13 +87,20 @@ class OpenAIIngress:
         limit = self.config.max_request_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise APIError(413, f"The request body is {declared} bytes, over the limit of {limit}.",
-                           code="request_too_large")
+            raise APIError(
+                413,
+                f"The request body is {declared} bytes, over the limit of {limit}.",
+                code="request_too_large",
+            )
         raw = bytearray()
         async for part in request.stream():
             raw += part
             if len(raw) > limit:
-                raise APIError(413, f"The request body is over the limit of {limit} bytes.", code="request_too_large")
+                raise APIError(
+                    413,
+                    f"The request body is over the limit of {limit} bytes.",
+                    code="request_too_large",
+                )
         await self._check_ready()
         try:
             return schema.model_validate_json(bytes(raw))
@@ -95,10 +108,16 @@ class OpenAIIngress:
             raise validation_error(e.errors()) from None
 
     def _check_auth(self, request: Request) -> None:
-        if self.config.api_key is not None and \
-                request.headers.get("authorization", "") != f"Bearer {self.config.api_key}":
-            raise APIError(401, "Missing or wrong API key: send `Authorization: Bearer <key>`.",
-                           "authentication_error", code="invalid_api_key")
+        if (
+            self.config.api_key is not None
+            and request.headers.get("authorization", "") != f"Bearer {self.config.api_key}"
+        ):
+            raise APIError(
+                401,
+                "Missing or wrong API key: send `Authorization: Bearer <key>`.",
+                "authentication_error",
+                code="invalid_api_key",
+            )
 
     async def _check_ready(self) -> None:
         if self._ready:
@@ -106,8 +125,13 @@ class OpenAIIngress:
         try:
             await asyncio.wait_for(self.cells.check_health.remote(), timeout=10.0)
         except Exception as e:
-            raise APIError(503, f"The service is starting or unhealthy ({type(e).__name__}); retry shortly.",
-                           "service_unavailable", code="not_ready", headers={"Retry-After": "5"}) from None
+            raise APIError(
+                503,
+                f"The service is starting or unhealthy ({type(e).__name__}); retry shortly.",
+                "service_unavailable",
+                code="not_ready",
+                headers={"Retry-After": "5"},
+            ) from None
         self._ready = True
 
     @ingress_app.post("/v1/completions")
@@ -147,12 +171,15 @@ class OpenAIIngress:
         try:
             await asyncio.wait_for(self.cells.check_health.remote(), timeout=2.0)
         except Exception as e:
-            return error_response(APIError(503, f"unhealthy: {type(e).__name__}", "service_unavailable"))
+            return error_response(
+                APIError(503, f"unhealthy: {type(e).__name__}", "service_unavailable")
+            )
         return JSONResponse({"status": "ok"})
 
     @ingress_app.get("/stats")
     async def stats(self) -> Response:
-        """Scheduling accounting of every cell: slots, queues and live handoffs per worker, and the cells."""
+        """Scheduling accounting of every cell: slots, queues and live handoffs per worker, and the
+        cells."""
         stats = combine_stats(await cell_stats(serve.get_replica_context().app_name))
         client = {"failovers": self.client.num_failovers, "open_streams": len(self.client.streams)}
         return JSONResponse(stats | {"ingress": client})
@@ -169,5 +196,6 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     return ingress.bind(cells, config.model_dump(exclude=_CELL_COUNT))
 
 
-# How many cells there are is the Cell deployment's business: changing it must not restart the ingress.
+# How many cells there are is the Cell deployment's business: changing it must not restart the
+# ingress.
 _CELL_COUNT = {"cells", "max_cells", "target_requests_per_cell", "cells_autoscaling"}

@@ -1,16 +1,16 @@
-"""The cells' autoscaling policy: as many cells as their open requests over `target_requests_per_cell`.
+"""The cells' autoscaling policy: as many cells as their open requests over
+`target_requests_per_cell`.
 
-Requests do not pass through Serve (the ingress submits them to the cells' schedulers), so Serve's own
-count of ongoing calls does not see them: each `Cell` replica reports its scheduler's open requests
-instead (`record_autoscaling_stats`, as `open_requests`). Serve applies the config's delays, factors and
-replica bounds around this policy. Serve's controller imports this module: it imports nothing else.
+Requests do not pass through Serve (the ingress submits them to the cells' schedulers), so Serve's
+own count of ongoing calls does not see them: each `Cell` replica reports its scheduler's open
+requests instead (`record_autoscaling_stats`, as `open_requests`). Serve applies the config's
+delays, factors and replica bounds around this policy. Serve's controller imports this module: it
+imports nothing else.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-POLICY = "deploy.serving.autoscaling:open_requests"
 
 
 def open_requests(ctx: Any) -> tuple[float, dict[str, Any]]:

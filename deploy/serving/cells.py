@@ -1,19 +1,22 @@
-"""Cells: each replica of the `Cell` deployment is one scheduler with its own prefill and decode workers.
+"""Cells: each replica of the `Cell` deployment is one scheduler with its own prefill and decode
+workers.
 
-The ingress places requests on cells itself (`ServeCells`): it chooses a running cell (`CellChooser`:
-prefix affinity, else the less loaded of two) and submits straight to that cell's scheduler actor, the
-requests of a burst for one cell in one call (`Submissions`), then polls it for their outputs (one
-message per step). No Serve call is made per request: Serve runs the cells (starts, health-checks,
-replaces and scales them) and says which ones run (`CellRouter`).
+The ingress places requests on cells itself (`ServeCells`): it chooses a running cell
+(`CellChooser`: prefix affinity, else the less loaded of two) and submits straight to that cell's
+scheduler actor, the requests of a burst for one cell in one call (`Submissions`), then polls it for
+their outputs (one message per step). No Serve call is made per request: Serve runs the cells
+(starts, health-checks, replaces and scales them) and says which ones run (`CellRouter`).
 
-Each replica reports its scheduler's open requests to Serve's autoscaler (`record_autoscaling_stats`);
-`target_requests_per_cell` is what autoscaling aims at (`deploy/serving/autoscaling.py`). A replica
-being scaled down drains: its scheduler refuses new requests (`CellClosed`: the ingress places them on
-another cell) and the replica stops when the last open one has ended.
+Each replica reports its scheduler's open requests to Serve's autoscaler
+(`record_autoscaling_stats`); `target_requests_per_cell` is what autoscaling aims at
+(`deploy/serving/autoscaling.py`). A replica being scaled down drains: its scheduler refuses new
+requests (`CellClosed`: the ingress places them on another cell) and the replica stops when the last
+open one has ended.
 
-The scheduler actor is owned by its replica: if the replica goes, so do the scheduler and the workers,
-and when the scheduler dies, the replica's health check fails and Serve replaces the cell. Either way
-the ingress's polls fail, and it continues the cell's streams on another cell (`EngineClient`).
+The scheduler actor is owned by its replica: if the replica goes, so do the scheduler and the
+workers, and when the scheduler dies, the replica's health check fails and Serve replaces the cell.
+Either way the ingress's polls fail, and it continues the cell's streams on another cell
+(`EngineClient`).
 """
 
 from __future__ import annotations
@@ -37,26 +40,40 @@ from scheduler.request import Request
 
 log = logging.getLogger(__name__)
 NAMESPACE = "pdserve-cells"  # the scheduler actors are named "<app>-cell-<replica id>" there
-AVOID_S = 60.0  # how long requests avoid a cell that was lost or refused them (Serve stops listing it sooner or later)
+# how long requests avoid a cell that was lost or refused them (Serve stops listing it sooner or
+# later)
+AVOID_S = 60.0
 
 
-@serve.deployment(name="Cell", max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0},
-                  logging_config={"enable_access_log": False},  # (the ingress logs each HTTP request)
-                  health_check_period_s=2, health_check_timeout_s=30,
-                  graceful_shutdown_timeout_s=3600, graceful_shutdown_wait_loop_s=1,
-                  request_router_config=RequestRouterConfig(request_router_class="deploy.serving.cell_router:CellRouter"))
+@serve.deployment(
+    name="Cell",
+    max_ongoing_requests=100_000,
+    ray_actor_options={"num_cpus": 0},
+    # (the ingress logs each HTTP request)
+    logging_config={"enable_access_log": False},
+    health_check_period_s=2,
+    health_check_timeout_s=30,
+    graceful_shutdown_timeout_s=3600,
+    graceful_shutdown_wait_loop_s=1,
+    request_router_config=RequestRouterConfig(
+        request_router_class="deploy.serving.cell_router:CellRouter"
+    ),
+)
 class Cell:
     """One scheduler (a named actor this replica owns) and the workers it creates."""
 
     async def __init__(self, config: dict[str, Any]) -> None:
         context = serve.get_replica_context()
         self.name = cell_name(context.app_name, context.replica_id.unique_id)
-        self.scheduler = create_scheduler(EngineConfig(**config), name=self.name, namespace=NAMESPACE)
+        self.scheduler = create_scheduler(
+            EngineConfig(**config), name=self.name, namespace=NAMESPACE
+        )
         await self.scheduler.ready.remote()
         log.info("cell %s ready", self.name)
 
     async def check_health(self) -> None:
-        """Unhealthy when the scheduler is gone or a worker pool has no worker left: Serve replaces the cell."""
+        """Unhealthy when the scheduler is gone or a worker pool has no worker left: Serve replaces
+        the cell."""
         await self.scheduler.check_health.remote()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
@@ -78,19 +95,23 @@ def cell_name(app_name: str, replica: str) -> str:
 class ServeCells:
     """Places requests on the running cells of a `Cell` deployment (see `EngineClient`).
 
-    A cell that refuses a request (it is draining) or cannot be reached is avoided for `AVOID_S`, and the
-    request tried on another until `failover_timeout_s`, as while no cell runs (one died and Serve has
-    not replaced it yet). A request the engine refuses (ValueError) fails at once, and so does a full
-    queue (QueueFullError), except for a continuation, which waits for room like the rest. A submission
-    not answered within `attempt_timeout_s` is given up and tried on another cell.
+    A cell that refuses a request (it is draining) or cannot be reached is avoided for `AVOID_S`,
+    and the request tried on another until `failover_timeout_s`, as while no cell runs (one died and
+    Serve has not replaced it yet). A request the engine refuses (ValueError) fails at once, and so
+    does a full queue (QueueFullError), except for a continuation, which waits for room like the
+    rest. A submission not answered within `attempt_timeout_s` is given up and tried on another
+    cell.
     """
 
     attempt_timeout_s = 5.0
 
     def __init__(self, handle: Any, app_name: str, failover_timeout_s: float = 30.0) -> None:
-        self.handle, self.app_name, self.failover_timeout_s = handle, app_name, failover_timeout_s
+        self.handle = handle
+        self.app_name = app_name
+        self.failover_timeout_s = failover_timeout_s
         self.chooser = CellChooser()
-        self.links: dict[str, asyncio.Future[tuple[Any, Submissions]]] = {}  # cell (replica id) -> its scheduler
+        # cell (replica id) -> its scheduler
+        self.links: dict[str, asyncio.Future[tuple[Any, Submissions]]] = {}
         self.where: dict[str, str] = {}  # open request -> the cell it was last placed on
         self.load: Counter[str] = Counter()  # open requests per cell (of `where`)
         self.gone: dict[str, float] = {}  # cells lost or refusing, when: avoided a while
@@ -110,7 +131,8 @@ class ServeCells:
         self.chooser.forget(cell)
 
     async def place(self, request: Request, consumer: str, failing_over: bool = False) -> Placement:
-        deadline, delay = time.monotonic() + self.failover_timeout_s, 0.05
+        deadline = time.monotonic() + self.failover_timeout_s
+        delay = 0.05
         while True:
             self.gone = {c: t for c, t in self.gone.items() if time.monotonic() - t < AVOID_S}
             live = live_cells(self.app_name)
@@ -129,7 +151,8 @@ class ServeCells:
                     self.where[request.req_id] = cell
                     self.load[cell] += 1
                     return Placement(instance, scheduler, replica=cell)
-                except ValueError as e:  # (QueueFullError too; a continuation was admitted once: it can only wait)
+                # (QueueFullError too; a continuation was admitted once: it can only wait)
+                except ValueError as e:
                     if not failing_over:
                         raise
                     error = e
@@ -138,7 +161,12 @@ class ServeCells:
                     self._avoid(cell)
             if time.monotonic() + delay > deadline:
                 raise error
-            log.warning("no cell took %s (%s: %s); trying again", request.req_id, type(error).__name__, error)
+            log.warning(
+                "no cell took %s (%s: %s); trying again",
+                request.req_id,
+                type(error).__name__,
+                error,
+            )
             await asyncio.sleep(delay)
             delay = min(1.0, delay * 2)
 
@@ -149,34 +177,51 @@ class ServeCells:
         return await asyncio.shield(self.links[cell])
 
     async def _connect(self, cell: str) -> tuple[Any, Submissions]:
-        scheduler = await asyncio.to_thread(ray.get_actor, cell_name(self.app_name, cell), NAMESPACE)
+        scheduler = await asyncio.to_thread(
+            ray.get_actor, cell_name(self.app_name, cell), NAMESPACE
+        )
         return scheduler, Submissions(scheduler)
 
 
 async def cell_stats(app_name: str) -> dict[str, dict[str, Any]]:
     """Every live cell's scheduler stats, by cell name (the scheduler actors' names)."""
     prefix = cell_name(app_name, "")
-    names = sorted(a["name"] for a in await asyncio.to_thread(ray.util.list_named_actors, all_namespaces=True)
-                   if a["namespace"] == NAMESPACE and a["name"].startswith(prefix))
-    handles = await asyncio.gather(*(asyncio.to_thread(ray.get_actor, n, NAMESPACE) for n in names),
-                                   return_exceptions=True)
+    names = sorted(
+        a["name"]
+        for a in await asyncio.to_thread(ray.util.list_named_actors, all_namespaces=True)
+        if a["namespace"] == NAMESPACE and a["name"].startswith(prefix)
+    )
+    handles = await asyncio.gather(
+        *(asyncio.to_thread(ray.get_actor, n, NAMESPACE) for n in names), return_exceptions=True
+    )
     live = [(n, h) for n, h in zip(names, handles, strict=True) if not isinstance(h, BaseException)]
     answers = await asyncio.gather(*(h.stats.remote() for _, h in live), return_exceptions=True)
-    return {n: a for (n, _), a in zip(live, answers, strict=True) if not isinstance(a, BaseException)}
+    return {
+        n: a for (n, _), a in zip(live, answers, strict=True) if not isinstance(a, BaseException)
+    }
 
 
 def combine_stats(cells: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """One /stats view of every cell: workers (named `worker@cell` when there are several cells), summed
-    counts, and each cell's own stats under `cells`."""
+    """One /stats view of every cell: workers (named `worker@cell` when there are several cells),
+    summed counts, and each cell's own stats under `cells`."""
     several = len(cells) > 1
-    workers = {(f"{w}@{c.rsplit('-', 1)[-1]}" if several else w): line
-               for c, stats in cells.items() for w, line in stats["workers"].items()}
+    workers = {
+        (f"{w}@{c.rsplit('-', 1)[-1]}" if several else w): line
+        for c, stats in cells.items()
+        for w, line in stats["workers"].items()
+    }
     counters: dict[str, float] = {}
     for stats in cells.values():
         for key, value in stats["counters"].items():
             counters[key] = counters.get(key, 0) + value
     first = next(iter(cells.values()), {})
-    return {"num_cells": len(cells), "workers": workers, "counters": counters,
-            "live_handoffs": sum(s["live_handoffs"] for s in cells.values()),
-            "streams": sum(s["streams"] for s in cells.values()), "max_waiting": first.get("max_waiting"),
-            "timeline": first.get("timeline", {}) if not several else {}, "cells": cells}
+    return {
+        "num_cells": len(cells),
+        "workers": workers,
+        "counters": counters,
+        "live_handoffs": sum(s["live_handoffs"] for s in cells.values()),
+        "streams": sum(s["streams"] for s in cells.values()),
+        "max_waiting": first.get("max_waiting"),
+        "timeline": first.get("timeline", {}) if not several else {},
+        "cells": cells,
+    }

@@ -1,4 +1,5 @@
-"""Log-probabilities in OpenAI's shapes (chat and completions) from the engine's TokenLogprob entries."""
+"""Log-probabilities in OpenAI's shapes (chat and completions) from the engine's TokenLogprob
+entries."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ def finite(logprob: float) -> float:
 
 
 class TokenTexts:
-    """Each token id's text on its own, as vLLM reports tokens in log-probs: `decode([id])`, with the leading
-    spaces of a SentencePiece piece that decode drops put back. A partial UTF-8 character reads as U+FFFD.
-    Cached: at most a vocabulary's worth of strings."""
+    """Each token id's text on its own, as vLLM reports tokens in log-probs: `decode([id])`, with
+    the leading spaces of a SentencePiece piece that decode drops put back. A partial UTF-8
+    character reads as U+FFFD. Cached: at most a vocabulary's worth of strings."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -38,22 +39,36 @@ class TokenTexts:
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts) -> dict[str, Any]:
-    """`choice.logprobs` of a chat completion: per token its text, log-prob, UTF-8 bytes and the alternatives."""
+    """`choice.logprobs` of a chat completion: per token its text, log-prob, UTF-8 bytes and the
+    alternatives."""
 
     def one(token_id: int, logprob: float) -> dict[str, Any]:
         token = texts(token_id)
-        return {"token": token, "logprob": finite(logprob), "bytes": list(token.encode("utf-8", errors="replace"))}
+        return {
+            "token": token,
+            "logprob": finite(logprob),
+            "bytes": list(token.encode("utf-8", errors="replace")),
+        }
 
-    return {"content": [one(e.token_id, e.logprob) | {"top_logprobs": [one(t, lp) for t, lp in e.top]}
-                        for e in entries]}
+    return {
+        "content": [
+            one(e.token_id, e.logprob) | {"top_logprobs": [one(t, lp) for t, lp in e.top]}
+            for e in entries
+        ]
+    }
 
 
-def completion_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprob | None], texts: TokenTexts,
-                        text_offset: int = 0) -> dict[str, Any]:
-    """`choice.logprobs` of a text completion. An entry of None (the prompt's first token, under echo) has no
-    log-prob: null in `token_logprobs` and `top_logprobs`. Each `top_logprobs` dict holds the sampled token and
-    the k most likely (so up to k + 1 entries, as OpenAI documents). `text_offset` counts, as vLLM does, the
-    lengths of the token texts from `text_offset` (where this part starts in the returned text)."""
+def completion_logprobs(
+    token_ids: Sequence[int],
+    entries: Sequence[TokenLogprob | None],
+    texts: TokenTexts,
+    text_offset: int = 0,
+) -> dict[str, Any]:
+    """`choice.logprobs` of a text completion. An entry of None (the prompt's first token, under
+    echo) has no log-prob: null in `token_logprobs` and `top_logprobs`. Each `top_logprobs` dict
+    holds the sampled token and the k most likely (so up to k + 1 entries, as OpenAI documents).
+    `text_offset` counts, as vLLM does, the lengths of the token texts from `text_offset` (where
+    this part starts in the returned text)."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top_logprobs: list[dict[str, float] | None] = []
@@ -71,4 +86,9 @@ def completion_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprob
         top = {token: finite(entry.logprob)}
         top.update((texts(t), finite(lp)) for t, lp in entry.top if texts(t) not in top)
         top_logprobs.append(top)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": offsets,
+    }

@@ -1,7 +1,8 @@
-"""The OpenAI-compatible HTTP surface: completions, chat, responses, models; SSE streams and error JSON.
+"""The OpenAI-compatible HTTP surface: completions, chat, responses, models; SSE streams and error
+JSON.
 
-`OpenAIServer` takes an engine client (anything with `generate(request)` streaming RequestOutputs), so
-the same code serves through Ray Serve or against a fake in tests.
+`OpenAIServer` takes an engine client (anything with `generate(request)` streaming RequestOutputs),
+so the same code serves through Ray Serve or against a fake in tests.
 """
 
 from __future__ import annotations
@@ -54,8 +55,10 @@ class ServedModel:
     tokenizer: Any
     eos_token_ids: frozenset[int]
     capacity: int  # tokens per request: prompt + completion
-    tool_call_parser: str | None = None  # reads the calls of tool_choice auto out of the text (tools.py)
-    reasoning_parser: str | None = None  # splits a reasoning model's thinking off its replies (reasoning.py)
+    # reads the calls of tool_choice auto out of the text (tools.py)
+    tool_call_parser: str | None = None
+    # splits a reasoning model's thinking off its replies (reasoning.py)
+    reasoning_parser: str | None = None
 
 
 def _name(index: int, count: int) -> str:
@@ -64,8 +67,9 @@ def _name(index: int, count: int) -> str:
 
 
 def _template_call(call: dict[str, Any]) -> dict[str, Any]:
-    """An earlier tool call as chat templates read it: its arguments as an object when they are JSON text
-    (OpenAI sends a string; templates such as Qwen's write `arguments | tojson`), as vLLM passes them."""
+    """An earlier tool call as chat templates read it: its arguments as an object when they are JSON
+    text (OpenAI sends a string; templates such as Qwen's write `arguments | tojson`), as vLLM
+    passes them."""
     function = call.get("function")
     if isinstance(function, dict) and isinstance(function.get("arguments"), str):
         try:
@@ -85,7 +89,8 @@ class OpenAIServer:
     """Turns OpenAI bodies into requests, runs them through the engine, and shapes the replies."""
 
     def __init__(self, client: EngineClient, model: ServedModel) -> None:
-        self.client, self.model = client, model
+        self.client = client
+        self.model = model
         self.texts = TokenTexts(model.tokenizer)
 
     def models(self) -> dict[str, Any]:
@@ -94,38 +99,76 @@ class OpenAIServer:
     def model_card(self, model: str) -> dict[str, Any]:
         """`GET /v1/models/{model}`: the served model's card; 404 for another name."""
         self._check_model(model)
-        return {"id": self.model.name, "object": "model", "created": 0, "owned_by": "pdserve",
-                "max_model_len": self.model.capacity}
+        return {
+            "id": self.model.name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pdserve",
+            "max_model_len": self.model.capacity,
+        }
 
-    # ---- request building -------------------------------------------------------------------------
-    def _build(self, body: _SamplingBody, prompts: list[list[int]], max_tokens: int | None, prefix: str, *,
-               logprobs: int | None = None, prompt_logprobs: int | None = None,
-               response_format: dict[str, Any] | None = None) -> tuple[str, list[Request]]:
-        """The response id and `n` Requests per prompt, prompt by prompt: choice p * n + i is choice i of
-        prompt p. Choice i of a prompt samples as a single request of that prompt with seed + i would (one
-        random base seed when none is given), so a list of prompts gives what one request per prompt with the
-        same seed gives; a prompt's choices after its first may share the first's prompt KV (`fork_of`)."""
+    # ---- request building
+    # -------------------------------------------------------------------------
+    def _build(
+        self,
+        body: _SamplingBody,
+        prompts: list[list[int]],
+        max_tokens: int | None,
+        prefix: str,
+        *,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        response_format: dict[str, Any] | None = None,
+    ) -> tuple[str, list[Request]]:
+        """The response id and `n` Requests per prompt, prompt by prompt: choice p * n + i is choice
+        i of prompt p. Choice i of a prompt samples as a single request of that prompt with seed + i
+        would (one random base seed when none is given), so a list of prompts gives what one request
+        per prompt with the same seed gives; a prompt's choices after its first may share the
+        first's prompt KV (`fork_of`)."""
         resp_id = f"{prefix}-{uuid.uuid4().hex}"
         n = body.num_choices
         seed = body.seed if body.seed is not None else random.getrandbits(62)
         try:
             logit_bias = parse_logit_bias(body.logit_bias, len(self.model.tokenizer))
-            stop_ids = check_token_ids("stop_token_ids", body.stop_token_ids or [], len(self.model.tokenizer))
-            structured = structured_format(response_format or body.response_format, body.structured_outputs)
+            stop_ids = check_token_ids(
+                "stop_token_ids", body.stop_token_ids or [], len(self.model.tokenizer)
+            )
+            structured = structured_format(
+                response_format or body.response_format, body.structured_outputs
+            )
             requests = []
             for p, prompt_ids in enumerate(prompts):
                 limit = self._max_tokens(prompt_ids, max_tokens, _name(p, len(prompts)))
                 first = f"{resp_id}-{p * n}"
-                requests += [build_request(
-                    f"{resp_id}-{p * n + i}", prompt_ids, max_tokens=limit, eos_token_ids=self.model.eos_token_ids,
-                    temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-                    seed=seed + i, stop=body.stop, stop_token_ids=stop_ids,
-                    ignore_eos=body.ignore_eos, priority=body.priority,
-                    presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-                    repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-                    min_tokens=body.min_tokens or 0, logit_bias=logit_bias, logprobs=logprobs,
-                    prompt_logprobs=prompt_logprobs, structured=structured, fork_of=first if i else None)
-                    for i in range(n)]
+                requests += [
+                    build_request(
+                        f"{resp_id}-{p * n + i}",
+                        prompt_ids,
+                        max_tokens=limit,
+                        eos_token_ids=self.model.eos_token_ids,
+                        temperature=body.temperature,
+                        top_p=body.top_p,
+                        top_k=body.top_k,
+                        min_p=body.min_p,
+                        seed=seed + i,
+                        stop=body.stop,
+                        stop_token_ids=stop_ids,
+                        ignore_eos=body.ignore_eos,
+                        priority=body.priority,
+                        presence_penalty=body.presence_penalty or 0.0,
+                        frequency_penalty=body.frequency_penalty or 0.0,
+                        repetition_penalty=1.0
+                        if body.repetition_penalty is None
+                        else body.repetition_penalty,
+                        min_tokens=body.min_tokens or 0,
+                        logit_bias=logit_bias,
+                        logprobs=logprobs,
+                        prompt_logprobs=prompt_logprobs,
+                        structured=structured,
+                        fork_of=first if i else None,
+                    )
+                    for i in range(n)
+                ]
             return resp_id, requests
         except ParameterError as e:
             raise APIError(400, str(e), param=e.param) from None
@@ -133,69 +176,135 @@ class OpenAIServer:
             raise APIError(400, str(e)) from None
 
     def _max_tokens(self, prompt_ids: list[int], max_tokens: int | None, which: str) -> int:
-        """The completion's length for one prompt (default: the rest of the context); 400 if it cannot fit."""
+        """The completion's length for one prompt (default: the rest of the context); 400 if it
+        cannot fit."""
         num_prompt = len(prompt_ids)
         if not prompt_ids:
             raise APIError(400, f"{which}The prompt is empty.", param="prompt")
         if max_tokens is None:
             max_tokens = max(1, self.model.capacity - num_prompt)
         if num_prompt + max_tokens > self.model.capacity:
-            raise APIError(400, f"{which}This model's maximum context length is {self.model.capacity} tokens. "
-                           f"However, you requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
-                           f"{max_tokens} for the completion).", param="max_tokens", code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"{which}This model's maximum context length is {self.model.capacity} tokens. "
+                f"However, you requested {num_prompt + max_tokens} tokens ({num_prompt} in the "
+                "prompt, "
+                f"{max_tokens} for the completion).",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         return max_tokens
 
     def completion_job(self, body: CompletionBody) -> Job:
-        """A completion of each prompt: `prompt` is a text, a list of token ids, or a list of either (a batch:
-        `n` choices per prompt, numbered prompt by prompt, as vLLM and OpenAI do)."""
+        """A completion of each prompt: `prompt` is a text, a list of token ids, or a list of either
+        (a batch: `n` choices per prompt, numbered prompt by prompt, as vLLM and OpenAI do)."""
         self._check_model(body.model)
-        batch = body.prompt if isinstance(body.prompt, list) and body.prompt and isinstance(
-            body.prompt[0], (str, list)) else [body.prompt]
+        batch = (
+            body.prompt
+            if isinstance(body.prompt, list)
+            and body.prompt
+            and isinstance(body.prompt[0], (str, list))
+            else [body.prompt]
+        )
         prompts = []
         for p, prompt in enumerate(batch):
             try:
-                prompts.append(encode_prompt(self.model.tokenizer, prompt=prompt) if isinstance(prompt, str)
-                               else encode_prompt(self.model.tokenizer, prompt_token_ids=list(prompt)))
+                prompts.append(
+                    encode_prompt(self.model.tokenizer, prompt=prompt)
+                    if isinstance(prompt, str)
+                    else encode_prompt(self.model.tokenizer, prompt_token_ids=list(prompt))
+                )
             except ValueError as e:
                 raise APIError(400, f"{_name(p, len(batch))}{e}", param="prompt") from None
         max_tokens = MAX_COMPLETION_DEFAULT if body.max_tokens is None else body.max_tokens
         echo = bool(body.echo)
-        # max_tokens 0 (echo only): the engine generates one token, which the reply leaves out (see Job)
-        resp_id, requests = self._build(body, prompts, max(max_tokens, 1), "cmpl", logprobs=body.logprobs,
-                                        prompt_logprobs=body.logprobs if echo else None)
-        echo_texts = tuple(prompt if isinstance(prompt, str) else self.model.tokenizer.decode(ids)
-                           for prompt, ids in zip(batch, prompts, strict=True)) if echo else None
-        return Job(resp_id, requests, chat=False, logprobs=body.logprobs is not None, echo=echo_texts,
-                   drop_generation=max_tokens == 0, choices_per_prompt=body.num_choices)
+        # max_tokens 0 (echo only): the engine generates one token, which the reply leaves out (see
+        # Job)
+        resp_id, requests = self._build(
+            body,
+            prompts,
+            max(max_tokens, 1),
+            "cmpl",
+            logprobs=body.logprobs,
+            prompt_logprobs=body.logprobs if echo else None,
+        )
+        echo_texts = (
+            tuple(
+                prompt if isinstance(prompt, str) else self.model.tokenizer.decode(ids)
+                for prompt, ids in zip(batch, prompts, strict=True)
+            )
+            if echo
+            else None
+        )
+        return Job(
+            resp_id,
+            requests,
+            chat=False,
+            logprobs=body.logprobs is not None,
+            echo=echo_texts,
+            drop_generation=max_tokens == 0,
+            choices_per_prompt=body.num_choices,
+        )
 
     def chat_job(self, body: ChatBody) -> Job:
         self._check_model(body.model)
         tools = self._tool_use(body)
         ids = self._chat_ids(body.messages, body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        resp_id, requests = self._build(body, [ids], body.max_completion_tokens or body.max_tokens, "chatcmpl",
-                                        logprobs=logprobs, response_format=tools and tools.response_format)
-        return Job(resp_id, requests, chat=True, logprobs=logprobs is not None, tools=tools,
-                   reasoning=self.model.reasoning_parser)
+        resp_id, requests = self._build(
+            body,
+            [ids],
+            body.max_completion_tokens or body.max_tokens,
+            "chatcmpl",
+            logprobs=logprobs,
+            response_format=tools and tools.response_format,
+        )
+        return Job(
+            resp_id,
+            requests,
+            chat=True,
+            logprobs=logprobs is not None,
+            tools=tools,
+            reasoning=self.model.reasoning_parser,
+        )
 
     def _tool_use(self, body: ChatBody) -> ToolUse | None:
-        """How the request uses its tools (None: it has none); 400 for auto without a parser, or a function
-        whose parameters the grammar cannot force."""
+        """How the request uses its tools (None: it has none); 400 for auto without a parser, or a
+        function whose parameters the grammar cannot force."""
         if not body.tools:
             return None
-        choice, name = body.tool_choice or "auto", None
+        choice = body.tool_choice or "auto"
+        name = None
         if isinstance(choice, NamedToolChoice):
             choice, name = "named", choice.function.name
         if choice == "auto" and self.model.tool_call_parser is None:
-            param, given = ("function_call", "functions") if body.legacy_functions else ("tool_choice", "tools")
-            raise APIError(400, f'`{param}` "auto" (the default with `{given}`) needs a server started with '
-                           '--tool-call-parser (e.g. hermes); "required" or a named function need none', param=param)
-        tools = ToolUse(choice, tuple(t.model_dump(exclude_none=True) for t in body.tools), name,
-                        body.parallel_tool_calls, self.model.tool_call_parser, body.legacy_functions)
+            param, given = (
+                ("function_call", "functions")
+                if body.legacy_functions
+                else ("tool_choice", "tools")
+            )
+            raise APIError(
+                400,
+                f'`{param}` "auto" (the default with `{given}`) needs a server started with '
+                '--tool-call-parser (e.g. hermes); "required" or a named function need none',
+                param=param,
+            )
+        tools = ToolUse(
+            choice,
+            tuple(t.model_dump(exclude_none=True) for t in body.tools),
+            name,
+            body.parallel_tool_calls,
+            self.model.tool_call_parser,
+            body.legacy_functions,
+        )
         for function in tools.forced:  # each schema on its own, so the error names the function
             try:
-                structured_format({"type": "json_schema", "json_schema": {"name": function,
-                                                                          "schema": tools.schemas[function]}})
+                structured_format(
+                    {
+                        "type": "json_schema",
+                        "json_schema": {"name": function, "schema": tools.schemas[function]},
+                    }
+                )
             except ParameterError as e:
                 raise APIError(400, f"tools: function {function!r}: {e}", param="tools") from None
         return tools
@@ -208,30 +317,47 @@ class OpenAIServer:
                 if any(part.get("type") != "text" for part in content):
                     raise APIError(400, "Only text content parts are supported.", param="messages")
                 content = "".join(str(part.get("text", "")) for part in content)
-            # a legacy function result is a tool message, and a legacy call a tool call, as templates know them
-            message: dict[str, Any] = {"role": "tool" if m.role == "function" else m.role, "content": content or ""}
+            # a legacy function result is a tool message, and a legacy call a tool call, as
+            # templates know them
+            message: dict[str, Any] = {
+                "role": "tool" if m.role == "function" else m.role,
+                "content": content or "",
+            }
             if m.name is not None:
                 message["name"] = m.name
             if m.tool_call_id is not None:
                 message["tool_call_id"] = m.tool_call_id
-            calls = m.tool_calls or ([{"type": "function", "function": m.function_call}] if m.function_call else [])
+            calls = m.tool_calls or (
+                [{"type": "function", "function": m.function_call}] if m.function_call else []
+            )
             if calls:
                 message["tool_calls"] = [_template_call(call) for call in calls]
             messages.append(message)
-        template = {"add_generation_prompt": options.add_generation_prompt,
-                    "continue_final_message": options.continue_final_message, **(options.chat_template_kwargs or {})}
+        template = {
+            "add_generation_prompt": options.add_generation_prompt,
+            "continue_final_message": options.continue_final_message,
+            **(options.chat_template_kwargs or {}),
+        }
         if options.tools:
             template["tools"] = [tool.model_dump(exclude_none=True) for tool in options.tools]
         try:
             return encode_prompt(self.model.tokenizer, messages=messages, template=template)
         except Exception as e:  # a chat template can raise anything on odd input
-            raise APIError(400, f"The messages do not fit the model's chat template: {e}", param="messages") from None
+            raise APIError(
+                400, f"The messages do not fit the model's chat template: {e}", param="messages"
+            ) from None
 
-    # ---- tokenizer endpoints ----------------------------------------------------------------------
+    # ---- tokenizer endpoints
+    # ----------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model.name:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model.name}`.",
-                           "invalid_request_error", "model", "model_not_found")
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist; this server serves `{self.model.name}`.",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
 
     def tokenize(self, body: TokenizeBody) -> dict[str, Any]:
         """The ids a completion (`prompt`) or a chat request (`messages`) would be given."""
@@ -240,7 +366,9 @@ class OpenAIServer:
             ids = self._chat_ids(body.messages, body)
         else:
             assert body.prompt is not None
-            ids = self.model.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+            ids = self.model.tokenizer(
+                body.prompt, add_special_tokens=body.add_special_tokens
+            ).input_ids
         return {"count": len(ids), "max_model_len": self.model.capacity, "tokens": ids}
 
     def detokenize(self, body: DetokenizeBody) -> dict[str, Any]:
@@ -251,7 +379,8 @@ class OpenAIServer:
             raise APIError(400, str(e), param=e.param) from None
         return {"prompt": self.model.tokenizer.decode(body.tokens)}
 
-    # ---- running ----------------------------------------------------------------------------------
+    # ---- running
+    # ----------------------------------------------------------------------------------
     async def _start(self, request: Request) -> Started:
         """Submit and wait for the first output, so admission errors still get a proper status."""
         stream = self.client.generate(request)
@@ -260,16 +389,26 @@ class OpenAIServer:
         except Exception as exc:
             cause = unwrap(exc)
             if isinstance(cause, QueueFullError):
-                raise APIError(429, f"The server is busy: {cause}. Retry shortly.", "rate_limit_error",
-                               code="queue_full", headers={"Retry-After": "1"}) from None
+                raise APIError(
+                    429,
+                    f"The server is busy: {cause}. Retry shortly.",
+                    "rate_limit_error",
+                    code="queue_full",
+                    headers={"Retry-After": "1"},
+                ) from None
             if isinstance(cause, ValueError):
                 raise APIError(400, str(cause)) from None
-            raise APIError(503, f"The engine is not available: {type(cause).__name__}: {cause}",
-                           "service_unavailable", code="engine_unavailable") from None
+            raise APIError(
+                503,
+                f"The engine is not available: {type(cause).__name__}: {cause}",
+                "service_unavailable",
+                code="engine_unavailable",
+            ) from None
         return first, stream
 
     async def _start_all(self, requests: list[Request]) -> list[Started]:
-        """Submit every choice at once; if one is refused, the others are aborted and its error is the reply."""
+        """Submit every choice at once; if one is refused, the others are aborted and its error is
+        the reply."""
         results = await asyncio.gather(*(self._start(r) for r in requests), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
@@ -280,9 +419,10 @@ class OpenAIServer:
         return results  # type: ignore[return-value]
 
     def responses_job(self, body: ResponsesBody) -> tuple[Job, ResponseReplier]:
-        """OpenAI's Responses API: the job of the chat body asking for the same, and what shapes its one choice
-        as a Response."""
-        fields = chat_fields(body)  # its 400s name this endpoint's parameters; the chat body's are renamed
+        """OpenAI's Responses API: the job of the chat body asking for the same, and what shapes its
+        one choice as a Response."""
+        # its 400s name this endpoint's parameters; the chat body's are renamed
+        fields = chat_fields(body)
         try:
             chat = ChatBody.model_validate(fields)
             job = self.chat_job(chat)
@@ -291,19 +431,27 @@ class OpenAIServer:
         except APIError as e:
             raise renamed(e) from None
         if job.logprobs and job.readers()[0] is not None:
-            raise APIError(400, "log-probs are given with the message text only when all of the text is the "
-                           "message's: not with tools or a reasoning parser", param="include")
+            raise APIError(
+                400,
+                "log-probs are given with the message text only when all of the text is the "
+                "message's: not with tools or a reasoning parser",
+                param="include",
+            )
         return job, ResponseReplier(job, self.model.name, self.texts, body, chat)
 
-    def plan(self, body: CompletionBody | ChatBody | ResponsesBody) -> tuple[Job, Replier | ResponseReplier]:
-        """A body's engine requests and what shapes their reply: the one dispatch the endpoints and the batch job
-        (OpenAI batch files) share. Raises APIError for what the endpoint refuses."""
+    def plan(
+        self, body: CompletionBody | ChatBody | ResponsesBody
+    ) -> tuple[Job, Replier | ResponseReplier]:
+        """A body's engine requests and what shapes their reply: the one dispatch the endpoints and
+        the batch job (OpenAI batch files) share. Raises APIError for what the endpoint refuses."""
         if isinstance(body, ResponsesBody):
             return self.responses_job(body)
         job = self.chat_job(body) if isinstance(body, ChatBody) else self.completion_job(body)
         return job, Replier(job, self.model.name, self.texts)
 
-    async def respond(self, body: CompletionBody | ChatBody | ResponsesBody) -> JSONResponse | StreamingResponse:
+    async def respond(
+        self, body: CompletionBody | ChatBody | ResponsesBody
+    ) -> JSONResponse | StreamingResponse:
         """Run a body and answer it: whole, or as its endpoint's stream."""
         job, replier = self.plan(body)
         merged = merge_streams(await self._start_all(job.requests))
@@ -314,5 +462,6 @@ class OpenAIServer:
         options = body.stream_options  # type: ignore[union-attr]
         include_usage = bool(options and options.include_usage)
         continuous = include_usage and bool(options and options.continuous_usage_stats)
-        return StreamingResponse(replier.sse(merged, include_usage, continuous), media_type="text/event-stream")
-
+        return StreamingResponse(
+            replier.sse(merged, include_usage, continuous), media_type="text/event-stream"
+        )

@@ -1,24 +1,24 @@
-"""Reasoning models on chat: the `<think>...</think>` part of a reply as `reasoning_content`, the rest as content.
+"""Reasoning models on chat: the `<think>...</think>` part of a reply as `reasoning_content`, the
+rest as content.
 
 `--reasoning-parser` names how a model marks its reasoning, as vLLM's option does:
-* `qwen3`: the reply opens with `<think>` (Qwen3 and QwQ write it themselves; with `enable_thinking: false`
-  they do not, and the whole reply is content);
-* `deepseek_r1`: the reply starts inside the reasoning (DeepSeek-R1's template opens `<think>` in the prompt),
-  with or without `<think>` written again.
+* `qwen3`: the reply opens with `<think>` (Qwen3 and QwQ write it themselves; with `enable_thinking:
+  false` they do not, and the whole reply is content);
+* `deepseek_r1`: the reply starts inside the reasoning (DeepSeek-R1's template opens `<think>` in
+  the prompt), with or without `<think>` written again.
 
-Either way the reasoning ends at `</think>`; a reply cut before it is all reasoning. `ThinkSplitter` reads a
-choice's text piece by piece (tags split across pieces are held back), so a stream and a whole reply agree.
+Either way the reasoning ends at `</think>`; a reply cut before it is all reasoning. `ThinkSplitter`
+reads a choice's text piece by piece (tags split across pieces are held back), so a stream and a
+whole reply agree.
 """
 
 from __future__ import annotations
 
-from typing import Literal, get_args
-
+from deploy.config import REASONING_PARSERS
 from deploy.serving.tools.call_readers import CallReader, Delta, partial_tag
 
-ReasoningParser = Literal["qwen3", "deepseek_r1"]
-REASONING_PARSERS: tuple[str, ...] = get_args(ReasoningParser)
-_OPEN, _CLOSE = "<think>", "</think>"
+_OPEN = "<think>"
+_CLOSE = "</think>"
 
 
 class ThinkSplitter:
@@ -26,7 +26,9 @@ class ThinkSplitter:
 
     def __init__(self, parser: str) -> None:
         if parser not in REASONING_PARSERS:
-            raise ValueError(f"unknown reasoning parser {parser!r}; known: {', '.join(REASONING_PARSERS)}")
+            raise ValueError(
+                f"unknown reasoning parser {parser!r}; known: {', '.join(REASONING_PARSERS)}"
+            )
         self.parser = parser
         self.state = "start" if parser == "qwen3" else "thinking"  # start: no text seen yet (qwen3)
         self.text = ""  # held back: maybe the start of a tag
@@ -41,7 +43,9 @@ class ThinkSplitter:
             elif self.opened:  # before the reply's first text: `<think>` opens the reasoning
                 stripped = self.text.lstrip()
                 if stripped.startswith(_OPEN):
-                    self.text, self.state, self.opened = stripped[len(_OPEN):], "thinking", False
+                    self.text = stripped[len(_OPEN) :]
+                    self.state = "thinking"
+                    self.opened = False
                 elif _OPEN.startswith(stripped):
                     break  # maybe `<think>` still coming
                 else:
@@ -52,11 +56,11 @@ class ThinkSplitter:
                 at = self.text.find(_CLOSE)
                 if at >= 0:
                     reasoning += self.text[:at]
-                    self.text, self.state = self.text[at + len(_CLOSE):], "content"
+                    self.text, self.state = self.text[at + len(_CLOSE) :], "content"
                 else:
                     keep = partial_tag(self.text, _CLOSE)
-                    reasoning += self.text[:len(self.text) - keep]
-                    self.text = self.text[len(self.text) - keep:]
+                    reasoning += self.text[: len(self.text) - keep]
+                    self.text = self.text[len(self.text) - keep :]
                     break
         return reasoning, content
 
@@ -67,17 +71,22 @@ class ThinkSplitter:
 
 
 class MessageReader:
-    """One choice's text as message deltas: reasoning split off first (if the server has a parser), then
-    the rest read for tool calls (if the request has tools) or taken as content."""
+    """One choice's text as message deltas: reasoning split off first (if the server has a parser),
+    then the rest read for tool calls (if the request has tools) or taken as content."""
 
     def __init__(self, reasoning: ThinkSplitter | None, calls: CallReader | None) -> None:
-        self.reasoning, self.calls = reasoning, calls
+        self.reasoning = reasoning
+        self.calls = calls
 
     def feed(self, text: str) -> Delta:
-        return self._delta(*(self.reasoning.feed(text) if self.reasoning is not None else ("", text)), final=False)
+        return self._delta(
+            *(self.reasoning.feed(text) if self.reasoning is not None else ("", text)), final=False
+        )
 
     def finish(self) -> Delta:
-        return self._delta(*(self.reasoning.finish() if self.reasoning is not None else ("", "")), final=True)
+        return self._delta(
+            *(self.reasoning.finish() if self.reasoning is not None else ("", "")), final=True
+        )
 
     def _delta(self, reasoning: str, content: str, final: bool) -> Delta:
         if self.calls is None:

@@ -1,1 +1,2 @@
-"""The cell runtime: the scheduler actor of one cell, its decisions (coordinator), handoffs, bursts, clocks."""
+"""The cell runtime: the scheduler actor of one cell, its decisions (coordinator), handoffs, bursts,
+clocks."""

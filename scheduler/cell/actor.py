@@ -1,8 +1,8 @@
 """The scheduler's Ray actor: a thin shell of loops and remote calls around the pure `Coordinator`.
 
 Nothing in `scheduler/` imports this module. Its workers come from an injected `spawn_worker(kind,
-index, num_slots, prefix_blocks) -> actor handle` (deploy passes `workers.actors.spawn_worker`; the stub-worker
-benchmark passes stubs), so the imports point one way: deploy -> workers -> scheduler.
+index, num_slots, prefix_blocks) -> actor handle` (deploy passes `workers.actors.spawn_worker`; the
+stub-worker benchmark passes stubs), so the imports point one way: deploy -> workers -> scheduler.
 
 Consumers (the batch driver, each ingress replica) `submit` requests under a consumer id and `poll`:
 one call returns every output of all their requests since the last poll, so a step costs one message
@@ -47,30 +47,48 @@ class CellActor:
     """Creates the workers of a cell and runs one stepping loop per worker, so a decode step never
     waits for a prefill step. Decisions are the coordinator's; this class only moves messages."""
 
-    def __init__(self, config: CellConfig, spawn_worker: Callable[[str, int, int, int], Any], tokenizer: Any = None,
-                 metrics_backend: Any = None, consumer_timeout_s: float = 30.0) -> None:
-        self.coordinator = Coordinator(config, tokenizer, metrics_backend or ray.util.metrics, wake=self._wake)
-        self.instance = uuid.uuid4().hex  # a restarted scheduler has a new one: it knows no earlier request
-        self.config, self.consumer_timeout_s = config, consumer_timeout_s
-        self.handles = {w.name: spawn_worker(w.kind, w.index, w.sched.num_slots, _blocks(w.sched))
-                        for w in self.coordinator.workers}
+    def __init__(
+        self,
+        config: CellConfig,
+        spawn_worker: Callable[[str, int, int, int], Any],
+        tokenizer: Any = None,
+        metrics_backend: Any = None,
+        consumer_timeout_s: float = 30.0,
+    ) -> None:
+        self.coordinator = Coordinator(
+            config, tokenizer, metrics_backend or ray.util.metrics, wake=self._wake
+        )
+        # a restarted scheduler has a new one: it knows no earlier request
+        self.instance = uuid.uuid4().hex
+        self.config = config
+        self.consumer_timeout_s = consumer_timeout_s
+        self.handles = {
+            w.name: spawn_worker(w.kind, w.index, w.sched.num_slots, _blocks(w.sched))
+            for w in self.coordinator.workers
+        }
         self.wakeups = {w.name: asyncio.Event() for w in self.coordinator.workers}
         self.mailboxes: dict[str, list[RequestOutput]] = {}  # consumer -> outputs not yet polled
         self.mail: dict[str, asyncio.Event] = {}
         self.last_poll_s: dict[str, float] = {}
-        self.request_ended = asyncio.Event()  # set (then replaced) when a request's last output is published
+        # set (then replaced) when a request's last output is published
+        self.request_ended = asyncio.Event()
         self.timeline = StepTimeline()
         self.last_result_s: dict[str, float] = {}  # per worker: when its last step's result arrived
-        self.clock = CallClock()  # seconds per token per worker; when prompt-finishing calls should return
-        self.handoff_applied = asyncio.Event()  # set (then replaced) when such a step's results are applied
+        # seconds per token per worker; when prompt-finishing calls should return
+        self.clock = CallClock()
+        # set (then replaced) when such a step's results are applied
+        self.handoff_applied = asyncio.Event()
         self.tasks: list[asyncio.Task[None]] = []
-        self.prefetching: set[asyncio.Future[Any]] = set()  # prefetch calls in flight (held until answered)
+        # prefetch calls in flight (held until answered)
+        self.prefetching: set[asyncio.Future[Any]] = set()
         self.bursts = BurstSizer(config.max_burst_ms / 1000)
         self.closed = False  # draining: new requests are refused with CellClosed
 
-    # ---- lifecycle --------------------------------------------------------------------------------
+    # ---- lifecycle
+    # --------------------------------------------------------------------------------
     async def ready(self) -> dict[str, Any]:
-        """Wait until every worker has loaded the model; start the loops. Returns where workers run."""
+        """Wait until every worker has loaded the model; start the loops. Returns where workers
+        run."""
         for worker in self.coordinator.workers:
             worker.placement = await self.handles[worker.name].ready.remote()
         if not self.tasks:
@@ -78,8 +96,10 @@ class CellActor:
             self.tasks = [asyncio.create_task(self._loop(w)) for w in self.coordinator.workers]
             self.tasks.append(asyncio.create_task(self._reap_consumers()))
         return {w.name: w.placement for w in self.coordinator.workers} | {
-            "capacity": self.config.capacity, "scheduler_worker_id": ray.get_runtime_context().get_worker_id(),
-            "scheduler_pid": os.getpid()}
+            "capacity": self.config.capacity,
+            "scheduler_worker_id": ray.get_runtime_context().get_worker_id(),
+            "scheduler_pid": os.getpid(),
+        }
 
     async def shutdown(self) -> None:
         for task in self.tasks:
@@ -92,21 +112,24 @@ class CellActor:
             raise RuntimeError("a worker pool has no worker left")
 
     async def drain(self) -> None:
-        """Refuse new requests (CellClosed) from now on, and return when the last open one has ended."""
+        """Refuse new requests (CellClosed) from now on, and return when the last open one has
+        ended."""
         self.closed = True
         while self.coordinator.consumers:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.request_ended.wait(), 1.0)  # (a reaped consumer's end sets nothing)
+                # (a reaped consumer's end sets nothing)
+                await asyncio.wait_for(self.request_ended.wait(), 1.0)
 
     async def num_open(self) -> int:
         """Requests here that have not ended: the cell's load, for routing and autoscaling."""
         return len(self.coordinator.consumers)
 
-    # ---- consumers --------------------------------------------------------------------------------
+    # ---- consumers
+    # --------------------------------------------------------------------------------
     async def submit(self, request: Request, consumer: str) -> str:
-        """Queue a request whose outputs go to `consumer`'s polls; returns this scheduler's instance id.
-        Raises ValueError (nothing queued) for a request that cannot run, QueueFullError when too many wait,
-        CellClosed while the cell drains."""
+        """Queue a request whose outputs go to `consumer`'s polls; returns this scheduler's instance
+        id. Raises ValueError (nothing queued) for a request that cannot run, QueueFullError when
+        too many wait, CellClosed while the cell drains."""
         if self.closed:
             raise CellClosed("this cell is draining: it takes no new request")
         request.arrival_s = time.perf_counter()
@@ -115,9 +138,12 @@ class CellActor:
         self._deliver()
         return self.instance
 
-    async def submit_many(self, entries: list[tuple[Request, str]]) -> list[str | ValueError | CellClosed]:
-        """`submit` each (request, consumer) in order, in one call: for each, this scheduler's instance id, or
-        what refused it (ValueError, QueueFullError included, or CellClosed); a refusal does not stop the others."""
+    async def submit_many(
+        self, entries: list[tuple[Request, str]]
+    ) -> list[str | ValueError | CellClosed]:
+        """`submit` each (request, consumer) in order, in one call: for each, this scheduler's
+        instance id, or what refused it (ValueError, QueueFullError included, or CellClosed); a
+        refusal does not stop the others."""
         answers: list[str | ValueError | CellClosed] = []
         for request, consumer in entries:
             try:
@@ -127,9 +153,9 @@ class CellActor:
         return answers
 
     async def poll(self, consumer: str, timeout_s: float = 1.0) -> tuple[str, list[RequestOutput]]:
-        """This scheduler's instance id and every output for the consumer's requests since its last poll,
-        each request's successive outputs joined into one; waits up to `timeout_s` for one (an empty list
-        means none came)."""
+        """This scheduler's instance id and every output for the consumer's requests since its last
+        poll, each request's successive outputs joined into one; waits up to `timeout_s` for one (an
+        empty list means none came)."""
         self.last_poll_s[consumer] = time.monotonic()
         event = self.mail.setdefault(consumer, asyncio.Event())
         if not self.mailboxes.get(consumer):
@@ -155,7 +181,8 @@ class CellActor:
                 self.request_ended = asyncio.Event()
 
     async def _reap_consumers(self) -> None:
-        """Abort the requests of consumers that stopped polling (a driver or ingress replica died)."""
+        """Abort the requests of consumers that stopped polling (a driver or ingress replica
+        died)."""
         while True:
             await asyncio.sleep(min(5.0, self.consumer_timeout_s / 2))
             now = time.monotonic()
@@ -163,12 +190,17 @@ class CellActor:
                 if now - last > self.consumer_timeout_s:
                     aborted = self.coordinator.abort_consumer(consumer)
                     if aborted:
-                        log.warning("consumer %s stopped polling; aborted its %d requests", consumer, aborted)
+                        log.warning(
+                            "consumer %s stopped polling; aborted its %d requests",
+                            consumer,
+                            aborted,
+                        )
                     del self.last_poll_s[consumer]
                     self.mailboxes.pop(consumer, None)
                     self.mail.pop(consumer, None)
 
-    # ---- stepping ---------------------------------------------------------------------------------
+    # ---- stepping
+    # ---------------------------------------------------------------------------------
     def _wake(self, worker: WorkerState) -> None:
         self.wakeups[worker.name].set()
 
@@ -176,10 +208,12 @@ class CellActor:
         """Keep one call in flight ahead: call N+1 is planned and sent before call N's results are
         applied, so planning, applying and publishing overlap the worker's forward. The policy plans
         N+1 as if N's tokens were known (the worker feeds them in), never past max_tokens, and drops
-        what N+1 samples for a request that stopped in N. A decode worker plans N+1 late when a handoff
-        is due before N ends (`_await_handoff`), so the handed-off request joins N+1, not N+2. A call
-        carries several decode steps (a burst, `scheduler/cell/bursts.py`) when the worker only decodes."""
-        handle, wakeup = self.handles[worker.name], self.wakeups[worker.name]
+        what N+1 samples for a request that stopped in N. A decode worker plans N+1 late when a
+        handoff is due before N ends (`_await_handoff`), so the handed-off request joins N+1, not
+        N+2. A call carries several decode steps (a burst, `scheduler/cell/bursts.py`) when the
+        worker only decodes."""
+        handle = self.handles[worker.name]
+        wakeup = self.wakeups[worker.name]
         in_flight: tuple[Any, ...] | None = None  # (plans, result ref, planning seconds, send time)
         while True:
             if worker.kind == "decode" and in_flight is not None:
@@ -192,7 +226,9 @@ class CellActor:
                 t1 = time.perf_counter()
                 sent = (plans, handle.step.remote(pack_plans(plans), imports), t1 - t0, t1)
                 if worker.kind == "prefill" and any(c.sample for c in plans[0].prefill):
-                    self.clock.finishing_sent(worker.name, t1, _tokens(plans), queued=in_flight is not None)
+                    self.clock.finishing_sent(
+                        worker.name, t1, _tokens(plans), queued=in_flight is not None
+                    )
             elif in_flight is None:
                 self._deliver()  # a preempted request's reroute may have failed it
                 wakeup.clear()
@@ -207,52 +243,68 @@ class CellActor:
                     self.clock.started(worker.name, sent[3], _tokens(sent[0]), time.perf_counter())
             in_flight = sent
 
-    async def _await_handoff(self, worker: WorkerState, plans: list[Any], ref: Any, sent_s: float) -> None:
-        """Before planning a decode worker's next step while its step N runs: if a prefill worker's call that
-        finishes a prompt is expected back before N ends (`CallClock.handoff_due`), wait for that handoff, or
-        for N, whichever comes first. Waiting never changes an output, only which step a handed-off request
-        joins; when no handoff is due it costs nothing."""
+    async def _await_handoff(
+        self, worker: WorkerState, plans: list[Any], ref: Any, sent_s: float
+    ) -> None:
+        """Before planning a decode worker's next step while its step N runs: if a prefill worker's
+        call that finishes a prompt is expected back before N ends (`CallClock.handoff_due`), wait
+        for that handoff, or for N, whichever comes first. Waiting never changes an output, only
+        which step a handed-off request joins; when no handoff is due it costs nothing."""
         start = max(sent_s, self.last_result_s.get(worker.name, sent_s))
         n_ends = self.clock.ends(worker.name, _tokens(plans), start)
         if n_ends == math.inf or not self.clock.handoff_due(n_ends):
             return
         arrived = asyncio.ensure_future(self.handoff_applied.wait())
         done = asyncio.ensure_future(asyncio.gather(ref, return_exceptions=True))
-        await asyncio.wait([arrived, done], timeout=max(0.0, n_ends - time.perf_counter()) + 0.05,
-                           return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(
+            [arrived, done],
+            timeout=max(0.0, n_ends - time.perf_counter()) + 0.05,
+            return_when=asyncio.FIRST_COMPLETED,
+        )
         for task in (arrived, done):
             task.cancel()
-        await asyncio.gather(arrived, done, return_exceptions=True)  # (retrieved: no "never retrieved" logs)
+        # (retrieved: no "never retrieved" logs)
+        await asyncio.gather(arrived, done, return_exceptions=True)
 
-    async def _finish_step(self, worker: WorkerState, plans: list[Any], ref: Any, plan_s: float,
-                           sent_s: float) -> bool:
-        """Wait for a call's results and apply them step by step; False if the worker died (then it has
-        been recovered)."""
+    async def _finish_step(
+        self, worker: WorkerState, plans: list[Any], ref: Any, plan_s: float, sent_s: float
+    ) -> bool:
+        """Wait for a call's results and apply them step by step; False if the worker died (then it
+        has been recovered)."""
         try:
             results = await ref
         except _WORKER_ERRORS as e:
             self.clock.lost(worker.name)
             await self._recover(worker, e)
             return False
-        except Exception as e:  # the step raised (a bug): end this worker's requests with it, keep serving
+        # the step raised (a bug): end this worker's requests with it, keep serving
+        except Exception as e:
             log.exception("a step of %s failed", worker.name)
             self.clock.lost(worker.name)
-            self.coordinator.fail_worker_requests(worker, f"internal error on {worker.name}: {type(e).__name__}: {e}")
+            self.coordinator.fail_worker_requests(
+                worker, f"internal error on {worker.name}: {type(e).__name__}: {e}"
+            )
             self._deliver()
             return False
         t2 = time.perf_counter()
-        worker_s, tokens = sum(r.step_s for r in results), _tokens(plans)
+        worker_s = sum(r.step_s for r in results)
+        tokens = _tokens(plans)
         self.clock.observe(worker.name, worker_s, tokens)
         try:
             for plan, result in zip(plans, results, strict=True):
                 self.coordinator.apply(worker, plan, result)
-        except Exception as e:  # a bug: say so loudly, end this worker's requests, keep the loop alive
+        # a bug: say so loudly, end this worker's requests, keep the loop alive
+        except Exception as e:
             log.exception("applying a step of %s failed", worker.name)
-            self.coordinator.fail_worker_requests(worker, f"internal error on {worker.name}: {type(e).__name__}: {e}")
-        for name, refs in self.coordinator.kv.take_prefetches().items():  # pieces for a decode worker's node
+            self.coordinator.fail_worker_requests(
+                worker, f"internal error on {worker.name}: {type(e).__name__}: {e}"
+            )
+        # pieces for a decode worker's node
+        for name, refs in self.coordinator.kv.take_prefetches().items():
             self._send_prefetch(name, refs)
         t3 = time.perf_counter()
-        if worker.kind == "prefill" and any(c.sample for c in plans[0].prefill):  # handoffs are queued: wake
+        # handoffs are queued: wake
+        if worker.kind == "prefill" and any(c.sample for c in plans[0].prefill):
             self.handoff_applied.set()
             self.handoff_applied = asyncio.Event()
         self.clock.returned(worker.name, sent_s)
@@ -261,14 +313,26 @@ class CellActor:
         self.last_result_s[worker.name] = t2
         if tokens:
             self.bursts.observe(worker.name, len(plans), period, worker_s)
-            self.timeline.record(worker.kind, steps=len(plans), period=period, plan=plan_s, round_trip=t2 - sent_s,
-                                 worker_step=worker_s, forward=sum(r.forward_s for r in results), apply=t3 - t2,
-                                 publish=time.perf_counter() - t3, tokens=tokens)
+            self.timeline.record(
+                worker.kind,
+                steps=len(plans),
+                period=period,
+                plan=plan_s,
+                round_trip=t2 - sent_s,
+                worker_step=worker_s,
+                forward=sum(r.forward_s for r in results),
+                apply=t3 - t2,
+                publish=time.perf_counter() - t3,
+                tokens=tokens,
+            )
         return True
 
     def _send_prefetch(self, name: str, refs: list[Any]) -> None:
-        """Name pieces to the decode worker that will import them; a failed call only costs the head start."""
-        task = asyncio.ensure_future(asyncio.gather(self.handles[name].prefetch.remote(refs), return_exceptions=True))
+        """Name pieces to the decode worker that will import them; a failed call only costs the head
+        start."""
+        task = asyncio.ensure_future(
+            asyncio.gather(self.handles[name].prefetch.remote(refs), return_exceptions=True)
+        )
         self.prefetching.add(task)
         task.add_done_callback(self.prefetching.discard)
 
@@ -292,7 +356,8 @@ class CellActor:
         self._deliver()
         await asyncio.Event().wait()
 
-    # ---- introspection ----------------------------------------------------------------------------
+    # ---- introspection
+    # ----------------------------------------------------------------------------
     async def worker_handles(self) -> dict[str, Any]:
         """The worker actors by name (prefill-0, decode-1, ...), e.g. for a fault-injection test."""
         return dict(self.handles)
@@ -302,7 +367,8 @@ class CellActor:
         return self.coordinator.stats() | {"timeline": self.timeline.summary()}
 
     async def reset_timeline(self) -> None:
-        """Start the step timeline and the prefix caches' hit counts afresh (a benchmark after its warm-up)."""
+        """Start the step timeline and the prefix caches' hit counts afresh (a benchmark after its
+        warm-up)."""
         self.timeline.reset()
         for worker in self.coordinator.workers:
             if worker.sched.prefix_cache is not None:

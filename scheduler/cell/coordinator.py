@@ -1,7 +1,9 @@
-"""The scheduler actor's decisions as plain code: routing, the handoff book, recompute, step results.
+"""The scheduler actor's decisions as plain code: routing, the handoff book, recompute, step
+results.
 
-No Ray, torch or numpy: the Ray actor (`scheduler/cell/actor.py`) is a thin shell that calls these methods
-from its loops and does the remote calls, and tests drive them with hand-built `StepResult`s.
+No Ray, torch or numpy: the Ray actor (`scheduler/cell/actor.py`) is a thin shell that calls these
+methods from its loops and does the remote calls, and tests drive them with hand-built
+`StepResult`s.
 """
 
 from __future__ import annotations
@@ -13,7 +15,14 @@ from typing import Any
 from scheduler.cell.forks import WaitingForks, sibling_worker
 from scheduler.cell.handoffs import HandoffBook
 from scheduler.cell.metrics import CellMetrics, RecordingBackend
-from scheduler.cell.state import CellConfig, CellCounts, RequestPlacement, WorkerState, WorkerStatus, prefill_room
+from scheduler.cell.state import (
+    CellConfig,
+    CellCounts,
+    RequestPlacement,
+    WorkerState,
+    WorkerStatus,
+    prefill_room,
+)
 from scheduler.messages import KVHandoff, KVImport, StepResult
 from scheduler.outputs import OutputProcessor, RequestOutput
 from scheduler.plan import StepPlan
@@ -22,6 +31,7 @@ from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.step_planner import QueueFullError, StepPlanner
 
 log = logging.getLogger(__name__)
+
 
 class Coordinator:
     """Owns every request of a cell and decides where it goes and what its stream gets.
@@ -32,29 +42,51 @@ class Coordinator:
       `local_prefill_max_tokens` are prefilled on the decode worker instead.
     * colocated: decode workers only, each prefilling and decoding under one decode-first budget.
 
-    A request whose cache is lost (its worker died, its handoff's bytes were lost, it was preempted on
-    a decode worker) is recomputed from prompt + output so far, up to `max_recomputes` losses, then ends
-    with an error on its own stream. Outputs collect per consumer (whoever submitted the request) until
-    `take_outputs`. `wake(worker)` is called whenever a worker gets new work.
+    A request whose cache is lost (its worker died, its handoff's bytes were lost, it was preempted
+    on a decode worker) is recomputed from prompt + output so far, up to `max_recomputes` losses,
+    then ends with an error on its own stream. Outputs collect per consumer (whoever submitted the
+    request) until `take_outputs`. `wake(worker)` is called whenever a worker gets new work.
     """
 
-    def __init__(self, config: CellConfig, tokenizer: Any = None, metrics_backend: Any = None,
-                 wake: Callable[[WorkerState], None] = lambda worker: None) -> None:
+    def __init__(
+        self,
+        config: CellConfig,
+        tokenizer: Any = None,
+        metrics_backend: Any = None,
+        wake: Callable[[WorkerState], None] = lambda worker: None,
+    ) -> None:
         self.config = config
         self.outputs = OutputProcessor(tokenizer)
         self.metrics = CellMetrics(config.mode, metrics_backend or RecordingBackend())
         self.wake = wake
 
         def pool(kind: str, count: int, slots: int, cached: bool) -> list[WorkerState]:
-            return [WorkerState(kind, i, StepPlanner(slots, config.capacity, config.token_budget, config.prefill_chunk,
-                                                   max_preemptions=config.max_preemptions, decodes=kind == "decode",
-                                                   prefix_cache_blocks=config.prefix_cache_blocks if cached else 0))
-                    for i in range(count)]
+            return [
+                WorkerState(
+                    kind,
+                    i,
+                    StepPlanner(
+                        slots,
+                        config.capacity,
+                        config.token_budget,
+                        config.prefill_chunk,
+                        max_preemptions=config.max_preemptions,
+                        decodes=kind == "decode",
+                        prefix_cache_blocks=config.prefix_cache_blocks if cached else 0,
+                    ),
+                )
+                for i in range(count)
+            ]
 
         decode_prefills = config.mode == "colocated" or config.local_prefill_max_tokens > 0
-        self.decode = pool("decode", config.num_decode_workers, config.decode_slots, decode_prefills)
-        self.prefill = [] if config.mode == "colocated" else pool("prefill", config.num_prefill_workers,
-                                                                   config.prefill_slots, True)
+        self.decode = pool(
+            "decode", config.num_decode_workers, config.decode_slots, decode_prefills
+        )
+        self.prefill = (
+            []
+            if config.mode == "colocated"
+            else pool("prefill", config.num_prefill_workers, config.prefill_slots, True)
+        )
         self.workers = self.prefill + self.decode
         self.kv = HandoffBook()  # KV pieces and handoffs in flight: the only refs held to them
         self.forks = WaitingForks()
@@ -63,7 +95,8 @@ class Coordinator:
         self.outbox: dict[str, list[RequestOutput]] = {}  # consumer -> outputs not yet taken
         self.counts = CellCounts()
 
-    # ---- requests ---------------------------------------------------------------------------------
+    # ---- requests
+    # ---------------------------------------------------------------------------------
     def admit(self, request: Request, consumer: str = "") -> None:
         """Queue a new request. Raises ValueError (nothing queued) for one that cannot run, and
         QueueFullError when `max_waiting` requests already wait."""
@@ -79,10 +112,12 @@ class Coordinator:
         self._route(request)
 
     def abort(self, req_id: str) -> bool:
-        """End a request in any state (waiting, prefilling, handed off, decoding): its slot, prefill row
-        and handoff are freed at once, its stream gets a final `abort` output, and `aborts` counts it."""
-        request = next((r for w in self.workers if (r := w.sched.abort(req_id)) is not None), None) \
-            or self.forks.take(req_id)
+        """End a request in any state (waiting, prefilling, handed off, decoding): its slot, prefill
+        row and handoff are freed at once, its stream gets a final `abort` output, and `aborts`
+        counts it."""
+        request = next(
+            (r for w in self.workers if (r := w.sched.abort(req_id)) is not None), None
+        ) or self.forks.take(req_id)
         if request is None:
             return False
         if request.finish_reason is None:  # a choice that was waiting for its sibling's handoff
@@ -90,13 +125,23 @@ class Coordinator:
         self._drop_kv(req_id)
         self._release_forks(req_id)
         self.counts.aborts += 1
-        self._publish([RequestOutput(req_id, text=self.outputs.close(request), finish_reason="abort",
-                                     metrics=request.metrics())])
+        self._publish(
+            [
+                RequestOutput(
+                    req_id,
+                    text=self.outputs.close(request),
+                    finish_reason="abort",
+                    metrics=request.metrics(),
+                )
+            ]
+        )
         return True
 
     def abort_consumer(self, consumer: str) -> int:
         """Abort every request of a consumer that went away; returns how many."""
-        aborted = sum(self.abort(r) for r in [r for r, c in self.consumers.items() if c == consumer])
+        aborted = sum(
+            self.abort(r) for r in [r for r, c in self.consumers.items() if c == consumer]
+        )
         self.outbox.pop(consumer, None)
         return aborted
 
@@ -115,18 +160,21 @@ class Coordinator:
         pool = self.decode if local else self.prefill
         worker = sibling_worker(request, pool) or self._pick_for_prompt(request, pool)
         if worker is None:
-            self._fail(request, f"no live {'decode' if local else 'prefill'} worker", unavailable=True)
+            self._fail(
+                request, f"no live {'decode' if local else 'prefill'} worker", unavailable=True
+            )
             return
         worker.sched.submit(request)
         self.wake(worker)
 
     def _drop_kv(self, req_id: str) -> None:
-        """Drop the refs of a request's KV pieces and handoff: the object store frees their bytes."""
+        """Drop the refs of a request's KV pieces and handoff: the object store frees their
+        bytes."""
         self.kv.drop(req_id)
 
     def _release_forks(self, req_id: str, target: WorkerState | None = None) -> None:
-        """The choices waiting for this request's handoff go with it to `target` (where they copy its
-        KV), or, when it left without one, on their own way (each computes the prompt)."""
+        """The choices waiting for this request's handoff go with it to `target` (where they copy
+        its KV), or, when it left without one, on their own way (each computes the prompt)."""
         for fork in self.forks.release(req_id):
             if target is None:
                 self._route(fork)
@@ -134,22 +182,42 @@ class Coordinator:
                 target.sched.submit(fork)
 
     def _pick_for_prompt(self, request: Request, pool: list[WorkerState]) -> WorkerState | None:
-        """With cache routing, the live worker of least `routing_cost` (queued work and the prompt's uncached
-        tokens), then the least loaded; else (or without prefix caches) the least loaded."""
+        """With cache routing, the live worker of least `routing_cost` (queued work and the prompt's
+        uncached tokens), then the least loaded; else (or without prefix caches) the least
+        loaded."""
         live = [w for w in pool if w.status is WorkerStatus.UP]
-        if not self.config.cache_routing or len(live) < 2 or not all(w.sched.prefix_cache for w in live):
+        if (
+            not self.config.cache_routing
+            or len(live) < 2
+            or not all(w.sched.prefix_cache for w in live)
+        ):
             return WorkerState.least_loaded(pool)
-        return min(live, key=lambda w: (routing_cost(request, w.sched.prefix_cache, w.sched.requests.values()),
-                                        w.load()))
+        return min(
+            live,
+            key=lambda w: (
+                routing_cost(request, w.sched.prefix_cache, w.sched.requests.values()),
+                w.load(),
+            ),
+        )
 
     def _fail(self, request: Request, message: str, unavailable: bool = False) -> None:
-        """End a request that no scheduler holds with an error on its own stream (`unavailable`: this
-        cell cannot serve it, another may)."""
+        """End a request that no scheduler holds with an error on its own stream (`unavailable`:
+        this cell cannot serve it, another may)."""
         self._drop_kv(request.req_id)
         self._release_forks(request.req_id)
         request.mark_finished(FinishReason.ERROR, message)
-        self._publish([RequestOutput(request.req_id, text=self.outputs.close(request), finish_reason="error",
-                                     error=message, metrics=request.metrics(), unavailable=unavailable)])
+        self._publish(
+            [
+                RequestOutput(
+                    request.req_id,
+                    text=self.outputs.close(request),
+                    finish_reason="error",
+                    error=message,
+                    metrics=request.metrics(),
+                    unavailable=unavailable,
+                )
+            ]
+        )
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -161,17 +229,24 @@ class Coordinator:
                 out.metrics |= self.placements.pop(out.req_id).as_metrics()
                 del self.consumers[out.req_id]
             self.outbox.setdefault(consumer, []).append(out)
-        if any(out.finished for out in outputs):  # a slot or a place in a queue freed: `prefill_room` grew
+        # a slot or a place in a queue freed: `prefill_room` grew
+        if any(out.finished for out in outputs):
             for worker in self.prefill:
                 if worker.sched.num_waiting:
                     self.wake(worker)
 
-    # ---- stepping ---------------------------------------------------------------------------------
+    # ---- stepping
+    # ---------------------------------------------------------------------------------
     def next_step(self, worker: WorkerState) -> tuple[StepPlan, list[KVImport]] | None:
-        """Plan the worker's next step and the handoffs it imports first (None: no work). A prefill worker
-        starts at most `prefill_room` prompts; one preempted on a decode worker is recomputed on the prefill pool."""
+        """Plan the worker's next step and the handoffs it imports first (None: no work). A prefill
+        worker starts at most `prefill_room` prompts; one preempted on a decode worker is recomputed
+        on the prefill pool."""
         prefill = worker.kind == "prefill"
-        room = prefill_room(worker, self.prefill, self.decode, self.config.prefill_slots) if prefill else None
+        room = (
+            prefill_room(worker, self.prefill, self.decode, self.config.prefill_slots)
+            if prefill
+            else None
+        )
         plan = worker.sched.plan(room)
         for req_id in plan.preempted:
             self.kv.void_pieces(req_id)
@@ -180,26 +255,37 @@ class Coordinator:
                 request = worker.sched.evict(req_id)
                 if request is not None:
                     self._route(request)
-        early = self.kv.early_imports(worker)  # an idle decode worker gets a step that only imports them
+        # an idle decode worker gets a step that only imports them
+        early = self.kv.early_imports(worker)
         if plan.empty and not early:
             return None
         self.counts.early_imports += len(early)
         return plan, self.kv.final_imports(plan) + early
 
     def apply(self, worker: WorkerState, plan: StepPlan, result: StepResult) -> None:
-        """Consume a step's results: lost imports go back to be recomputed, sampled tokens are applied,
-        finished prompts are handed off to a decode worker, and the outputs are published."""
+        """Consume a step's results: lost imports go back to be recomputed, sampled tokens are
+        applied, finished prompts are handed off to a decode worker, and the outputs are
+        published."""
         sched = worker.sched
-        for piece in result.kv_pieces:  # of requests still prefilling here (not aborted or preempted since)
+        # of requests still prefilling here (not aborted or preempted since)
+        for piece in result.kv_pieces:
             request = sched.requests.get(piece.req_id)
-            if request is not None and request.status is RequestStatus.RUNNING \
-                    and (target := self.kv.add_piece(piece, worker, self.decode)) is not None:
+            if (
+                request is not None
+                and request.status is RequestStatus.RUNNING
+                and (target := self.kv.add_piece(piece, worker, self.decode)) is not None
+            ):
                 self.wake(target)  # idle, it imports the piece now
-        handoffs = [self.kv.finish(c.req_id, worker.index) for c in plan.prefill
-                    if worker.kind == "prefill" and c.sample and c.req_id in result.samples.tokens]
+        handoffs = [
+            self.kv.finish(c.req_id, worker.index)
+            for c in plan.prefill
+            if worker.kind == "prefill" and c.sample and c.req_id in result.samples.tokens
+        ]
         for req_id in result.failed_imports:  # the pieces' bytes died with their prefill worker
             self.kv.drop(req_id)
-            request = next((r for w in self.workers if (r := w.sched.evict(req_id)) is not None), None)
+            request = next(
+                (r for w in self.workers if (r := w.sched.evict(req_id)) is not None), None
+            )
             if request is not None:
                 self._recompute(request, "its KV handoff was lost")
         for req_id, seconds in result.import_s.items():
@@ -211,9 +297,15 @@ class Coordinator:
         update = sched.update(plan, samples.tokens, samples.logprobs, samples.prompt_logprobs)
         outputs = self.outputs.apply(sched, update)
         if plan.num_tokens:  # (not a step that only imported)
-            self.metrics.on_step(worker.name, worker.kind, worker.slots_used, plan.num_tokens, len(plan.preempted),
-                                 result.step_s,
-                                 sched.prefix_cache.stats() if sched.prefix_cache is not None else None)
+            self.metrics.on_step(
+                worker.name,
+                worker.kind,
+                worker.slots_used,
+                plan.num_tokens,
+                len(plan.preempted),
+                result.step_s,
+                sched.prefix_cache.stats() if sched.prefix_cache is not None else None,
+            )
         computed_by = f"{worker.kind}_worker"  # who computed what, for the request's metrics
         for chunk in plan.chunks:
             if (placement := self.placements.get(chunk.req_id)) is not None:
@@ -247,22 +339,27 @@ class Coordinator:
         self.counts.recomputes += 1
         self.metrics.on_recompute()
         if request.num_recomputes > self.config.max_recomputes:
-            self._fail(request, f"request {request.req_id} lost its cache {request.num_recomputes} times "
-                                f"(last: {why}); giving up")
+            self._fail(
+                request,
+                f"request {request.req_id} lost its cache {request.num_recomputes} times "
+                f"(last: {why}); giving up",
+            )
             return
         log.warning("recomputing %s: %s", request.req_id, why)
         self._route(request)
 
-    # ---- faults -----------------------------------------------------------------------------------
+    # ---- faults
+    # -----------------------------------------------------------------------------------
     def fail_worker_requests(self, worker: WorkerState, message: str) -> None:
-        """End every request of a worker with an error (a bug applying its step: say so on each stream)."""
+        """End every request of a worker with an error (a bug applying its step: say so on each
+        stream)."""
         for request in list(worker.sched.running) + list(worker.sched.waiting_requests()):
             worker.sched.evict(request.req_id)
             self._fail(request, message)
 
     def worker_died(self, worker: WorkerState) -> None:
-        """A worker stopped answering: recompute its running requests (on live workers if any, else on
-        it after its restart) and move its waiting ones to live workers of its pool."""
+        """A worker stopped answering: recompute its running requests (on live workers if any, else
+        on it after its restart) and move its waiting ones to live workers of its pool."""
         self.counts.worker_failures += 1
         worker.status = WorkerStatus.RESTARTING
         self.kv.worker_lost(worker)
@@ -276,7 +373,8 @@ class Coordinator:
         self._move_waiting(worker)
 
     def worker_back(self, worker: WorkerState, placement: dict[str, Any]) -> None:
-        worker.status, worker.placement = WorkerStatus.UP, placement
+        worker.status = WorkerStatus.UP
+        worker.placement = placement
         log.warning("%s is back", worker.name)
         self.wake(worker)
 
@@ -287,7 +385,8 @@ class Coordinator:
         self._move_waiting(worker)
 
     def _move_waiting(self, worker: WorkerState) -> None:
-        """Hand a dead worker's queue to live workers of its pool (a gone worker's to any that remain)."""
+        """Hand a dead worker's queue to live workers of its pool (a gone worker's to any that
+        remain)."""
         pool = self.prefill if worker.kind == "prefill" else self.decode
         gone = worker.status is WorkerStatus.GONE
         for request in list(worker.sched.waiting_requests()):
@@ -301,16 +400,26 @@ class Coordinator:
             target.sched.submit(request)
             self.wake(target)
 
-    # ---- introspection ----------------------------------------------------------------------------
+    # ---- introspection
+    # ----------------------------------------------------------------------------
     def pool_exhausted(self) -> bool:
         """A pool has no worker left: the cell cannot serve."""
-        return any(pool and all(w.status is WorkerStatus.GONE for w in pool) for pool in (self.prefill, self.decode))
+        return any(
+            pool and all(w.status is WorkerStatus.GONE for w in pool)
+            for pool in (self.prefill, self.decode)
+        )
 
     def stats(self) -> dict[str, Any]:
         """Slots and queues per worker, live handoffs and counts: what a test or /stats reads."""
         workers = {w.name: w.stats() for w in self.workers}
         counters = vars(self.counts) | {
             "preemptions": sum(w.sched.num_preemptions for w in self.workers),
-            "recomputed_tokens": sum(w.sched.num_recomputed_tokens for w in self.workers)}
-        return {"workers": workers, "live_handoffs": len(self.kv.handoffs), "streams": len(self.consumers),
-                "counters": counters, "max_waiting": self.config.max_waiting}
+            "recomputed_tokens": sum(w.sched.num_recomputed_tokens for w in self.workers),
+        }
+        return {
+            "workers": workers,
+            "live_handoffs": len(self.kv.handoffs),
+            "streams": len(self.consumers),
+            "counters": counters,
+            "max_waiting": self.config.max_waiting,
+        }

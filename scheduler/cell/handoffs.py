@@ -1,13 +1,14 @@
 """The KV a cell has in flight between its pools, and the decode worker each prompt's KV goes to.
 
-A prompt on a prefill worker sends its KV out a piece per step (`KVPiece`); when its last chunk is done
-the pieces become a `KVHandoff` that waits until a decode worker imports it. The book holds the only
-references to those objects, so dropping an entry frees their bytes. From its first piece a prompt is
-bound to the decode worker it will go to; when that worker is on another node, each piece is named to
-it as soon as it exists (`take_prefetches`), so the worker pulls the bytes to its node while the prompt
-is still prefilling and only the last piece's transfer is left between the first token and the second.
-When that worker has a slot to spare, the slot is reserved for the prompt and each piece is imported into
-it with the worker's next step (`early_imports`), so only the last piece's copy is left at the handoff.
+A prompt on a prefill worker sends its KV out a piece per step (`KVPiece`); when its last chunk is
+done the pieces become a `KVHandoff` that waits until a decode worker imports it. The book holds the
+only references to those objects, so dropping an entry frees their bytes. From its first piece a
+prompt is bound to the decode worker it will go to; when that worker is on another node, each piece
+is named to it as soon as it exists (`take_prefetches`), so the worker pulls the bytes to its node
+while the prompt is still prefilling and only the last piece's transfer is left between the first
+token and the second. When that worker has a slot to spare, the slot is reserved for the prompt and
+each piece is imported into it with the worker's next step (`early_imports`), so only the last
+piece's copy is left at the handoff.
 """
 
 from __future__ import annotations
@@ -23,34 +24,46 @@ from scheduler.plan import StepPlan
 
 class HandoffBook:
     def __init__(self) -> None:
-        self.pieces: dict[str, list[KVPiece]] = {}  # prompts on prefill workers: the KV pieces sent so far
+        # prompts on prefill workers: the KV pieces sent so far
+        self.pieces: dict[str, list[KVPiece]] = {}
         self.handoffs: dict[str, KVHandoff] = {}  # handed off, not yet imported
-        self.importing: dict[str, KVHandoff] = {}  # of those, sent in a step whose result has not come yet
-        self.bound: dict[str, WorkerState] = {}  # prompts on prefill workers: the decode worker they go to
-        self.prefetches: dict[str, list[Any]] = {}  # decode worker name -> piece refs to pull to its node
-        self.sent: dict[str, int] = {}  # prompts with a reserved slot: pieces sent to be imported into it
+        # of those, sent in a step whose result has not come yet
+        self.importing: dict[str, KVHandoff] = {}
+        # prompts on prefill workers: the decode worker they go to
+        self.bound: dict[str, WorkerState] = {}
+        # decode worker name -> piece refs to pull to its node
+        self.prefetches: dict[str, list[Any]] = {}
+        # prompts with a reserved slot: pieces sent to be imported into it
+        self.sent: dict[str, int] = {}
 
-    def add_piece(self, piece: KVPiece, prefill: WorkerState, decode: list[WorkerState]) -> WorkerState | None:
-        """Keep a piece of a prompt still prefilling; name it to its decode worker if that is elsewhere.
-        Returns that worker when the piece is to be imported into a slot reserved there."""
+    def add_piece(
+        self, piece: KVPiece, prefill: WorkerState, decode: list[WorkerState]
+    ) -> WorkerState | None:
+        """Keep a piece of a prompt still prefilling; name it to its decode worker if that is
+        elsewhere. Returns that worker when the piece is to be imported into a slot reserved
+        there."""
         self.pieces.setdefault(piece.req_id, []).append(piece)
         target = self.target(piece.req_id, decode)
         if target is not None and target.status is WorkerStatus.UP:
             target.sched.reserve(piece.req_id)
-        if target is not None and target.placement.get("node_id") != prefill.placement.get("node_id"):
+        if target is not None and target.placement.get("node_id") != prefill.placement.get(
+            "node_id"
+        ):
             refs = self.prefetches.setdefault(target.name, [])
             if not any(ref is piece.ref for ref in refs):  # a step's pieces share one object
                 refs.append(piece.ref)
         return target if target is not None and piece.req_id in target.sched.reserved else None
 
     def target(self, req_id: str, decode: list[WorkerState]) -> WorkerState | None:
-        """The decode worker a prompt's KV goes to: the one it was bound to while it answers, else the
-        least loaded, counting the prompts already bound to each (it is bound to it from now on); None
-        when no decode worker is left."""
+        """The decode worker a prompt's KV goes to: the one it was bound to while it answers, else
+        the least loaded, counting the prompts already bound to each (it is bound to it from now
+        on); None when no decode worker is left."""
         bound = self.bound.get(req_id)
         if bound is None or bound.status is not WorkerStatus.UP:
             self.unbind(req_id)
-            bound = WorkerState.least_loaded(decode, coming=Counter(w.name for w in self.bound.values()))
+            bound = WorkerState.least_loaded(
+                decode, coming=Counter(w.name for w in self.bound.values())
+            )
             if bound is None:
                 self.bound.pop(req_id, None)
             else:
@@ -58,14 +71,15 @@ class HandoffBook:
         return bound
 
     def unbind(self, req_id: str) -> None:
-        """End a prompt's binding: its reserved slot is free again, and what was imported into it void."""
+        """End a prompt's binding: its reserved slot is free again, and what was imported into it
+        void."""
         if (bound := self.bound.pop(req_id, None)) is not None:
             bound.sched.unreserve(req_id)
         self.sent.pop(req_id, None)
 
     def worker_lost(self, worker: WorkerState) -> None:
-        """A decode worker died with its slots: the prompts bound to it go elsewhere, and the handoffs
-        waiting there import every piece again, wherever they go."""
+        """A decode worker died with its slots: the prompts bound to it go elsewhere, and the
+        handoffs waiting there import every piece again, wherever they go."""
         for req_id in [r for r, w in self.bound.items() if w is worker]:
             self.unbind(req_id)
         for req_id, handoff in self.handoffs.items():
@@ -79,16 +93,20 @@ class HandoffBook:
         self.importing.pop(handoff.req_id, None)
 
     def final_imports(self, plan: StepPlan) -> list[KVImport]:
-        """The handoffs of the plan's decode chunks that no step has been sent to import yet: with a step
-        in flight ahead, the one after it must not import them again."""
-        imports = [KVImport(c.slot, self.handoffs[c.req_id]) for c in plan.decode
-                   if c.req_id in self.handoffs and c.req_id not in self.importing]
+        """The handoffs of the plan's decode chunks that no step has been sent to import yet: with a
+        step in flight ahead, the one after it must not import them again."""
+        imports = [
+            KVImport(c.slot, self.handoffs[c.req_id])
+            for c in plan.decode
+            if c.req_id in self.handoffs and c.req_id not in self.importing
+        ]
         self.importing |= {i.handoff.req_id: i.handoff for i in imports}
         return imports
 
     def imported(self, req_id: str) -> KVHandoff | None:
-        """A step imported a request's handoff: forget it (the object store frees the bytes) and return it;
-        None if a later handoff of the request has replaced it since the step was sent."""
+        """A step imported a request's handoff: forget it (the object store frees the bytes) and
+        return it; None if a later handoff of the request has replaced it since the step was
+        sent."""
         handoff = self.importing.pop(req_id, None)
         if handoff is None or self.handoffs.get(req_id) is not handoff:
             return None
@@ -98,20 +116,27 @@ class HandoffBook:
         """The pieces not yet sent of the prompts with a slot reserved on this decode worker."""
         imports = []
         for req_id, slot in worker.sched.reserved.items():
-            pieces, sent = self.pieces.get(req_id, []), self.sent.get(req_id, 0)
+            pieces = self.pieces.get(req_id, [])
+            sent = self.sent.get(req_id, 0)
             if self.bound.get(req_id) is worker and len(pieces) > sent:
-                imports.append(KVImport(slot, KVHandoff(req_id, tuple(pieces), -1, sent), final=False))
+                imports.append(
+                    KVImport(slot, KVHandoff(req_id, tuple(pieces), -1, sent), final=False)
+                )
                 self.sent[req_id] = len(pieces)
         return imports
 
-    def release(self, handoff: KVHandoff, decode: list[WorkerState]) -> tuple[WorkerState | None, KVHandoff]:
-        """Where a finished prompt's KV goes now (`target`), and its handoff with the pieces already in the
-        slot reserved there; its binding ends here (the slot stays reserved until the prompt takes it)."""
+    def release(
+        self, handoff: KVHandoff, decode: list[WorkerState]
+    ) -> tuple[WorkerState | None, KVHandoff]:
+        """Where a finished prompt's KV goes now (`target`), and its handoff with the pieces already
+        in the slot reserved there; its binding ends here (the slot stays reserved until the prompt
+        takes it)."""
         target = self.target(handoff.req_id, decode)
         self.bound.pop(handoff.req_id, None)
         sent = self.sent.pop(handoff.req_id, 0)
-        return target, dataclasses.replace(handoff, imported=sent if target and handoff.req_id in target.sched.reserved
-                                           else 0)
+        return target, dataclasses.replace(
+            handoff, imported=sent if target and handoff.req_id in target.sched.reserved else 0
+        )
 
     def finish(self, req_id: str, prefill_worker: int) -> KVHandoff:
         """A prompt's last chunk is done: its pieces, in order, as one handoff (not yet booked)."""

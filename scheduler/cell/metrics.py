@@ -1,8 +1,8 @@
 """The scheduler's Prometheus metrics, defined once and recorded through any metrics backend.
 
-The backend is a module-like object with `Counter`, `Gauge` and `Histogram` classes taking
-`(name, description, [boundaries,] tag_keys)`: `ray.util.metrics` in the Ray actor (served on Ray's
-/metrics with a `ray_` prefix: `ray_pdserve_ttft_seconds`, ...), or `RecordingBackend` here, which keeps
+The backend is a module-like object with `Counter`, `Gauge` and `Histogram` classes taking `(name,
+description, [boundaries,] tag_keys)`: `ray.util.metrics` in the Ray actor (served on Ray's /metrics
+with a `ray_` prefix: `ray_pdserve_ttft_seconds`, ...), or `RecordingBackend` here, which keeps
 every value in memory so tests can read what would have been exported.
 """
 
@@ -22,37 +22,72 @@ class CellMetrics:
 
     def __init__(self, mode: str, backend: Any) -> None:
         self.tags = {"mode": mode}
-        mode_tag, worker_tags = ("mode",), ("mode", "worker")
-        self.ttft = backend.Histogram("pdserve_ttft_seconds", "Time to first token.", _LATENCY_S, mode_tag)
-        self.tpot = backend.Histogram("pdserve_tpot_seconds", "Time per output token after the first.",
-                                      _LATENCY_S, mode_tag)
-        self.e2e = backend.Histogram("pdserve_e2e_seconds", "Request latency, arrival to finish.", _LATENCY_S,
-                                     mode_tag)
-        self.finished = backend.Counter("pdserve_requests_finished_total", "Finished requests by finish reason.",
-                                        ("mode", "reason"))
-        self.requests = backend.Gauge("pdserve_requests", "Requests by state: waiting, prefilling, decoding.",
-                                      ("mode", "state"))
-        self.slots_used = backend.Gauge("pdserve_slots_in_use", "Cache slots (rows) in use per worker.",
-                                        worker_tags)
-        self.step_tokens = backend.Histogram("pdserve_step_tokens", "Tokens computed per step.", _TOKENS,
-                                             worker_tags)
-        self.step_seconds = backend.Histogram("pdserve_step_seconds", "Step duration on the worker.", _LATENCY_S,
-                                              ("mode", "kind"))
-        self.handoff_bytes = backend.Histogram("pdserve_kv_handoff_bytes", "KV bytes per handoff.", _BYTES,
-                                               mode_tag)
-        self.handoff_seconds = backend.Histogram("pdserve_kv_handoff_seconds",
-                                                 "Export plus import time per handoff.", _LATENCY_S, mode_tag)
-        self.preemptions = backend.Counter("pdserve_preemptions_total", "Requests evicted for more urgent ones.",
-                                           mode_tag)
-        self.recomputes = backend.Counter("pdserve_recomputes_total", "Requests recomputed after a lost cache.",
-                                          mode_tag)
-        self.prefix_hit_rate = backend.Gauge("pdserve_prefix_cache_hit_rate", "Prompt tokens served from the "
-                                             "worker's prefix cache, as a fraction of prompt tokens.", worker_tags)
-        self.prefix_blocks_used = backend.Gauge("pdserve_prefix_cache_blocks_used", "Prefix-cache blocks in use "
-                                                "(of `blocks` in /stats) per worker.", worker_tags)
+        mode_tag = ("mode",)
+        worker_tags = ("mode", "worker")
+        self.ttft = backend.Histogram(
+            "pdserve_ttft_seconds", "Time to first token.", _LATENCY_S, mode_tag
+        )
+        self.tpot = backend.Histogram(
+            "pdserve_tpot_seconds", "Time per output token after the first.", _LATENCY_S, mode_tag
+        )
+        self.e2e = backend.Histogram(
+            "pdserve_e2e_seconds", "Request latency, arrival to finish.", _LATENCY_S, mode_tag
+        )
+        self.finished = backend.Counter(
+            "pdserve_requests_finished_total",
+            "Finished requests by finish reason.",
+            ("mode", "reason"),
+        )
+        self.requests = backend.Gauge(
+            "pdserve_requests",
+            "Requests by state: waiting, prefilling, decoding.",
+            ("mode", "state"),
+        )
+        self.slots_used = backend.Gauge(
+            "pdserve_slots_in_use", "Cache slots (rows) in use per worker.", worker_tags
+        )
+        self.step_tokens = backend.Histogram(
+            "pdserve_step_tokens", "Tokens computed per step.", _TOKENS, worker_tags
+        )
+        self.step_seconds = backend.Histogram(
+            "pdserve_step_seconds", "Step duration on the worker.", _LATENCY_S, ("mode", "kind")
+        )
+        self.handoff_bytes = backend.Histogram(
+            "pdserve_kv_handoff_bytes", "KV bytes per handoff.", _BYTES, mode_tag
+        )
+        self.handoff_seconds = backend.Histogram(
+            "pdserve_kv_handoff_seconds",
+            "Export plus import time per handoff.",
+            _LATENCY_S,
+            mode_tag,
+        )
+        self.preemptions = backend.Counter(
+            "pdserve_preemptions_total", "Requests evicted for more urgent ones.", mode_tag
+        )
+        self.recomputes = backend.Counter(
+            "pdserve_recomputes_total", "Requests recomputed after a lost cache.", mode_tag
+        )
+        self.prefix_hit_rate = backend.Gauge(
+            "pdserve_prefix_cache_hit_rate",
+            "Prompt tokens served from the worker's prefix cache, as a fraction of prompt tokens.",
+            worker_tags,
+        )
+        self.prefix_blocks_used = backend.Gauge(
+            "pdserve_prefix_cache_blocks_used",
+            "Prefix-cache blocks in use (of `blocks` in /stats) per worker.",
+            worker_tags,
+        )
 
-    def on_step(self, worker: str, kind: str, slots_used: int, num_tokens: int, num_preempted: int,
-                step_s: float, prefix_cache: dict[str, float] | None = None) -> None:
+    def on_step(
+        self,
+        worker: str,
+        kind: str,
+        slots_used: int,
+        num_tokens: int,
+        num_preempted: int,
+        step_s: float,
+        prefix_cache: dict[str, float] | None = None,
+    ) -> None:
         tags = self.tags | {"worker": worker}
         if prefix_cache is not None:
             self.prefix_hit_rate.set(prefix_cache["hit_rate"], tags=tags)
@@ -68,7 +103,11 @@ class CellMetrics:
         running = [r for sched in scheds for r in sched.running]
         decoding = sum(r.is_decoding for r in running)
         waiting = sum(sched.num_waiting for sched in scheds)
-        for state, value in (("waiting", waiting), ("prefilling", len(running) - decoding), ("decoding", decoding)):
+        for state, value in (
+            ("waiting", waiting),
+            ("prefilling", len(running) - decoding),
+            ("decoding", decoding),
+        ):
             self.requests.set(value, tags=self.tags | {"state": state})
 
     def on_handoff(self, num_bytes: int, seconds: float) -> None:
@@ -93,7 +132,8 @@ class _Recorded:
     """One metric of the recording backend: every observation, and the last value per tag set."""
 
     def __init__(self, name: str, description: str, *args: Any) -> None:
-        self.name, self.description = name, description
+        self.name = name
+        self.description = description
         self.observations: list[tuple[float, dict[str, str]]] = []
         self.values: dict[tuple[tuple[str, str], ...], float] = {}
 
@@ -109,7 +149,8 @@ class _Recorded:
 
 
 class RecordingBackend:
-    """A metrics backend that keeps everything in memory (for tests and the stub-worker benchmark)."""
+    """A metrics backend that keeps everything in memory (for tests and the stub-worker
+    benchmark)."""
 
     def __init__(self) -> None:
         self.metrics: dict[str, _Recorded] = {}

@@ -1,4 +1,5 @@
-"""A cell as plain data (config, workers' states, placements, counts), and how many prompts its prefill pool starts."""
+"""A cell as plain data (config, workers' states, placements, counts), and how many prompts its
+prefill pool starts."""
 
 from __future__ import annotations
 
@@ -28,17 +29,23 @@ class CellConfig:
     max_preemptions: int = 2
     max_recomputes: int = 3  # cache losses a request survives before it ends with an error
     local_prefill_max_tokens: int = 0  # shorter prompts are prefilled on the decode worker
-    prefix_cache_blocks: int = 0  # per worker that prefills (prefill pool; decode pool when it prefills)
-    cache_routing: bool = True  # send a prompt where its prefix is cached (weighed against queued work)
-    max_burst_ms: float = 20.0  # decode steps one worker call may carry, in time (scheduler/cell/bursts.py); 0: one
+    # per worker that prefills (prefill pool; decode pool when it prefills)
+    prefix_cache_blocks: int = 0
+    # send a prompt where its prefix is cached (weighed against queued work)
+    cache_routing: bool = True
+    # decode steps one worker call may carry, in time (scheduler/cell/bursts.py); 0: one
+    max_burst_ms: float = 20.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES_ON_RAY:
-            raise ValueError(f"a scheduler cell runs {' or '.join(MODES_ON_RAY)} mode, not {self.mode!r}")
+            raise ValueError(
+                f"a scheduler cell runs {' or '.join(MODES_ON_RAY)} mode, not {self.mode!r}"
+            )
 
 
 class CellClosed(RuntimeError):
-    """This cell takes no new request (it is draining before it stops): place the request on another."""
+    """This cell takes no new request (it is draining before it stops): place the request on
+    another."""
 
 
 class WorkerStatus(enum.Enum):
@@ -55,7 +62,8 @@ class WorkerState:
     index: int
     sched: StepPlanner
     status: WorkerStatus = WorkerStatus.UP
-    placement: dict[str, Any] = field(default_factory=dict)  # node, pid, device: what `ready` reported
+    # node, pid, device: what `ready` reported
+    placement: dict[str, Any] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -70,26 +78,42 @@ class WorkerState:
         return self.sched.num_slots - len(self.sched.free_slots)
 
     def stats(self) -> dict[str, Any]:
-        """What /stats shows of this worker: up or not, slots, queue, and its prefix cache if it has one."""
-        line: dict[str, Any] = {"alive": self.status is WorkerStatus.UP, "slots_used": self.slots_used,
-                                "running": len(self.sched.running), "waiting": self.sched.num_waiting}
+        """What /stats shows of this worker: up or not, slots, queue, and its prefix cache if it has
+        one."""
+        line: dict[str, Any] = {
+            "alive": self.status is WorkerStatus.UP,
+            "slots_used": self.slots_used,
+            "running": len(self.sched.running),
+            "waiting": self.sched.num_waiting,
+        }
         if self.sched.prefix_cache is not None:
             line["prefix_cache"] = self.sched.prefix_cache.stats()
         return line
 
     def load(self) -> tuple[int, int]:
         """Lower is less loaded: (requests here beyond free slots, requests running)."""
-        return (len(self.sched.running) + self.sched.num_waiting - self.sched.num_slots, len(self.sched.running))
+        return (
+            len(self.sched.running) + self.sched.num_waiting - self.sched.num_slots,
+            len(self.sched.running),
+        )
 
     @staticmethod
-    def least_loaded(pool: list[WorkerState], exclude: WorkerState | None = None,
-                     coming: Mapping[str, int] | None = None) -> WorkerState | None:
-        """The least loaded worker that is up; else one being restarted (its queue waits); else None.
-        `coming`: requests on their way to a worker (by name), counted as queued there."""
+    def least_loaded(
+        pool: list[WorkerState],
+        exclude: WorkerState | None = None,
+        coming: Mapping[str, int] | None = None,
+    ) -> WorkerState | None:
+        """The least loaded worker that is up; else one being restarted (its queue waits); else
+        None. `coming`: requests on their way to a worker (by name), counted as queued there."""
         candidates = [w for w in pool if w.status is WorkerStatus.UP and w is not exclude] or [
-            w for w in pool if w.status is WorkerStatus.RESTARTING and w is not exclude]
+            w for w in pool if w.status is WorkerStatus.RESTARTING and w is not exclude
+        ]
         coming = coming or {}
-        return min(candidates, key=lambda w: (w.load()[0] + coming.get(w.name, 0), w.load()[1]), default=None)
+        return min(
+            candidates,
+            key=lambda w: (w.load()[0] + coming.get(w.name, 0), w.load()[1]),
+            default=None,
+        )
 
 
 @dataclass
@@ -102,8 +126,12 @@ class RequestPlacement:
     kv_handoff_s: float = 0.0
 
     def as_metrics(self) -> dict[str, Any]:
-        return {"prefill_worker": self.prefill_worker, "decode_worker": self.decode_worker,
-                "kv_handoff_bytes": self.kv_handoff_bytes, "kv_handoff_s": self.kv_handoff_s}
+        return {
+            "prefill_worker": self.prefill_worker,
+            "decode_worker": self.decode_worker,
+            "kv_handoff_bytes": self.kv_handoff_bytes,
+            "kv_handoff_s": self.kv_handoff_s,
+        }
 
 
 @dataclass
@@ -118,16 +146,26 @@ class CellCounts:
     early_imports: int = 0  # KV imports into a slot reserved for a prompt still prefilling
 
 
-def prefill_room(worker: WorkerState, prefill: list[WorkerState], decode: list[WorkerState], prefill_slots: int) -> int:
-    """Prompts a prefill worker may start now. A prompt's KV waits (in the object store) from its handoff
-    until a decode worker has a slot for it: those prompts and the ones still prefilling are held to the
-    decode pool's free slots plus one round of the prefill pool's slots, so an overload queues prompts,
-    not KV. The worker's most urgent waiting prompt may always start if it would preempt a running
-    request on a decode worker: the bound never delays a priority."""
-    free = sum(len(w.sched.free_slots) + len(w.sched.reserved) for w in decode if w.status is not WorkerStatus.GONE)
+def prefill_room(
+    worker: WorkerState, prefill: list[WorkerState], decode: list[WorkerState], prefill_slots: int
+) -> int:
+    """Prompts a prefill worker may start now. A prompt's KV waits (in the object store) from its
+    handoff until a decode worker has a slot for it: those prompts and the ones still prefilling are
+    held to the decode pool's free slots plus one round of the prefill pool's slots, so an overload
+    queues prompts, not KV. The worker's most urgent waiting prompt may always start if it would
+    preempt a running request on a decode worker: the bound never delays a priority."""
+    free = sum(
+        len(w.sched.free_slots) + len(w.sched.reserved)
+        for w in decode
+        if w.status is not WorkerStatus.GONE
+    )
     queued = sum(w.sched.num_waiting for w in decode) + sum(len(w.sched.running) for w in prefill)
     room = free + prefill_slots * sum(w.status is not WorkerStatus.GONE for w in prefill) - queued
     urgent = worker.sched.waiting[0].request if worker.sched.waiting else None
-    if room < 1 and urgent is not None and any(w.sched.victim(urgent) for w in decode if w.status is WorkerStatus.UP):
+    if (
+        room < 1
+        and urgent is not None
+        and any(w.sched.victim(urgent) for w in decode if w.status is WorkerStatus.UP)
+    ):
         return 1
     return room

@@ -1,4 +1,5 @@
-"""A scripted stand-in for the engine client, and the OpenAI server on it: replies shaped in milliseconds, no Ray."""
+"""A scripted stand-in for the engine client, and the OpenAI server on it: replies shaped in
+milliseconds, no Ray."""
 
 import asyncio
 import json
@@ -14,13 +15,14 @@ from tests.factories import tiny_tokenizer
 
 
 def sampled_ids(request: Request) -> list[int]:
-    """The tokens the fake engine 'samples' (ids 10..309, inside the tiny vocabulary): a function of the seed,
-    so choice i of n matches seed + i."""
+    """The tokens the fake engine 'samples' (ids 10..309, inside the tiny vocabulary): a function of
+    the seed, so choice i of n matches seed + i."""
     return [10 + (request.sampling.seed * 7 + 3 * j) % 300 for j in range(request.max_tokens)]
 
 
 def token_logprob(token_id: int, position: int, k: int) -> TokenLogprob:
-    """The sampled token's log-prob and k alternatives; the last of two or more is -inf (JSON cannot say so)."""
+    """The sampled token's log-prob and k alternatives; the last of two or more is -inf (JSON cannot
+    say so)."""
     top = [(10 + (token_id + m) % 300, -0.1 * (m + 1)) for m in range(k)]
     if k >= 2:
         top[-1] = (top[-1][0], float("-inf"))
@@ -28,12 +30,13 @@ def token_logprob(token_id: int, position: int, k: int) -> TokenLogprob:
 
 
 def script(request: Request) -> list[RequestOutput]:
-    """One output per token; text only on every second one (as held-back text lags its tokens), the last
-    output finished ('length'). Log-probs as the request asks: one per token, the prompt's on the first."""
+    """One output per token; text only on every second one (as held-back text lags its tokens), the
+    last output finished ('length'). Log-probs as the request asks: one per token, the prompt's on
+    the first."""
     tokenizer, outs = tiny_tokenizer(), []
     ids = sampled_ids(request)
     for j, token_id in enumerate(ids):
-        text = tokenizer.decode(ids[j - 1: j + 1]) if j % 2 else ""
+        text = tokenizer.decode(ids[j - 1 : j + 1]) if j % 2 else ""
         if j == len(ids) - 1 and not j % 2:
             text = tokenizer.decode([token_id])
         out = RequestOutput(request.req_id, [token_id], text)
@@ -42,16 +45,24 @@ def script(request: Request) -> list[RequestOutput]:
         outs.append(out)
     if request.sampling.prompt_logprobs is not None:
         k = request.sampling.prompt_logprobs
-        outs[0].prompt_logprobs = [token_logprob(t, p, k) for p, t in enumerate(request.prompt_ids[1:])]
+        outs[0].prompt_logprobs = [
+            token_logprob(t, p, k) for p, t in enumerate(request.prompt_ids[1:])
+        ]
     outs[-1].finish_reason = "length"
     return outs
 
 
 class FakeEngine:
-    """Streams `script(request)` for each request. Records the requests, and those whose stream was closed
-    before its end (what the real client turns into an abort). Requests named in `refuse` get a full queue."""
+    """Streams `script(request)` for each request. Records the requests, and those whose stream was
+    closed before its end (what the real client turns into an abort). Requests named in `refuse` get
+    a full queue."""
 
-    def __init__(self, fail: set[str] = frozenset(), refuse: set[str] = frozenset(), unavailable: bool = False) -> None:
+    def __init__(
+        self,
+        fail: set[str] = frozenset(),
+        refuse: set[str] = frozenset(),
+        unavailable: bool = False,
+    ) -> None:
         self.requests: dict[str, Request] = {}
         self.aborted: list[str] = []
         self.fail, self.refuse, self.unavailable = fail, refuse, unavailable
@@ -65,8 +76,14 @@ class FakeEngine:
             for j, out in enumerate(script(request)):
                 await asyncio.sleep(0)
                 if j == 2 and request.req_id.rsplit("-", 1)[1] in self.fail:
-                    out = RequestOutput(request.req_id, [], "", finish_reason="error", error="worker lost",
-                                        unavailable=self.unavailable)
+                    out = RequestOutput(
+                        request.req_id,
+                        [],
+                        "",
+                        finish_reason="error",
+                        error="worker lost",
+                        unavailable=self.unavailable,
+                    )
                 finished = out.finished
                 yield out
                 if finished:
@@ -77,7 +94,8 @@ class FakeEngine:
 
 
 class Says:
-    """An engine whose every request generates `text`, in pieces of `step` characters, then stops."""
+    """An engine whose every request generates `text`, in pieces of `step` characters, then
+    stops."""
 
     def __init__(self, text: str, step: int = 3, finish_reason: str = "stop") -> None:
         self.text, self.step, self.finish_reason = text, step, finish_reason
@@ -85,11 +103,15 @@ class Says:
 
     async def generate(self, request: Request):  # type: ignore[no-untyped-def]
         self.requests.append(request)
-        pieces = [self.text[i:i + self.step] for i in range(0, len(self.text), self.step)]
+        pieces = [self.text[i : i + self.step] for i in range(0, len(self.text), self.step)]
         for j, piece in enumerate(pieces):
             await asyncio.sleep(0)
-            yield RequestOutput(request.req_id, [10 + j], piece,
-                                finish_reason=self.finish_reason if j == len(pieces) - 1 else None)
+            yield RequestOutput(
+                request.req_id,
+                [10 + j],
+                piece,
+                finish_reason=self.finish_reason if j == len(pieces) - 1 else None,
+            )
 
 
 def make_server(engine: FakeEngine | None = None, capacity: int = 256) -> OpenAIServer:

@@ -1,4 +1,5 @@
-"""`pdserve bench` end to end on a tiny model: the sweeps, the JSON lines and the figure; its inputs."""
+"""`pdserve bench` end to end on a tiny model: the sweeps, the JSON lines and the figure; its
+inputs."""
 
 import json
 
@@ -10,16 +11,50 @@ from deploy.cli import main
 from scheduler.outputs import Completion
 from tests.factories import tiny_tokenizer
 
-SUMMARY_FIELDS = [f"{m}_ms_{s}" for m in ("ttft", "tpot", "itl", "e2e") for s in ("mean", "p50", "p90", "p99")] + [
-    "output_tok_s", "requests_per_s", "goodput_req_s", "queue_ms_mean", "prefill_ms_mean", "decode_ms_mean"]
+SUMMARY_FIELDS = [
+    f"{m}_ms_{s}" for m in ("ttft", "tpot", "itl", "e2e") for s in ("mean", "p50", "p90", "p99")
+] + [
+    "output_tok_s",
+    "requests_per_s",
+    "goodput_req_s",
+    "queue_ms_mean",
+    "prefill_ms_mean",
+    "decode_ms_mean",
+]
 
 
 def test_bench_sweeps_write_json_and_png(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "bench" / "results.jsonl"
-    rc = main(["bench", "--model", tiny_checkpoint, "--num-requests", "6", "--prompt-len", "4:24",
-               "--output-len", "2:10", "--sweep-slots", "1,4", "--sweep-token-budget", "16,64", "--rate", "0,200",
-               "--prefill-chunk", "16", "--serial-requests", "2", "--slo-ttft-ms", "1e9", "--slo-tpot-ms", "1e-6",
-               "--output", str(out), "--quiet"])
+    rc = main(
+        [
+            "bench",
+            "--model",
+            tiny_checkpoint,
+            "--num-requests",
+            "6",
+            "--prompt-len",
+            "4:24",
+            "--output-len",
+            "2:10",
+            "--sweep-slots",
+            "1,4",
+            "--sweep-token-budget",
+            "16,64",
+            "--rate",
+            "0,200",
+            "--prefill-chunk",
+            "16",
+            "--serial-requests",
+            "2",
+            "--slo-ttft-ms",
+            "1e9",
+            "--slo-tpot-ms",
+            "1e-6",
+            "--output",
+            str(out),
+            "--quiet",
+        ]
+    )
     assert rc == 0
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     summaries = [line for line in lines if "rid" not in line]
@@ -30,25 +65,38 @@ def test_bench_sweeps_write_json_and_png(tiny_checkpoint, tmp_path, capsys):
     asked = make_workload(6, "4:24", "2:10", 384, seed=0).output_lens
     for summary in summaries:
         assert all(isinstance(summary[k], float) for k in SUMMARY_FIELDS), summary
-        assert summary["ttft_ms_p50"] <= summary["ttft_ms_p99"] and summary["itl_ms_p50"] <= summary["itl_ms_p99"]
-        assert summary["serial_tok_s"] > 0 and summary["static_tok_s"] > 0 and summary["x_static"] > 0
+        assert (
+            summary["ttft_ms_p50"] <= summary["ttft_ms_p99"]
+            and summary["itl_ms_p50"] <= summary["itl_ms_p99"]
+        )
+        assert (
+            summary["serial_tok_s"] > 0 and summary["static_tok_s"] > 0 and summary["x_static"] > 0
+        )
         assert summary["goodput_req_s"] == 0.0  # nothing meets a 1e-6 ms TPOT
         assert summary["prefill_chunk"] == min(16, summary["token_budget"])
-        mine = [r for r in per_request if (r["slots"], r["token_budget"], r["rate"]) ==
-                (summary["slots"], summary["token_budget"], summary["rate"])]
+        mine = [
+            r
+            for r in per_request
+            if (r["slots"], r["token_budget"], r["rate"])
+            == (summary["slots"], summary["token_budget"], summary["rate"])
+        ]
         assert [r["tokens"] for r in sorted(mine, key=lambda r: int(r["rid"]))] == asked
     png = out.with_suffix(".png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
-    # the figure plots these runs' own figures: tok/s per slots series, the static baseline, three panels
+    # the figure plots these runs' own figures: tok/s per slots series, the static baseline, three
+    # panels
     drawn = plot_bench(summaries, str(tmp_path / "check.png"))
     slots_panel, budget_panel, rate_panel = drawn.values()
     tok_s = {label: ys for label, ys in slots_panel.items() if label.startswith("tok/s")}
     assert all(len(ys) == 2 for ys in tok_s.values())  # slots 1 and 4 in each series
-    assert sorted(y for ys in tok_s.values() for y in ys) == sorted(s["output_tok_s"] for s in summaries
-                                                                      if s["rate"] == 0)
+    assert sorted(y for ys in tok_s.values() for y in ys) == sorted(
+        s["output_tok_s"] for s in summaries if s["rate"] == 0
+    )
     static = next(ys for label, ys in slots_panel.items() if label.startswith("static generate"))
     assert static[0] == summaries[0]["static_tok_s"]
-    ttft = sorted(y for label, ys in budget_panel.items() if "p99" in label and "TTFT" in label for y in ys)
+    ttft = sorted(
+        y for label, ys in budget_panel.items() if "p99" in label and "TTFT" in label for y in ys
+    )
     assert ttft == sorted(s["ttft_ms_p99"] for s in summaries if s["rate"] > 0)
     assert rate_panel  # several rates ran
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -57,32 +105,81 @@ def test_bench_sweeps_write_json_and_png(tiny_checkpoint, tmp_path, capsys):
     assert main(["bench-plot", str(out), "--plot", str(tmp_path / "again.png")]) == 0
     assert (tmp_path / "again.png").read_bytes()[:4] == b"\x89PNG"
     (tmp_path / "empty.jsonl").write_text('{"rid": "0"}\n')
-    assert main(["bench-plot", str(tmp_path / "empty.jsonl"), "--plot", str(tmp_path / "x.png")]) == 2
+    assert (
+        main(["bench-plot", str(tmp_path / "empty.jsonl"), "--plot", str(tmp_path / "x.png")]) == 2
+    )
     assert "no bench summary lines" in capsys.readouterr().err
 
 
-def test_repeated_rounds_alternate_the_order_and_end_with_medians(tiny_checkpoint, tmp_path, capsys):
+def test_repeated_rounds_alternate_the_order_and_end_with_medians(
+    tiny_checkpoint, tmp_path, capsys
+):
     out = tmp_path / "repeat.jsonl"
-    assert main(["bench", "--model", tiny_checkpoint, "--num-requests", "4", "--prompt-len", "4:12", "--output-len",
-                 "2:6", "--sweep-slots", "1,2", "--repeat", "3", "--baselines", "none", "--output", str(out),
-                 "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--model",
+                tiny_checkpoint,
+                "--num-requests",
+                "4",
+                "--prompt-len",
+                "4:12",
+                "--output-len",
+                "2:6",
+                "--sweep-slots",
+                "1,2",
+                "--repeat",
+                "3",
+                "--baselines",
+                "none",
+                "--output",
+                str(out),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     summaries = [line for line in lines if "rid" not in line]
-    assert [(s["round"], s["slots"]) for s in summaries] == [(0, 1), (0, 2), (1, 2), (1, 1), (2, 1), (2, 2)]
+    assert [(s["round"], s["slots"]) for s in summaries] == [
+        (0, 1),
+        (0, 2),
+        (1, 2),
+        (1, 1),
+        (2, 1),
+        (2, 2),
+    ]
     assert all(line["round"] in (0, 1, 2) for line in lines if "rid" in line)
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     repeats = [p for p in printed if "repeat" in p]
-    assert [(r["repeat"], r["slots"], r["rounds"]) for r in repeats] == [("local", 1, 3), ("local", 2, 3)]
+    assert [(r["repeat"], r["slots"], r["rounds"]) for r in repeats] == [
+        ("local", 1, 3),
+        ("local", 2, 3),
+    ]
     for r in repeats:
         mine = sorted(s["output_tok_s"] for s in summaries if s["slots"] == r["slots"])
-        assert r["output_tok_s"] == {"median": round(mine[1], 3), "min": round(mine[0], 3), "max": round(mine[2], 3)}
+        assert r["output_tok_s"] == {
+            "median": round(mine[1], 3),
+            "min": round(mine[0], 3),
+            "max": round(mine[2], 3),
+        }
 
 
 def test_bench_rejects_bad_input_before_running(tiny_checkpoint, tmp_path, capsys):
-    for extra in (["--rate", "1,x"], ["--sweep-slots", "0"], ["--modes", "remote"],
-                  ["--url", "http://127.0.0.1:9/v1", "--sweep-slots", "2"], ["--prompt-len", "9:3"],
-                  ["--max-model-len", "64", "--prompt-len", "60", "--output-len", "8"], ["--repeat", "0"]):
-        assert main(["bench", "--model", tiny_checkpoint, "--baselines", "none", "--quiet", *extra]) == 2, extra
+    for extra in (
+        ["--rate", "1,x"],
+        ["--sweep-slots", "0"],
+        ["--modes", "remote"],
+        ["--url", "http://127.0.0.1:9/v1", "--sweep-slots", "2"],
+        ["--prompt-len", "9:3"],
+        ["--max-model-len", "64", "--prompt-len", "60", "--output-len", "8"],
+        ["--repeat", "0"],
+    ):
+        assert (
+            main(["bench", "--model", tiny_checkpoint, "--baselines", "none", "--quiet", *extra])
+            == 2
+        ), extra
         assert "pdserve bench: error:" in capsys.readouterr().err
     assert main(["bench", "--url", "http://127.0.0.1:9/v1", "--ready-timeout", "0", "--quiet"]) == 2
     assert "/health is not ready after" in capsys.readouterr().err  # nothing listens there
@@ -90,18 +187,27 @@ def test_bench_rejects_bad_input_before_running(tiny_checkpoint, tmp_path, capsy
 
 def test_poisson_arrivals_are_reproducible_at_the_asked_rate():
     arrivals = poisson_arrivals(4000, rate=5.0, seed=3)
-    assert arrivals == poisson_arrivals(4000, rate=5.0, seed=3) != poisson_arrivals(4000, rate=5.0, seed=4)
+    assert (
+        arrivals
+        == poisson_arrivals(4000, rate=5.0, seed=3)
+        != poisson_arrivals(4000, rate=5.0, seed=4)
+    )
     assert arrivals[0] == 0.0 and all(b >= a for a, b in zip(arrivals, arrivals[1:], strict=False))
     assert 4.7 < len(arrivals) / arrivals[-1] < 5.3
     assert poisson_arrivals(3, rate=0.0, seed=0) == [0.0, 0.0, 0.0]
     # prompts and output lengths do not depend on the rate
-    assert make_workload(5, "3:9", "2:4", 384, seed=1).prompts == make_workload(5, "3:9", "2:4", 384, 1, 2.0).prompts
+    assert (
+        make_workload(5, "3:9", "2:4", 384, seed=1).prompts
+        == make_workload(5, "3:9", "2:4", 384, 1, 2.0).prompts
+    )
 
 
 def test_prompts_file_workload(tmp_path):
     path = tmp_path / "prompts.jsonl"
-    path.write_text('{"prompt": "hello world", "max_tokens": 7}\n\n{"prompt_token_ids": [5, 6, 7]}\n'
-                    '{"messages": [{"role": "user", "content": "hi"}]}\n')
+    path.write_text(
+        '{"prompt": "hello world", "max_tokens": 7}\n\n{"prompt_token_ids": [5, 6, 7]}\n'
+        '{"messages": [{"role": "user", "content": "hi"}]}\n'
+    )
     work = load_workload(str(path), tiny_tokenizer(), 0, "3", seed=0)
     assert work.output_lens == [7, 3, 3] and work.prompts[1] == [5, 6, 7]
     assert work.prompts[0] == tiny_tokenizer().encode("hello world")
@@ -118,7 +224,8 @@ def test_inter_token_gaps():
 
 
 def test_wait_ready_waits_through_a_starting_service():
-    """A service that answers 503 while it starts is waited for; one that stays down fails with its last answer."""
+    """A service that answers 503 while it starts is waited for; one that stays down fails with its
+    last answer."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -148,7 +255,8 @@ def test_wait_ready_waits_through_a_starting_service():
 
 
 def test_a_sequential_url_run_sends_one_request_at_a_time(monkeypatch):
-    """`--sequential` against an endpoint is the low-load case there too: each request waits for the last."""
+    """`--sequential` against an endpoint is the low-load case there too: each request waits for the
+    last."""
     import asyncio
 
     from deploy.bench import http_client
@@ -166,6 +274,7 @@ def test_a_sequential_url_run_sends_one_request_at_a_time(monkeypatch):
     monkeypatch.setattr(http_client, "stream_request", fake_stream)
     args = ("http://127.0.0.1:9/v1", "tiny", [[5, 6]] * 4, [3] * 4, [0.0] * 4, [1] * 4)
     done, elapsed = http_client.run_http(*args, sequential=True)
-    assert sorted(done) == ["0", "1", "2", "3"] and most == 1 and elapsed >= 0.04  # four 10 ms requests in turn
+    # four 10 ms requests in turn
+    assert sorted(done) == ["0", "1", "2", "3"] and most == 1 and elapsed >= 0.04
     most = 0
     assert len(http_client.run_http(*args)[0]) == 4 and most == 4

@@ -28,7 +28,13 @@ class FakeScheduler:
     """Answers `submit_many` after a little while; a request ends when the test says so."""
 
     def __init__(self, full=(), closed=False):
-        self.submissions, self.live, self.full, self.dead, self.closed = [], set(), set(full), False, closed
+        self.submissions, self.live, self.full, self.dead, self.closed = (
+            [],
+            set(),
+            set(full),
+            False,
+            closed,
+        )
         self.submit_many = _Method(self._submit_many)
         self.aborted = []
         self.abort = _Method(self._abort)
@@ -55,7 +61,8 @@ class FakeScheduler:
 
 
 def serve_cells(schedulers, live):
-    """`ServeCells` of app "app" over fake schedulers by cell, with Serve's list of running cells `live`."""
+    """`ServeCells` of app "app" over fake schedulers by cell, with Serve's list of running cells
+    `live`."""
     cell_choice.set_live("app", live)
     cells = ServeCells(handle=None, app_name="app", failover_timeout_s=5.0)
 
@@ -75,7 +82,8 @@ def test_requests_that_arrive_together_share_a_submission_and_a_refusal_is_their
         scheduler = FakeScheduler(full={"q3"})
         submissions = Submissions(scheduler)
         first = asyncio.ensure_future(submissions.submit(request(0), "c"))
-        await asyncio.sleep(0)  # the first goes at once; the next four wait for its answer, then go together
+        # the first goes at once; the next four wait for its answer, then go together
+        await asyncio.sleep(0)
         rest = [asyncio.ensure_future(submissions.submit(request(i), "c")) for i in range(1, 5)]
         answers = await asyncio.gather(first, *rest, return_exceptions=True)
         assert scheduler.submissions == [["q0"], ["q1", "q2", "q3", "q4"]]
@@ -85,7 +93,7 @@ def test_requests_that_arrive_together_share_a_submission_and_a_refusal_is_their
     asyncio.run(main())
 
 
-def test_a_request_given_up_before_its_submission_left_is_never_sent_and_one_on_its_way_is_aborted():
+def test_a_request_given_up_before_submission_is_never_sent_and_one_on_its_way_is_aborted():
     async def main():
         scheduler = FakeScheduler()
         submissions = Submissions(scheduler)
@@ -97,7 +105,8 @@ def test_a_request_given_up_before_its_submission_left_is_never_sent_and_one_on_
         on_its_way.cancel()
         await asyncio.sleep(0.03)
         assert scheduler.submissions == [["q0"]]  # q1 never left
-        assert scheduler.aborted == ["q0"] and not scheduler.live  # q0 was queued there: aborted behind it
+        # q0 was queued there: aborted behind it
+        assert scheduler.aborted == ["q0"] and not scheduler.live
 
     asyncio.run(main())
 
@@ -107,16 +116,18 @@ def test_a_lost_scheduler_fails_every_submission_of_its_call():
         scheduler = FakeScheduler()
         scheduler.dead = True
         submissions = Submissions(scheduler)
-        answers = await asyncio.gather(*(submissions.submit(request(i), "c") for i in range(3)),
-                                       return_exceptions=True)
+        answers = await asyncio.gather(
+            *(submissions.submit(request(i), "c") for i in range(3)), return_exceptions=True
+        )
         assert all(isinstance(a, RuntimeError) for a in answers)
 
     asyncio.run(main())
 
 
 def test_the_driver_submits_a_burst_in_one_call_and_streams_every_request():
-    """`EngineClient` over one scheduler actor (the batch job, the benchmark): 20 requests at once cost
-    one submission, not 20 calls, and each stream gets its own outputs."""
+    """`EngineClient` over one scheduler actor (the batch job, the benchmark): 20 requests at once
+    cost one submission, not 20 calls, and each stream gets its own outputs."""
+
     async def main():
         scheduler = FakeScheduler()
 
@@ -124,7 +135,9 @@ def test_the_driver_submits_a_burst_in_one_call_and_streams_every_request():
             await asyncio.sleep(0.005)
             done = sorted(scheduler.live)
             scheduler.live -= set(done)
-            return "instance-1", [RequestOutput(r, token_ids=[int(r[1:])], finish_reason="length") for r in done]
+            return "instance-1", [
+                RequestOutput(r, token_ids=[int(r[1:])], finish_reason="length") for r in done
+            ]
 
         scheduler.poll = _Method(poll)
         client = EngineClient(scheduler)
@@ -135,13 +148,16 @@ def test_the_driver_submits_a_burst_in_one_call_and_streams_every_request():
     asyncio.run(main())
 
 
-def test_the_ingress_submits_a_burst_in_one_call_per_cell_and_places_a_refused_request_on_a_cell_that_runs():
+def test_a_burst_goes_in_one_call_per_cell_and_a_refused_request_goes_to_a_running_cell():
     async def main():
         a, b = FakeScheduler(), FakeScheduler()
         cells = serve_cells({"a": a, "b": b}, live=["a"])
         placed = await asyncio.gather(*(cells.place(request(i), "c") for i in range(10)))
-        assert {p.replica for p in placed} == {"a"} and a.submissions == [[f"q{i}" for i in range(10)]]
-        # a drains (Serve no longer lists it, but this ingress may not know yet); b starts a little later
+        assert {p.replica for p in placed} == {"a"} and a.submissions == [
+            [f"q{i}" for i in range(10)]
+        ]
+        # a drains (Serve no longer lists it, but this ingress may not know yet); b starts a little
+        # later
         a.closed = True
         asyncio.get_running_loop().call_later(0.2, lambda: cell_choice.set_live("app", ("a", "b")))
         moved = await cells.place(request(10), "c")

@@ -1,4 +1,5 @@
-"""Cells behind the ingress on simulated nodes: failover that continues streams exactly, autoscaling, broken cells."""
+"""Cells behind the ingress on simulated nodes: failover that continues streams exactly,
+autoscaling, broken cells."""
 
 import json
 import os
@@ -13,26 +14,43 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_check(checkpoint: str, scenario: str) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "tests.deploy.cells_check", checkpoint, scenario], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600, env=os.environ | {"RAY_ADDRESS": ""})
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.deploy.cells_check", checkpoint, scenario],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=os.environ | {"RAY_ADDRESS": ""},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
 
 
-def test_a_killed_scheduler_loses_no_stream_and_a_cell_without_workers_takes_no_request(tiny_checkpoint):
+def test_a_killed_scheduler_loses_no_stream_and_a_cell_without_workers_takes_no_request(
+    tiny_checkpoint,
+):
     seen = run_check(tiny_checkpoint, "failover")
     reference, fault = seen["reference"], seen["fault"]
     assert reference["errors"] == [] and set(reference["tokens"]) == {400}
-    # 16 streams, the scheduler of the cell holding the most of them SIGKILLed mid-stream: every stream
-    # whole (no error event, finish_reason, usage and [DONE]) and its text the unkilled run's, token for token
-    assert fault["errors"] == [] and fault["tokens"] == reference["tokens"] and fault["texts"] == reference["texts"]
+    # 16 streams, the scheduler of the cell holding the most of them SIGKILLed mid-stream: every
+    # stream whole (no error event, finish_reason, usage and [DONE]) and its text the unkilled
+    # run's, token for token
+    assert (
+        fault["errors"] == []
+        and fault["tokens"] == reference["tokens"]
+        and fault["texts"] == reference["texts"]
+    )
     assert seen["killed_cell_streams"] >= 1 and seen["failovers"] >= seen["killed_cell_streams"]
-    assert seen["killed"] not in seen["cells_after_kill"] and len(seen["cells_after_kill"]) == 2  # replaced
-    # a cell whose workers are all gone: requests sent after it all succeed (each its text's start), and
-    # Serve replaces the cell
+    # replaced
+    assert seen["killed"] not in seen["cells_after_kill"] and len(seen["cells_after_kill"]) == 2
+    # a cell whose workers are all gone: requests sent after it all succeed (each its text's start),
+    # and Serve replaces the cell
     later = seen["later"]
     assert later["errors"] == [] and set(later["tokens"]) == {20}
-    assert all(full.startswith(text) and text for full, text in zip(reference["texts"], later["texts"], strict=False))
+    assert all(
+        full.startswith(text) and text
+        for full, text in zip(reference["texts"], later["texts"], strict=False)
+    )
     assert seen["broken"] not in seen["cells_final"] and len(seen["cells_final"]) == 2
 
 

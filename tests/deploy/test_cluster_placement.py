@@ -15,7 +15,11 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_workers_land_on_their_node_types_and_outputs_equal_local(tiny_checkpoint):
     proc = subprocess.run(
         [sys.executable, "-m", "tests.deploy.cluster_placement_check", tiny_checkpoint],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=os.environ | {"RAY_ADDRESS": ""},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ | {"RAY_ADDRESS": ""},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -16,22 +16,32 @@ def test_serve_config_loads_through_serves_schema_and_builds():
     from ray.serve.schema import ServeDeploySchema
 
     raw = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
-    schema = ServeDeploySchema.model_validate(raw) if hasattr(ServeDeploySchema, "model_validate") \
+    schema = (
+        ServeDeploySchema.model_validate(raw)
+        if hasattr(ServeDeploySchema, "model_validate")
         else ServeDeploySchema.parse_obj(raw)
+    )
     app = schema.applications[0]
     assert app.import_path == "deploy.serving.app:build_app"
     assert raw["http_options"]["host"] == "127.0.0.1"
     config = ServiceConfig(**app.args)
-    assert config.mode == "disaggregated" and config.prefill_workers == 1 and config.decode_workers == 1
+    assert (
+        config.mode == "disaggregated"
+        and config.prefill_workers == 1
+        and config.decode_workers == 1
+    )
     build_app(app.args)  # composes without starting anything
 
 
-@pytest.mark.parametrize("args, message", [
-    ({"slots": 0}, "slots"),
-    ({"prefill_chunk": 512, "token_budget": 256}, "must not exceed token_budget"),
-    ({"mode": "local"}, "cannot be served"),
-    ({"colour": "red"}, "colour"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ({"slots": 0}, "slots"),
+        ({"prefill_chunk": 512, "token_budget": 256}, "must not exceed token_budget"),
+        ({"mode": "local"}, "cannot be served"),
+        ({"colour": "red"}, "colour"),
+    ],
+)
 def test_bad_service_args_are_rejected_with_a_clear_message(args, message):
     with pytest.raises(ValueError, match=message):
         build_app(args)

@@ -1,4 +1,5 @@
-"""The consumer side without Ray: outputs fan out to their streams; a lost scheduler ends streams with an error."""
+"""The consumer side without Ray: outputs fan out to their streams; a lost scheduler ends streams
+with an error."""
 
 import asyncio
 
@@ -16,8 +17,8 @@ class Call:
 
 
 class FakeScheduler:
-    """Answers like the scheduler actor: each submitted request gets its tokens, then finishes. After
-    `restart()` it is another instance that knows no earlier request."""
+    """Answers like the scheduler actor: each submitted request gets its tokens, then finishes.
+    After `restart()` it is another instance that knows no earlier request."""
 
     def __init__(self, tokens_per_request=3):
         self.instance, self.pending, self.aborted = "A", [], []
@@ -32,7 +33,8 @@ class FakeScheduler:
         self.pending.append(RequestOutput(request.req_id, finish_reason="length"))
         return self.instance
 
-    async def _submit_many(self, entries):  # like the actor's: each entry submitted, or what refused it
+    # like the actor's: each entry submitted, or what refused it
+    async def _submit_many(self, entries):
         answers = []
         for request, consumer in entries:
             try:
@@ -66,7 +68,9 @@ def test_outputs_of_many_requests_reach_their_own_streams():
         return await asyncio.gather(*(complete(client, make_request(f"r{i}")) for i in range(5)))
 
     done = asyncio.run(scenario())
-    assert [c.token_ids for c in done] == [[0, 1, 2]] * 5 and {c.finish_reason for c in done} == {"length"}
+    assert [c.token_ids for c in done] == [[0, 1, 2]] * 5 and {c.finish_reason for c in done} == {
+        "length"
+    }
 
 
 def test_a_restarted_scheduler_ends_the_streams_it_lost_with_an_error():
@@ -113,13 +117,15 @@ def test_a_slow_reader_gets_waiting_outputs_merged_with_nothing_lost():
         return chunks
 
     chunks = asyncio.run(scenario())
-    assert [t for c in chunks for t in c.token_ids] == list(range(20)) and chunks[-1].finish_reason == "length"
+    assert [t for c in chunks for t in c.token_ids] == list(range(20)) and chunks[
+        -1
+    ].finish_reason == "length"
     assert len(chunks) < 21 and [c.finished for c in chunks].count(True) == 1
 
 
 class FakeCell(FakeScheduler):
-    """A cell's scheduler: request i's tokens are 100*i.. (a continuation gets the rest after its outputs);
-    `die()` makes every later call fail as a dead actor's would."""
+    """A cell's scheduler: request i's tokens are 100*i.. (a continuation gets the rest after its
+    outputs); `die()` makes every later call fail as a dead actor's would."""
 
     def __init__(self, name, tokens_per_request=6):
         super().__init__(tokens_per_request)
@@ -129,7 +135,10 @@ class FakeCell(FakeScheduler):
         self._check()
         self.taken.append(request)
         done = len(request.output_ids)
-        self.pending += [RequestOutput(request.req_id, token_ids=[i], text=f"<{i}>") for i in range(done, self.tokens)]
+        self.pending += [
+            RequestOutput(request.req_id, token_ids=[i], text=f"<{i}>")
+            for i in range(done, self.tokens)
+        ]
         self.pending.append(RequestOutput(request.req_id, finish_reason="length"))
         return self.instance
 
@@ -146,7 +155,8 @@ class FakeCell(FakeScheduler):
 
 
 class FakeCells:
-    """Places each request on the first live cell (ServeCells would choose among the running ones)."""
+    """Places each request on the first live cell (ServeCells would choose among the running
+    ones)."""
 
     def __init__(self, cells, failover_timeout_s=2.0):
         self.cells, self.failover_timeout_s = cells, failover_timeout_s
@@ -172,14 +182,17 @@ def test_a_stream_whose_cell_dies_continues_on_another_with_nothing_missing_or_r
 
     async def scenario():
         stream = client.generate(make_request("x"))
-        got = [await stream.__anext__(), await stream.__anext__()]  # tokens 0 and 1 reached the client
+        # tokens 0 and 1 reached the client
+        got = [await stream.__anext__(), await stream.__anext__()]
         a.die()
         async for out in stream:
             got.append(out)
         return got
 
     got = asyncio.run(scenario())
-    assert [t for o in got for t in o.token_ids] == list(range(6)) and got[-1].finish_reason == "length"
+    assert [t for o in got for t in o.token_ids] == list(range(6)) and got[
+        -1
+    ].finish_reason == "length"
     assert "".join(o.text for o in got) == "".join(f"<{i}>" for i in range(6))
     (moved,) = b.taken  # the continuation: same request, with what the client had
     assert moved.req_id == "x" and moved.output_ids == [0, 1] and moved.text_sent == len("<0><1>")
@@ -187,14 +200,21 @@ def test_a_stream_whose_cell_dies_continues_on_another_with_nothing_missing_or_r
 
 
 def test_an_unavailable_cell_sends_its_streams_to_another():
-    """A cell that cannot serve a request (its workers are gone) answers `unavailable`: it moves on."""
+    """A cell that cannot serve a request (its workers are gone) answers `unavailable`: it moves
+    on."""
     a, b = FakeCell("A"), FakeCell("B")
     original = a._submit
 
     async def no_workers(request, consumer):
         instance = await original(request, consumer)
-        a.pending = [RequestOutput(request.req_id, finish_reason="error", error="no live decode worker",
-                                   unavailable=True)]
+        a.pending = [
+            RequestOutput(
+                request.req_id,
+                finish_reason="error",
+                error="no live decode worker",
+                unavailable=True,
+            )
+        ]
         return instance
 
     a.submit = Call(no_workers)
@@ -208,7 +228,9 @@ def test_an_unavailable_cell_sends_its_streams_to_another():
         return await asyncio.wait_for(done, 5)
 
     done = asyncio.run(scenario())
-    assert done.token_ids == list(range(6)) and done.finish_reason == "length" and done.error is None
+    assert (
+        done.token_ids == list(range(6)) and done.finish_reason == "length" and done.error is None
+    )
 
 
 def test_a_stream_no_cell_can_take_ends_with_a_retryable_error_not_a_cut():
@@ -244,7 +266,9 @@ def test_an_abort_the_client_did_not_ask_for_moves_the_stream_instead_of_ending_
     a.submit = Call(aborts_after_two)
     client = EngineClient(FakeCells([a, b]))
     done = asyncio.run(asyncio.wait_for(complete(client, make_request("x")), 5))
-    assert done.token_ids == list(range(6)) and done.finish_reason == "length" and done.error is None
+    assert (
+        done.token_ids == list(range(6)) and done.finish_reason == "length" and done.error is None
+    )
     assert [r.output_ids for r in a.taken] == [[], [0, 1]] and client.num_failovers == 1
 
     slow = FakeCell("C", tokens_per_request=200)

@@ -1,5 +1,5 @@
-"""The bench's streaming client against a scripted SSE server on loopback: whole streams timed, broken ones
-counted as failed with the reason."""
+"""The bench's streaming client against a scripted SSE server on loopback: whole streams timed,
+broken ones counted as failed with the reason."""
 
 import asyncio
 import json
@@ -18,11 +18,19 @@ def _chunk(text: str, finish: str | None = None) -> bytes:
     return _event({"choices": [{"index": 0, "text": text, "finish_reason": finish}]})
 
 
-USAGE = _event({"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}})
+USAGE = _event(
+    {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}}
+)
 DONE = b"data: [DONE]\n\n"
 SCRIPTS = {  # what each path streams, event by event
-    "whole": [_chunk("a"), _chunk("b") + _chunk("c", "length"), USAGE, DONE],  # two events in one write
-    "crlf": [_chunk("a").replace(b"\n", b"\r\n"), _chunk("b", "stop").replace(b"\n", b"\r\n"), USAGE, DONE],
+    # two events in one write
+    "whole": [_chunk("a"), _chunk("b") + _chunk("c", "length"), USAGE, DONE],
+    "crlf": [
+        _chunk("a").replace(b"\n", b"\r\n"),
+        _chunk("b", "stop").replace(b"\n", b"\r\n"),
+        USAGE,
+        DONE,
+    ],
     "no_done": [_chunk("a"), _chunk("b", "length"), USAGE],
     "no_usage": [_chunk("a", "length"), DONE],
     "no_finish": [_chunk("a"), USAGE, DONE],
@@ -54,8 +62,9 @@ async def _run_all() -> dict:
     try:
         async with session(8, 30.0) as http:
             names = [*SCRIPTS, "busy"]
-            done = await asyncio.gather(*(stream_request(http, f"http://127.0.0.1:{port}/{n}", {}, n, 2)
-                                          for n in names))
+            done = await asyncio.gather(
+                *(stream_request(http, f"http://127.0.0.1:{port}/{n}", {}, n, 2) for n in names)
+            )
             return dict(zip(names, done, strict=True))
     finally:
         await runner.cleanup()
@@ -68,7 +77,9 @@ def test_whole_streams_are_timed_and_broken_ones_fail_with_their_reason():
         assert whole.error is None and whole.text == ("abc" if name == "whole" else "ab"), name
         assert len(whole.token_ids) == 3 and whole.finish_reason in ("length", "stop")
         m = whole.metrics
-        assert 0 < m["ttft_s"] < m["e2e_s"] and m["tpot_s"] == pytest.approx((m["e2e_s"] - m["ttft_s"]) / 2)
+        assert 0 < m["ttft_s"] < m["e2e_s"] and m["tpot_s"] == pytest.approx(
+            (m["e2e_s"] - m["ttft_s"]) / 2
+        )
     assert "[DONE]" in done["no_done"].error
     assert "usage" in done["no_usage"].error
     assert "finish_reason" in done["no_finish"].error

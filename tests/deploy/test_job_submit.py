@@ -2,7 +2,8 @@
 
 The head is this test's own: its own token (in the environment of the head and the client only), its
 own temp dir and ports, started with `--block` in a new session so that stopping it stops only it,
-never another Ray on the machine (such as the session's shared one). Nothing reads or writes `~/.ray`.
+never another Ray on the machine (such as the session's shared one). Nothing reads or writes
+`~/.ray`.
 """
 
 import json
@@ -30,21 +31,47 @@ BIN = Path(sys.executable).parent
 def ray_head() -> Iterator[tuple[str, dict[str, str]]]:
     """Start a Ray head of our own; yield (dashboard address, client environment); stop only it."""
     token = secrets.token_hex(32)
-    env = os.environ | {"PATH": f"{BIN}:{os.environ['PATH']}", "RAY_ADDRESS": "", "RAY_AUTH_MODE": "token",
-                        "RAY_AUTH_TOKEN": token}
+    env = os.environ | {
+        "PATH": f"{BIN}:{os.environ['PATH']}",
+        "RAY_ADDRESS": "",
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": token,
+    }
     env.pop("RAY_AUTH_TOKEN_PATH", None)
-    temp_dir = tempfile.mkdtemp(prefix="pdserve-ray-", dir="/tmp")  # short: Ray puts Unix sockets in it
+    # short: Ray puts Unix sockets in it
+    temp_dir = tempfile.mkdtemp(prefix="pdserve-ray-", dir="/tmp")
     dashboard = free_port()
-    ports = {"--port": free_port(), "--dashboard-port": dashboard, "--ray-client-server-port": free_port(),
-             "--dashboard-agent-listen-port": free_port(), "--dashboard-agent-grpc-port": free_port(),
-             "--metrics-export-port": free_port(), "--runtime-env-agent-port": free_port(),
-             "--node-manager-port": free_port(), "--object-manager-port": free_port()}
+    ports = {
+        "--port": free_port(),
+        "--dashboard-port": dashboard,
+        "--ray-client-server-port": free_port(),
+        "--dashboard-agent-listen-port": free_port(),
+        "--dashboard-agent-grpc-port": free_port(),
+        "--metrics-export-port": free_port(),
+        "--runtime-env-agent-port": free_port(),
+        "--node-manager-port": free_port(),
+        "--object-manager-port": free_port(),
+    }
     log = open(Path(temp_dir) / "head.log", "w")  # noqa: SIM115 (closed below)
     head = subprocess.Popen(
-        [BIN / "ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
-         "--num-cpus=4", "--include-dashboard=true", "--disable-usage-stats", f"--temp-dir={temp_dir}",
-         *(f"{flag}={port}" for flag, port in ports.items())],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            BIN / "ray",
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            "--dashboard-host=127.0.0.1",
+            "--num-cpus=4",
+            "--include-dashboard=true",
+            "--disable-usage-stats",
+            f"--temp-dir={temp_dir}",
+            *(f"{flag}={port}" for flag, port in ports.items()),
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         yield f"http://127.0.0.1:{dashboard}", env
     finally:
@@ -65,18 +92,40 @@ def ray_head() -> Iterator[tuple[str, dict[str, str]]]:
 
 def test_ray_job_submit_runs_a_generate_job(ray_head, tiny_checkpoint, tmp_path):
     address, env = ray_head
-    rows = [{"id": f"q{i}", "prompt_token_ids": [5 + i, 9, 14, 100], "max_tokens": 6, "temperature": 0}
-            for i in range(4)]
+    rows = [
+        {"id": f"q{i}", "prompt_token_ids": [5 + i, 9, 14, 100], "max_tokens": 6, "temperature": 0}
+        for i in range(4)
+    ]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out.jsonl"
-    submit = [BIN / "ray", "job", "submit", f"--address={address}", "--working-dir", ROOT,
-              "--", "pdserve", "generate", "--mode", "disaggregated", "--model", tiny_checkpoint, "--input",
-              str(tmp_path / "in.jsonl"), "--output", str(out), "--max-model-len", "64"]
+    submit = [
+        BIN / "ray",
+        "job",
+        "submit",
+        f"--address={address}",
+        "--working-dir",
+        ROOT,
+        "--",
+        "pdserve",
+        "generate",
+        "--mode",
+        "disaggregated",
+        "--model",
+        tiny_checkpoint,
+        "--input",
+        str(tmp_path / "in.jsonl"),
+        "--output",
+        str(out),
+        "--max-model-len",
+        "64",
+    ]
     deadline = time.monotonic() + 120
     while True:  # until the head answers and its job agent is up
         job = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=400)
         logs = job.stdout + job.stderr
-        retry = any(s in logs for s in ("No available agent", "Connection refused", "Failed to connect"))
+        retry = any(
+            s in logs for s in ("No available agent", "Connection refused", "Failed to connect")
+        )
         if not retry or time.monotonic() > deadline:
             break
         time.sleep(2)
@@ -84,7 +133,9 @@ def test_ray_job_submit_runs_a_generate_job(ray_head, tiny_checkpoint, tmp_path)
     assert "succeeded" in logs and "wrote 4 results" in logs
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [line["id"] for line in lines] == ["q0", "q1", "q2", "q3"]
-    assert all(len(line["token_ids"]) == 6 and line["metrics"]["kv_handoff_bytes"] > 0 for line in lines)
+    assert all(
+        len(line["token_ids"]) == 6 and line["metrics"]["kv_handoff_bytes"] > 0 for line in lines
+    )
 
 
 def test_job_client_without_the_token_is_refused(ray_head):
@@ -93,10 +144,19 @@ def test_job_client_without_the_token_is_refused(ray_head):
     without = {k: v for k, v in env.items() if k != "RAY_AUTH_TOKEN"} | {"HOME": tempfile.mkdtemp()}
     deadline = time.monotonic() + 120
     while True:
-        job = subprocess.run([BIN / "ray", "job", "list", f"--address={address}"], env=without,
-                             capture_output=True, text=True, timeout=120)
+        job = subprocess.run(
+            [BIN / "ray", "job", "list", f"--address={address}"],
+            env=without,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         logs = job.stdout + job.stderr
-        if "Connection refused" not in logs and "Failed to connect" not in logs or time.monotonic() > deadline:
+        if (
+            "Connection refused" not in logs
+            and "Failed to connect" not in logs
+            or time.monotonic() > deadline
+        ):
             break
         time.sleep(2)
     assert job.returncode != 0 and "token" in logs.lower(), logs[-2000:]

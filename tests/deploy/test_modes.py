@@ -19,7 +19,9 @@ PROMPTS, OUTPUTS = [5, 31, 12, 47, 9, 20, 3, 60, 15], [17, 6, 25, 9, 3, 12, 30, 
 
 
 def requests(sampling=None):
-    return make_requests(9, PROMPTS, OUTPUTS, sampling=sampling, stop_token_ids=frozenset({VOCAB - 1}))
+    return make_requests(
+        9, PROMPTS, OUTPUTS, sampling=sampling, stop_token_ids=frozenset({VOCAB - 1})
+    )
 
 
 def run_local(checkpoint, sampling=None):
@@ -32,13 +34,17 @@ def run_mode(checkpoint, sampling=None, **overrides):
         return engine.run(requests(sampling)), engine.stats()
 
 
-@pytest.mark.parametrize("overrides", [
-    dict(mode="disaggregated", prefill_workers=1, decode_workers=1),
-    dict(mode="disaggregated", prefill_workers=2, decode_workers=2),
-    dict(mode="colocated", decode_workers=2),
-    dict(mode="disaggregated", local_prefill_max_tokens=16),  # short prompts skip the handoff
-    dict(mode="colocated", max_burst_ms=0),  # one decode step per call to a worker
-], ids=["1P1D", "2P2D", "colocated", "conditional", "no-bursts"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(mode="disaggregated", prefill_workers=1, decode_workers=1),
+        dict(mode="disaggregated", prefill_workers=2, decode_workers=2),
+        dict(mode="colocated", decode_workers=2),
+        dict(mode="disaggregated", local_prefill_max_tokens=16),  # short prompts skip the handoff
+        dict(mode="colocated", max_burst_ms=0),  # one decode step per call to a worker
+    ],
+    ids=["1P1D", "2P2D", "colocated", "conditional", "no-bursts"],
+)
 def test_greedy_outputs_equal_local_mode(ray_session, tiny_checkpoint, overrides):
     local = run_local(tiny_checkpoint)
     results, stats = run_mode(tiny_checkpoint, **overrides)
@@ -46,7 +52,9 @@ def test_greedy_outputs_equal_local_mode(ray_session, tiny_checkpoint, overrides
         got = results[req_id]
         assert got.token_ids == expected.token_ids, req_id
         assert got.finish_reason == expected.finish_reason and got.error is None
-        assert len(got.token_times_s) == len(got.token_ids) and got.token_times_s == sorted(got.token_times_s)
+        assert len(got.token_times_s) == len(got.token_ids) and got.token_times_s == sorted(
+            got.token_times_s
+        )
     assert stats["live_handoffs"] == 0 and stats["streams"] == 0
     assert all(w["slots_used"] == 0 and w["waiting"] == 0 for w in stats["workers"].values())
     handed_off = {r: c.metrics["kv_handoff_bytes"] > 0 for r, c in results.items()}
@@ -60,7 +68,8 @@ def test_greedy_outputs_equal_local_mode(ray_session, tiny_checkpoint, overrides
         assert all(c.metrics["kv_handoff_s"] > 0 for c in results.values())
     if overrides.get("decode_workers") == 2:  # load was spread over both pools
         assert {c.metrics["decode_worker"] for c in results.values()} == {0, 1}
-    # a step of the tiny model costs less than a Ray call: once only decoding is left, calls carry bursts
+    # a step of the tiny model costs less than a Ray call: once only decoding is left, calls carry
+    # bursts
     bursts = stats["timeline"]["decode"]["steps_per_call"]
     assert bursts == 1 if overrides.get("max_burst_ms") == 0 else bursts > 1
 
@@ -70,7 +79,9 @@ def test_seeded_sampling_equals_local_mode_in_every_mode(ray_session, tiny_check
     local = run_local(tiny_checkpoint, sampling)
     for overrides in (dict(mode="disaggregated"), dict(mode="colocated")):
         results, _ = run_mode(tiny_checkpoint, sampling, **overrides)
-        assert {k: c.token_ids for k, c in results.items()} == {k: c.token_ids for k, c in local.items()}
+        assert {k: c.token_ids for k, c in results.items()} == {
+            k: c.token_ids for k, c in local.items()
+        }
 
 
 def staged(config, first, later, running, pause_s=0.05):
@@ -97,12 +108,15 @@ def staged(config, first, later, running, pause_s=0.05):
 
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
 def test_preemption_keeps_every_output_equal_to_local(ray_session, tiny_checkpoint, mode):
-    """Two slots, six long normal requests, two urgent ones arriving mid-run: urgent ones evict normal
-    ones, which recompute (on the prefill pool, when there is one) and still produce local's tokens."""
+    """Two slots, six long normal requests, two urgent ones arriving mid-run: urgent ones evict
+    normal ones, which recompute (on the prefill pool, when there is one) and still produce local's
+    tokens."""
     sampling = SamplingParams(temperature=0.7, top_p=0.9, seed=3)
 
     def workload():
-        normal = make_requests(6, [5, 31, 12, 47, 9, 20], [60, 45, 70, 50, 55, 65], sampling=sampling)
+        normal = make_requests(
+            6, [5, 31, 12, 47, 9, 20], [60, 45, 70, 50, 55, 65], sampling=sampling
+        )
         urgent = make_requests(8, [7, 15], [12, 9], sampling=sampling)[6:]
         for r in normal:
             r.priority = 1
@@ -111,47 +125,87 @@ def test_preemption_keeps_every_output_equal_to_local(ray_session, tiny_checkpoi
     with open_engine(EngineConfig(model=tiny_checkpoint, **BASE)) as engine:
         expected = {r.req_id: engine.run([r])[r.req_id].token_ids for r in workload()}
     requests = workload()
-    results, stats = staged(EngineConfig(model=tiny_checkpoint, mode=mode, **(BASE | {"slots": 2})),
-                            requests[:6], requests[6:], running=2)  # the urgent ones once both slots are busy
+    results, stats = staged(
+        EngineConfig(model=tiny_checkpoint, mode=mode, **(BASE | {"slots": 2})),
+        # the urgent ones once both slots are busy
+        requests[:6],
+        requests[6:],
+        running=2,
+    )
     assert {k: c.token_ids for k, c in results.items()} == expected
     assert stats["counters"]["preemptions"] >= 1
-    assert sum(c.metrics["preemptions"] for c in results.values()) == stats["counters"]["preemptions"]
+    assert (
+        sum(c.metrics["preemptions"] for c in results.values()) == stats["counters"]["preemptions"]
+    )
     assert all(w["slots_used"] == 0 for w in stats["workers"].values())
 
 
-def test_kv_imported_into_a_reserved_slot_while_prefilling_equals_local(ray_session, tiny_checkpoint):
-    """A long prompt prefills in many chunks while another request decodes: its pieces go into a decode slot
-    reserved for it with the decode steps (`early_imports`), and its tokens are still local's."""
+def test_kv_imported_into_a_reserved_slot_while_prefilling_equals_local(
+    ray_session, tiny_checkpoint
+):
+    """A long prompt prefills in many chunks while another request decodes: its pieces go into a
+    decode slot reserved for it with the decode steps (`early_imports`), and its tokens are still
+    local's."""
+
     def workload():
         return make_requests(2, [4, 150], [150, 6], stop_token_ids=frozenset())  # steady, long
 
     with open_engine(EngineConfig(model=tiny_checkpoint, **BASE)) as engine:
         expected = {r.req_id: engine.run([r])[r.req_id].token_ids for r in workload()}
-    config = EngineConfig(model=tiny_checkpoint, mode="disaggregated", **(BASE | {"max_model_len": 200}))
+    config = EngineConfig(
+        model=tiny_checkpoint, mode="disaggregated", **(BASE | {"max_model_len": 200})
+    )
     steady, long = workload()
-    results, stats = staged(config, [steady], [long], running=1)  # the long prompt once the other decodes
+    # the long prompt once the other decodes
+    results, stats = staged(config, [steady], [long], running=1)
     assert {k: c.token_ids for k, c in results.items()} == expected
     assert results["r1"].finish_reason == "length" and stats["counters"]["early_imports"] >= 1
     assert all(w["slots_used"] == 0 for w in stats["workers"].values())
 
 
 def sampling_variety():
-    """Penalties, logit_bias, min_tokens, log-probs, echo log-probs, and three seeded choices of one prompt."""
+    """Penalties, logit_bias, min_tokens, log-probs, echo log-probs, and three seeded choices of one
+    prompt."""
     from tests.workers.test_sampling_params import processed_requests
 
     prompt = make_requests(1, [20], [1])[0].prompt_ids
-    choices = [Request(req_id=f"n-{i}", prompt_ids=prompt, max_tokens=10, fork_of="n-0" if i else None,
-                       sampling=SamplingParams(temperature=0.9, seed=70 + i, frequency_penalty=0.5, logprobs=2))
-               for i in range(3)]
+    choices = [
+        Request(
+            req_id=f"n-{i}",
+            prompt_ids=prompt,
+            max_tokens=10,
+            fork_of="n-0" if i else None,
+            sampling=SamplingParams(
+                temperature=0.9, seed=70 + i, frequency_penalty=0.5, logprobs=2
+            ),
+        )
+        for i in range(3)
+    ]
     from workers.grammar import parse_response_format, parse_structured_outputs
 
-    schema = {"type": "object", "required": ["size"], "properties": {"size": {"type": "integer", "maximum": 99}}}
-    specs = {"json": parse_response_format({"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}),
-             "regex": parse_structured_outputs({"regex": "[0-9]{2,4}-[a-z]+"}),
-             "choice": parse_structured_outputs({"choice": ["north", "south", "east or west"]})}
-    structured = [Request(req_id=f"{kind}-{i}", prompt_ids=prompt, max_tokens=30, stop_token_ids=frozenset({VOCAB - 1}),
-                          sampling=SamplingParams(temperature=1.0, seed=i, structured=spec))
-                  for kind, spec in specs.items() for i in range(2)]
+    schema = {
+        "type": "object",
+        "required": ["size"],
+        "properties": {"size": {"type": "integer", "maximum": 99}},
+    }
+    specs = {
+        "json": parse_response_format(
+            {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+        ),
+        "regex": parse_structured_outputs({"regex": "[0-9]{2,4}-[a-z]+"}),
+        "choice": parse_structured_outputs({"choice": ["north", "south", "east or west"]}),
+    }
+    structured = [
+        Request(
+            req_id=f"{kind}-{i}",
+            prompt_ids=prompt,
+            max_tokens=30,
+            stop_token_ids=frozenset({VOCAB - 1}),
+            sampling=SamplingParams(temperature=1.0, seed=i, structured=spec),
+        )
+        for kind, spec in specs.items()
+        for i in range(2)
+    ]
     return processed_requests() + choices + structured
 
 
@@ -163,35 +217,59 @@ def test_sampling_parameters_equal_local_mode(ray_session, tiny_checkpoint, mode
         results = engine.run(sampling_variety())
     for req_id, expected in local.items():
         got = results[req_id]
-        assert got.token_ids == expected.token_ids and got.finish_reason == expected.finish_reason, req_id
+        assert (
+            got.token_ids == expected.token_ids and got.finish_reason == expected.finish_reason
+        ), req_id
         assert [t.token_id for t in got.logprobs] == [t.token_id for t in expected.logprobs]
-        assert [t.logprob for t in got.logprobs] == pytest.approx([t.logprob for t in expected.logprobs], abs=1e-4)
+        assert [t.logprob for t in got.logprobs] == pytest.approx(
+            [t.logprob for t in expected.logprobs], abs=1e-4
+        )
         assert (got.prompt_logprobs is None) == (expected.prompt_logprobs is None)
         if expected.prompt_logprobs is not None:
             assert [t.logprob for t in got.prompt_logprobs] == pytest.approx(
-                [t.logprob for t in expected.prompt_logprobs], abs=1e-4)
-    assert len(results["presence"].prompt_logprobs) == 11  # a prompt of 12 tokens: all but the first
-    assert results["min_tokens"].token_ids[-1] == VOCAB - 1 and len(results["min_tokens"].token_ids) == 7
+                [t.logprob for t in expected.prompt_logprobs], abs=1e-4
+            )
+    # a prompt of 12 tokens: all but the first
+    assert len(results["presence"].prompt_logprobs) == 11
+    assert (
+        results["min_tokens"].token_ids[-1] == VOCAB - 1
+        and len(results["min_tokens"].token_ids) == 7
+    )
     assert all(json.loads(results[f"json-{i}"].text)["size"] <= 99 for i in range(2))
     assert all(re.fullmatch("[0-9]{2,4}-[a-z]+", results[f"regex-{i}"].text) for i in range(2))
     assert all(results[f"choice-{i}"].text in ("north", "south", "east or west") for i in range(2))
 
 
-@pytest.mark.parametrize("overrides", [dict(mode="colocated", decode_workers=2),
-                                       dict(mode="disaggregated", prefill_workers=2)], ids=["colocated", "2P1D"])
-def test_prefix_cache_changes_no_output_and_routes_to_the_cache(ray_session, tiny_checkpoint, overrides):
-    """Three waves of prompts sharing a 40-token prefix (plus two with nothing shared), greedy and seeded:
-    local mode without the cache gives the same tokens; the later waves find the prefix cached on the
-    worker they went to."""
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(mode="colocated", decode_workers=2), dict(mode="disaggregated", prefill_workers=2)],
+    ids=["colocated", "2P1D"],
+)
+def test_prefix_cache_changes_no_output_and_routes_to_the_cache(
+    ray_session, tiny_checkpoint, overrides
+):
+    """Three waves of prompts sharing a 40-token prefix (plus two with nothing shared), greedy and
+    seeded: local mode without the cache gives the same tokens; the later waves find the prefix
+    cached on the worker they went to."""
     from tests.factories import prompt_ids
 
     system = prompt_ids(40, 77)
 
     def waves():
         seeded = SamplingParams(temperature=0.8, top_k=40, seed=4)
-        shared = [Request(req_id=f"s{i}", prompt_ids=system + prompt_ids(3 + i, 80 + i), max_tokens=6,
-                          sampling=seeded if i % 2 else SamplingParams()) for i in range(6)]
-        other = [Request(req_id=f"o{i}", prompt_ids=prompt_ids(30, 90 + i), max_tokens=6) for i in range(2)]
+        shared = [
+            Request(
+                req_id=f"s{i}",
+                prompt_ids=system + prompt_ids(3 + i, 80 + i),
+                max_tokens=6,
+                sampling=seeded if i % 2 else SamplingParams(),
+            )
+            for i in range(6)
+        ]
+        other = [
+            Request(req_id=f"o{i}", prompt_ids=prompt_ids(30, 90 + i), max_tokens=6)
+            for i in range(2)
+        ]
         return [shared[:2] + other[:1], shared[2:4] + other[1:], shared[4:]]
 
     with open_engine(EngineConfig(model=tiny_checkpoint, prefix_cache_tokens=0, **BASE)) as engine:
@@ -202,4 +280,5 @@ def test_prefix_cache_changes_no_output_and_routes_to_the_cache(ray_session, tin
     assert got == expected
     caches = [w["prefix_cache"] for w in stats.values() if "prefix_cache" in w]
     assert len(caches) == 2
-    assert sum(c["hit_tokens"] for c in caches) >= 4 * 32  # the 4 later shared prompts: 2 blocks each
+    # the 4 later shared prompts: 2 blocks each
+    assert sum(c["hit_tokens"] for c in caches) >= 4 * 32

@@ -1,12 +1,18 @@
-"""OpenAI parameters at the HTTP edge: a value out of range answers 400 naming it, what is refused stays refused,
-and what is accepted reaches the engine requests (n of them, with their seeds)."""
+"""OpenAI parameters at the HTTP edge: a value out of range answers 400 naming it, what is refused
+stays refused, and what is accepted reaches the engine requests (n of them, with their seeds)."""
 
 import json
 
 import pytest
 from pydantic import ValidationError
 
-from deploy.serving.schemas import APIError, ChatBody, CompletionBody, TokenizeBody, validation_error
+from deploy.serving.schemas import (
+    APIError,
+    ChatBody,
+    CompletionBody,
+    TokenizeBody,
+    validation_error,
+)
 from tests.deploy.fake_engine import make_server
 
 MESSAGES = [{"role": "user", "content": "paris is in"}]
@@ -25,50 +31,63 @@ def refusal(schema, **fields) -> APIError:  # type: ignore[no-untyped-def]
     return validation_error(info.value.errors())
 
 
-@pytest.mark.parametrize("schema, fields, param", [
-    (CompletionBody, {"n": 0}, "n"),
-    (ChatBody, {"n": 17}, "n"),
-    (CompletionBody, {"presence_penalty": 2.5}, "presence_penalty"),
-    (ChatBody, {"frequency_penalty": -2.1}, "frequency_penalty"),
-    (CompletionBody, {"repetition_penalty": 0}, "repetition_penalty"),
-    (ChatBody, {"repetition_penalty": 2.5}, "repetition_penalty"),
-    (CompletionBody, {"min_tokens": -1}, "min_tokens"),
-    (ChatBody, {"logit_bias": {"abc": 1}}, "logit_bias"),
-    (CompletionBody, {"logit_bias": {"5": 101}}, "logit_bias"),
-    (CompletionBody, {"logit_bias": {"-1": 1}}, "logit_bias"),
-    (CompletionBody, {"logprobs": 6}, "logprobs"),
-    (CompletionBody, {"logprobs": -1}, "logprobs"),
-    (ChatBody, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    (ChatBody, {"top_logprobs": 2}, "top_logprobs"),
-    (CompletionBody, {"best_of": 2}, "best_of"),
-    (CompletionBody, {"n": 2, "best_of": 3}, "best_of"),
-    (CompletionBody, {"max_tokens": 0}, "max_tokens"),
-    (ChatBody, {"response_format": "json"}, "response_format"),
-    (ChatBody, {"continue_final_message": True}, "continue_final_message"),  # with the generation prompt
-    (ChatBody, {"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),  # user last
-    (ChatBody, {"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
-    (ChatBody, {"min_p": 1.5}, "min_p"),
-    (ChatBody, {"guided_regex": "a", "structured_outputs": {"regex": "b"}}, "guided_regex"),
-    (CompletionBody, {"structured_outputs": ["json"]}, "structured_outputs"),
-    (CompletionBody, {"min_p": -0.1}, "min_p"),
-])
+@pytest.mark.parametrize(
+    "schema, fields, param",
+    [
+        (CompletionBody, {"n": 0}, "n"),
+        (ChatBody, {"n": 17}, "n"),
+        (CompletionBody, {"presence_penalty": 2.5}, "presence_penalty"),
+        (ChatBody, {"frequency_penalty": -2.1}, "frequency_penalty"),
+        (CompletionBody, {"repetition_penalty": 0}, "repetition_penalty"),
+        (ChatBody, {"repetition_penalty": 2.5}, "repetition_penalty"),
+        (CompletionBody, {"min_tokens": -1}, "min_tokens"),
+        (ChatBody, {"logit_bias": {"abc": 1}}, "logit_bias"),
+        (CompletionBody, {"logit_bias": {"5": 101}}, "logit_bias"),
+        (CompletionBody, {"logit_bias": {"-1": 1}}, "logit_bias"),
+        (CompletionBody, {"logprobs": 6}, "logprobs"),
+        (CompletionBody, {"logprobs": -1}, "logprobs"),
+        (ChatBody, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        (ChatBody, {"top_logprobs": 2}, "top_logprobs"),
+        (CompletionBody, {"best_of": 2}, "best_of"),
+        (CompletionBody, {"n": 2, "best_of": 3}, "best_of"),
+        (CompletionBody, {"max_tokens": 0}, "max_tokens"),
+        (ChatBody, {"response_format": "json"}, "response_format"),
+        # with the generation prompt
+        (ChatBody, {"continue_final_message": True}, "continue_final_message"),
+        # user last
+        (
+            ChatBody,
+            {"continue_final_message": True, "add_generation_prompt": False},
+            "continue_final_message",
+        ),
+        (ChatBody, {"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+        (ChatBody, {"min_p": 1.5}, "min_p"),
+        (ChatBody, {"guided_regex": "a", "structured_outputs": {"regex": "b"}}, "guided_regex"),
+        (CompletionBody, {"structured_outputs": ["json"]}, "structured_outputs"),
+        (CompletionBody, {"min_p": -0.1}, "min_p"),
+    ],
+)
 def test_out_of_range_values_get_400_naming_the_parameter(schema, fields, param):
     error = refusal(schema, **fields)
     assert (error.status, error.param) == (400, param), error.message
 
 
-@pytest.mark.parametrize("schema, name, value", [
-    (CompletionBody, "tools", [{"type": "function", "function": {"name": "f"}}]),  # chat has them (tools.py)
-    (CompletionBody, "tool_choice", "auto"),
-    (CompletionBody, "functions", [{"name": "f"}]),  # chat has them (the legacy form of tools)
-    (CompletionBody, "suffix", "the end"),
-    (CompletionBody, "guided_whitespace_pattern", " "),
-    (ChatBody, "guided_decoding_backend", "outlines"),
-    (ChatBody, "structural_tag", "{}"),
-    (ChatBody, "echo", True),  # echo, best_of and top_logprobs exist on the other endpoint only
-    (ChatBody, "best_of", 2),
-    (CompletionBody, "top_logprobs", 2),
-])
+@pytest.mark.parametrize(
+    "schema, name, value",
+    [
+        # chat has them (tools.py)
+        (CompletionBody, "tools", [{"type": "function", "function": {"name": "f"}}]),
+        (CompletionBody, "tool_choice", "auto"),
+        (CompletionBody, "functions", [{"name": "f"}]),  # chat has them (the legacy form of tools)
+        (CompletionBody, "suffix", "the end"),
+        (CompletionBody, "guided_whitespace_pattern", " "),
+        (ChatBody, "guided_decoding_backend", "outlines"),
+        (ChatBody, "structural_tag", "{}"),
+        (ChatBody, "echo", True),  # echo, best_of and top_logprobs exist on the other endpoint only
+        (ChatBody, "best_of", 2),
+        (CompletionBody, "top_logprobs", 2),
+    ],
+)
 def test_unimplemented_parameters_are_still_refused(schema, name, value):
     error = refusal(schema, **{name: value})
     assert (error.status, error.param, error.code) == (400, name, "unsupported_parameter")
@@ -76,14 +95,49 @@ def test_unimplemented_parameters_are_still_refused(schema, name, value):
     assert "Unrecognized" in refusal(schema, frobnicate=1).message
 
 
-@pytest.mark.parametrize("schema, fields", [
-    (ChatBody, {"user": "u-1", "metadata": {"k": "v"}, "store": False, "stream_options": {"include_usage": True}}),
-    (CompletionBody, {"user": "u-1", "stream": True, "stream_options": {"include_usage": True}}),
-    (ChatBody, {"n": 1, "presence_penalty": 0, "logprobs": False, "top_logprobs": 0, "tool_choice": "none",
-                "response_format": {"type": "text"}, "best_of": 1, "echo": False}),
-    (CompletionBody, {"n": 3, "best_of": 3, "echo": True, "max_tokens": 0, "logprobs": 5, "logit_bias": {"7": -100}}),
-    (ChatBody, {"n": None, "presence_penalty": None, "min_tokens": None, "logit_bias": None}),
-])
+@pytest.mark.parametrize(
+    "schema, fields",
+    [
+        (
+            ChatBody,
+            {
+                "user": "u-1",
+                "metadata": {"k": "v"},
+                "store": False,
+                "stream_options": {"include_usage": True},
+            },
+        ),
+        (
+            CompletionBody,
+            {"user": "u-1", "stream": True, "stream_options": {"include_usage": True}},
+        ),
+        (
+            ChatBody,
+            {
+                "n": 1,
+                "presence_penalty": 0,
+                "logprobs": False,
+                "top_logprobs": 0,
+                "tool_choice": "none",
+                "response_format": {"type": "text"},
+                "best_of": 1,
+                "echo": False,
+            },
+        ),
+        (
+            CompletionBody,
+            {
+                "n": 3,
+                "best_of": 3,
+                "echo": True,
+                "max_tokens": 0,
+                "logprobs": 5,
+                "logit_bias": {"7": -100},
+            },
+        ),
+        (ChatBody, {"n": None, "presence_penalty": None, "min_tokens": None, "logit_bias": None}),
+    ],
+)
 def test_descriptive_fields_and_no_op_values_are_accepted(schema, fields):
     parse(schema, **fields)
 
@@ -102,10 +156,25 @@ def test_values_checked_against_the_tokenizer_and_grammar_get_400_when_the_reque
     server = make_server()
     cases = [
         (parse(CompletionBody, logit_bias={"384": 1}), "logit_bias", "vocabulary"),
-        (parse(ChatBody, structured_outputs={"regex": "("}), "structured_outputs", "structured_outputs.regex"),
-        (parse(CompletionBody, guided_choice=[]), "structured_outputs", "structured_outputs.choice"),
-        (parse(CompletionBody, structured_outputs={"choice": ["a"]}, response_format={"type": "json_object"}),
-         "structured_outputs", "not both"),
+        (
+            parse(ChatBody, structured_outputs={"regex": "("}),
+            "structured_outputs",
+            "structured_outputs.regex",
+        ),
+        (
+            parse(CompletionBody, guided_choice=[]),
+            "structured_outputs",
+            "structured_outputs.choice",
+        ),
+        (
+            parse(
+                CompletionBody,
+                structured_outputs={"choice": ["a"]},
+                response_format={"type": "json_object"},
+            ),
+            "structured_outputs",
+            "not both",
+        ),
         (parse(ChatBody, response_format={"type": "xml"}), "response_format", "response_format"),
         (parse(ChatBody, min_tokens=5, max_completion_tokens=4), "min_tokens", "max_tokens (4)"),
         (parse(CompletionBody, min_tokens=5, max_tokens=4), "min_tokens", "max_tokens (4)"),
@@ -120,18 +189,39 @@ def test_values_checked_against_the_tokenizer_and_grammar_get_400_when_the_reque
 
 def test_n_choices_are_n_requests_with_consecutive_seeds_forking_the_first():
     server = make_server()
-    body = parse(CompletionBody, n=3, seed=5, max_tokens=7, presence_penalty=0.5, frequency_penalty=-0.5,
-                 repetition_penalty=1.2, min_tokens=2, logit_bias={"5": 10, "9": -100},
-                 response_format={"type": "json_object"}, stop=["\n"])
+    body = parse(
+        CompletionBody,
+        n=3,
+        seed=5,
+        max_tokens=7,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.2,
+        min_tokens=2,
+        logit_bias={"5": 10, "9": -100},
+        response_format={"type": "json_object"},
+        stop=["\n"],
+    )
     job = server.completion_job(body)
     requests = job.requests
-    assert job.resp_id.startswith("cmpl-") and [r.req_id for r in requests] == [f"{job.resp_id}-{i}" for i in range(3)]
+    assert job.resp_id.startswith("cmpl-") and [r.req_id for r in requests] == [
+        f"{job.resp_id}-{i}" for i in range(3)
+    ]
     assert [r.sampling.seed for r in requests] == [5, 6, 7]
     assert [r.fork_of for r in requests] == [None, requests[0].req_id, requests[0].req_id]
     for r in requests:
-        assert r.prompt_ids == requests[0].prompt_ids and r.max_tokens == 7 and r.stop_strings == ("\n",)
+        assert (
+            r.prompt_ids == requests[0].prompt_ids
+            and r.max_tokens == 7
+            and r.stop_strings == ("\n",)
+        )
         s = r.sampling
-        assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_tokens) == (0.5, -0.5, 1.2, 2)
+        assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_tokens) == (
+            0.5,
+            -0.5,
+            1.2,
+            2,
+        )
         assert s.logit_bias == ((5, 10.0), (9, -100.0)) and s.structured is not None
         assert s.logprobs is None and s.prompt_logprobs is None
     unseeded = server.completion_job(parse(CompletionBody, n=2)).requests
@@ -141,14 +231,17 @@ def test_n_choices_are_n_requests_with_consecutive_seeds_forking_the_first():
     assert single[0].sampling.repetition_penalty == 1.0 and single[0].sampling.logit_bias == ()
 
 
-@pytest.mark.parametrize("schema, fields, logprobs, prompt_logprobs", [
-    (ChatBody, {"logprobs": True, "top_logprobs": 3}, 3, None),
-    (ChatBody, {"logprobs": True}, 0, None),
-    (ChatBody, {"logprobs": False}, None, None),
-    (CompletionBody, {"logprobs": 2}, 2, None),
-    (CompletionBody, {"logprobs": 2, "echo": True}, 2, 2),
-    (CompletionBody, {"echo": True}, None, None),
-])
+@pytest.mark.parametrize(
+    "schema, fields, logprobs, prompt_logprobs",
+    [
+        (ChatBody, {"logprobs": True, "top_logprobs": 3}, 3, None),
+        (ChatBody, {"logprobs": True}, 0, None),
+        (ChatBody, {"logprobs": False}, None, None),
+        (CompletionBody, {"logprobs": 2}, 2, None),
+        (CompletionBody, {"logprobs": 2, "echo": True}, 2, 2),
+        (CompletionBody, {"echo": True}, None, None),
+    ],
+)
 def test_logprobs_asked_of_the_engine(schema, fields, logprobs, prompt_logprobs):
     server, body = make_server(), parse(schema, **fields)
     job = server.chat_job(body) if schema is ChatBody else server.completion_job(body)
@@ -165,7 +258,8 @@ def test_echo_with_max_tokens_0_runs_one_token_and_drops_it():
 
 
 def test_chat_template_options_shape_the_prompt():
-    """vLLM's extensions: no generation prompt, continuing the assistant's last message, template variables."""
+    """vLLM's extensions: no generation prompt, continuing the assistant's last message, template
+    variables."""
     import copy
 
     from deploy.serving.openai_api import OpenAIServer, ServedModel
@@ -174,7 +268,9 @@ def test_chat_template_options_shape_the_prompt():
 
     tokenizer = copy.deepcopy(tiny_tokenizer())
     tokenizer.chat_template = "{{ hint | default('') }}" + CHAT_TEMPLATE
-    server = OpenAIServer(FakeEngine(), ServedModel("tiny", tokenizer, frozenset({tokenizer.eos_token_id}), 256))
+    server = OpenAIServer(
+        FakeEngine(), ServedModel("tiny", tokenizer, frozenset({tokenizer.eos_token_id}), 256)
+    )
     talk = MESSAGES + [{"role": "assistant", "content": "the capital"}]
 
     def prompt(**fields) -> str:  # type: ignore[no-untyped-def]
@@ -185,8 +281,10 @@ def test_chat_template_options_shape_the_prompt():
 
     assert prompt() == "<|user|>paris is in\n<|assistant|>the capital\n<|assistant|>"
     assert prompt(add_generation_prompt=False) == "<|user|>paris is in\n<|assistant|>the capital\n"
-    assert prompt(add_generation_prompt=False, continue_final_message=True) == \
-        "<|user|>paris is in\n<|assistant|>the capital"
+    assert (
+        prompt(add_generation_prompt=False, continue_final_message=True)
+        == "<|user|>paris is in\n<|assistant|>the capital"
+    )
     assert prompt(chat_template_kwargs={"hint": "be brief "}).startswith("be brief <|user|>")
 
 
@@ -194,17 +292,24 @@ def test_structured_outputs_and_vllms_older_guided_fields_reach_the_engine_as_on
     server = make_server()
 
     def spec(schema, **fields):  # type: ignore[no-untyped-def]
-        job = server.chat_job(parse(schema, **fields)) if schema is ChatBody else \
-            server.completion_job(parse(schema, **fields))
+        job = (
+            server.chat_job(parse(schema, **fields))
+            if schema is ChatBody
+            else server.completion_job(parse(schema, **fields))
+        )
         return {r.sampling.structured for r in job.requests}
 
-    for guided, kind, value in [("guided_choice", "choice", ["yes", "no"]), ("guided_regex", "regex", "[a-z]+"),
-                                ("guided_json", "json", {"type": "object"}),
-                                ("guided_grammar", "grammar", 'root ::= "a" | "b"')]:
+    for guided, kind, value in [
+        ("guided_choice", "choice", ["yes", "no"]),
+        ("guided_regex", "regex", "[a-z]+"),
+        ("guided_json", "json", {"type": "object"}),
+        ("guided_grammar", "grammar", 'root ::= "a" | "b"'),
+    ]:
         for schema in (ChatBody, CompletionBody):
             (wanted,) = spec(schema, structured_outputs={kind: value})
             assert json.loads(wanted)["type"] in ("grammar", "regex", "json_schema")
             assert spec(schema, **{guided: value}) == {wanted}
-    assert spec(CompletionBody, n=2, structured_outputs={"json_object": True}) == \
-        spec(CompletionBody, response_format={"type": "json_object"})
+    assert spec(CompletionBody, n=2, structured_outputs={"json_object": True}) == spec(
+        CompletionBody, response_format={"type": "json_object"}
+    )
     assert spec(ChatBody, guided_json=None) == {None}  # a no-op value, as clients send unset fields

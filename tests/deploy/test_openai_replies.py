@@ -1,5 +1,5 @@
-"""Replies in OpenAI's shapes from a scripted engine: log-probs (chat and completions), echo, n choices,
-streamed and not, and failures, refusals and disconnects that must abort every choice."""
+"""Replies in OpenAI's shapes from a scripted engine: log-probs (chat and completions), echo, n
+choices, streamed and not, and failures, refusals and disconnects that must abort every choice."""
 
 import asyncio
 import itertools
@@ -33,7 +33,9 @@ def streamed_choices(chunks: list[dict]) -> dict[int, list[dict]]:
 def test_chat_logprobs_whole_and_streamed():
     engine = FakeEngine()
     server = make_server(engine)
-    body = dict(model="tiny", messages=MESSAGES, max_tokens=5, seed=3, logprobs=True, top_logprobs=2)
+    body = dict(
+        model="tiny", messages=MESSAGES, max_tokens=5, seed=3, logprobs=True, top_logprobs=2
+    )
     whole = reply(server, ChatBody(**body))
     (request,) = engine.requests.values()
     ids = sampled_ids(request)
@@ -43,7 +45,12 @@ def test_chat_logprobs_whole_and_streamed():
     assert [c["token"] for c in content] == token_texts(ids)
     assert [c["logprob"] for c in content] == [-0.25 * (j + 1) for j in range(5)]
     for c in content:
-        assert c["bytes"] == list(c["token"].encode()) and set(c) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert c["bytes"] == list(c["token"].encode()) and set(c) == {
+            "token",
+            "logprob",
+            "bytes",
+            "top_logprobs",
+        }
         assert [t["logprob"] for t in c["top_logprobs"]] == [-0.1, -9999.0]  # -inf is not JSON
         assert all(set(t) == {"token", "logprob", "bytes"} for t in c["top_logprobs"])
 
@@ -70,13 +77,21 @@ def test_completion_logprobs_with_echo_whole_and_streamed():
     assert logprobs["tokens"] == token_texts(prompt_ids + ids)
     num_prompt = len(prompt_ids)
     assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
-    assert logprobs["token_logprobs"][1:] == [-0.25 * (p + 1) for p in range(num_prompt - 1)] + \
-        [-0.25 * (j + 1) for j in range(4)]
+    assert logprobs["token_logprobs"][1:] == [-0.25 * (p + 1) for p in range(num_prompt - 1)] + [
+        -0.25 * (j + 1) for j in range(4)
+    ]
     for token, top in zip(logprobs["tokens"][1:], logprobs["top_logprobs"][1:], strict=True):
-        assert next(iter(top)) == token and len(top) <= 3 and -9999.0 in top.values()  # sampled + 2 most likely
-    assert logprobs["text_offset"] == list(itertools.accumulate([0] + [len(t) for t in logprobs["tokens"][:-1]]))
-    assert whole["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 4, "total_tokens": num_prompt + 4,
-                              "prompt_tokens_details": {"cached_tokens": 0}}
+        # sampled + 2 most likely
+        assert next(iter(top)) == token and len(top) <= 3 and -9999.0 in top.values()
+    assert logprobs["text_offset"] == list(
+        itertools.accumulate([0] + [len(t) for t in logprobs["tokens"][:-1]])
+    )
+    assert whole["usage"] == {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": 4,
+        "total_tokens": num_prompt + 4,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
     chunks = streamed_choices(reply(server, CompletionBody(**body, stream=True)))[0]
     assert chunks[0]["text"].startswith("hello world")
@@ -101,32 +116,57 @@ def test_echo_with_max_tokens_0_returns_the_prompt_and_its_logprobs_only():
     assert choice["logprobs"]["tokens"] == token_texts(prompt_ids)
     assert len(choice["logprobs"]["token_logprobs"]) == len(prompt_ids)
     assert whole["usage"]["completion_tokens"] == 0
-    chunks = reply(server, CompletionBody(**body, stream=True, stream_options={"include_usage": True}))
+    chunks = reply(
+        server, CompletionBody(**body, stream=True, stream_options={"include_usage": True})
+    )
     choices = streamed_choices(chunks)[0]
     assert "".join(c["text"] for c in choices) == "paris is in france"
-    assert sum((c["logprobs"]["tokens"] for c in choices if c["logprobs"]), []) == choice["logprobs"]["tokens"]
-    assert choices[-1]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 0
+    assert (
+        sum((c["logprobs"]["tokens"] for c in choices if c["logprobs"]), [])
+        == choice["logprobs"]["tokens"]
+    )
+    assert (
+        choices[-1]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 0
+    )
 
 
 def test_n_choices_sample_as_single_requests_with_seed_plus_i():
     server = make_server()
     whole = reply(server, CompletionBody(model="tiny", prompt="hello", n=3, seed=10, max_tokens=6))
-    singles = [reply(server, CompletionBody(model="tiny", prompt="hello", seed=10 + i, max_tokens=6))
-               for i in range(3)]
+    singles = [
+        reply(server, CompletionBody(model="tiny", prompt="hello", seed=10 + i, max_tokens=6))
+        for i in range(3)
+    ]
     assert [c["index"] for c in whole["choices"]] == [0, 1, 2]
     assert [c["text"] for c in whole["choices"]] == [s["choices"][0]["text"] for s in singles]
     assert len({c["text"] for c in whole["choices"]}) == 3
     assert all(c["finish_reason"] == "length" and c["logprobs"] is None for c in whole["choices"])
     num_prompt = singles[0]["usage"]["prompt_tokens"]
-    assert whole["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 18, "total_tokens": num_prompt + 18,
-                              "prompt_tokens_details": {"cached_tokens": 0}}
+    assert whole["usage"] == {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": 18,
+        "total_tokens": num_prompt + 18,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
-    chunks = reply(server, CompletionBody(model="tiny", prompt="hello", n=3, seed=10, max_tokens=6, stream=True,
-                                          stream_options={"include_usage": True}))
+    chunks = reply(
+        server,
+        CompletionBody(
+            model="tiny",
+            prompt="hello",
+            n=3,
+            seed=10,
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+        ),
+    )
     indexes = [choice["index"] for chunk in chunks for choice in chunk["choices"]]
     assert indexes != sorted(indexes)  # the choices' chunks interleave
     by_index = streamed_choices(chunks)
-    assert ["".join(c["text"] for c in by_index[i]) for i in range(3)] == [c["text"] for c in whole["choices"]]
+    assert ["".join(c["text"] for c in by_index[i]) for i in range(3)] == [
+        c["text"] for c in whole["choices"]
+    ]
     assert all([c["finish_reason"] for c in by_index[i]].count("length") == 1 for i in range(3))
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
     assert len({chunk["id"] for chunk in chunks}) == 1
@@ -144,41 +184,69 @@ def test_a_list_of_prompts_gets_n_choices_each_numbered_prompt_by_prompt():
     whole = reply(server, CompletionBody(prompt=prompts, **body))
     singles = [reply(server, CompletionBody(prompt=prompt, **body)) for prompt in prompts]
     assert [c["index"] for c in whole["choices"]] == [0, 1, 2, 3]
-    assert [{k: v for k, v in c.items() if k != "index"} for c in whole["choices"]] == \
-        [{k: v for k, v in c.items() if k != "index"} for s in singles for c in s["choices"]]
-    assert [c["text"][:len(prompts[i // 2])] for i, c in enumerate(whole["choices"])] == \
-        [prompts[0], prompts[0], prompts[1], prompts[1]]
-    num_prompt = sum(s["usage"]["prompt_tokens"] for s in singles)  # each prompt once, not once per choice
-    assert whole["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": 20, "total_tokens": num_prompt + 20,
-                              "prompt_tokens_details": {"cached_tokens": 0}}
+    assert [{k: v for k, v in c.items() if k != "index"} for c in whole["choices"]] == [
+        {k: v for k, v in c.items() if k != "index"} for s in singles for c in s["choices"]
+    ]
+    assert [c["text"][: len(prompts[i // 2])] for i, c in enumerate(whole["choices"])] == [
+        prompts[0],
+        prompts[0],
+        prompts[1],
+        prompts[1],
+    ]
+    # each prompt once, not once per choice
+    num_prompt = sum(s["usage"]["prompt_tokens"] for s in singles)
+    assert whole["usage"] == {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": 20,
+        "total_tokens": num_prompt + 20,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     forks = [r.fork_of for r in engine.requests.values()][:4]
     assert forks == [None, f"{whole['id']}-0", None, f"{whole['id']}-2"]
 
-    chunks = reply(server, CompletionBody(prompt=prompts, stream=True, stream_options={"include_usage": True},
-                                          **body))
+    chunks = reply(
+        server,
+        CompletionBody(prompt=prompts, stream=True, stream_options={"include_usage": True}, **body),
+    )
     by_index = streamed_choices(chunks)
-    assert ["".join(c["text"] for c in by_index[i]) for i in range(4)] == [c["text"] for c in whole["choices"]]
+    assert ["".join(c["text"] for c in by_index[i]) for i in range(4)] == [
+        c["text"] for c in whole["choices"]
+    ]
     assert chunks[-1]["usage"] == whole["usage"]
 
     ids = tiny_tokenizer()("paris is in france").input_ids
-    by_ids = reply(server, CompletionBody(model="tiny", prompt=[ids, ids[:2]], seed=4, max_tokens=5))
-    assert by_ids["choices"][0]["text"] == singles[1]["choices"][0]["text"][len(prompts[1]):]
+    by_ids = reply(
+        server, CompletionBody(model="tiny", prompt=[ids, ids[:2]], seed=4, max_tokens=5)
+    )
+    assert by_ids["choices"][0]["text"] == singles[1]["choices"][0]["text"][len(prompts[1]) :]
     assert len(by_ids["choices"]) == 2
 
 
 def test_a_prompt_of_a_list_that_cannot_fit_fails_the_request_before_any_runs():
     engine = FakeEngine()
     with pytest.raises(APIError) as info:
-        reply(make_server(engine), CompletionBody(model="tiny", prompt=["hello", "hello " * 600], max_tokens=8))
-    assert info.value.status == 400 and "prompt 1: " in info.value.message and "maximum context length" in \
-        info.value.message
+        reply(
+            make_server(engine),
+            CompletionBody(model="tiny", prompt=["hello", "hello " * 600], max_tokens=8),
+        )
+    assert (
+        info.value.status == 400
+        and "prompt 1: " in info.value.message
+        and "maximum context length" in info.value.message
+    )
     with pytest.raises(APIError) as info:
         reply(make_server(engine), CompletionBody(model="tiny", prompt=[[5, 6], []], max_tokens=8))
     assert info.value.status == 400 and "prompt 1: The prompt is empty." in info.value.message
     with pytest.raises(APIError) as info:
-        reply(make_server(engine), CompletionBody(model="tiny", prompt=[[5, 6], [7, 384]], max_tokens=8))
-    assert info.value.status == 400 and info.value.message.startswith("prompt 1: ") and "vocabulary" in \
-        info.value.message
+        reply(
+            make_server(engine),
+            CompletionBody(model="tiny", prompt=[[5, 6], [7, 384]], max_tokens=8),
+        )
+    assert (
+        info.value.status == 400
+        and info.value.message.startswith("prompt 1: ")
+        and "vocabulary" in info.value.message
+    )
     assert not engine.requests
 
 
@@ -186,7 +254,10 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk():
     server = make_server()
     body = dict(model="tiny", messages=MESSAGES, n=2, seed=1, max_tokens=6, stream=True)
     whole = reply(server, ChatBody(**{**body, "stream": False}))
-    chunks = reply(server, ChatBody(**body, stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    chunks = reply(
+        server,
+        ChatBody(**body, stream_options={"include_usage": True, "continuous_usage_stats": True}),
+    )
     counts = [c["usage"]["completion_tokens"] for c in chunks]
     assert counts == sorted(counts) and counts[0] == 0 and chunks[-1]["usage"] == whole["usage"]
     assert all(c["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"] for c in chunks)
@@ -199,23 +270,33 @@ def test_a_failed_choice_fails_the_reply_and_aborts_the_others():
     server = make_server(engine)
     with pytest.raises(APIError) as info:
         reply(server, CompletionBody(model="tiny", prompt="hello", n=3, max_tokens=8))
-    assert (info.value.status, info.value.code) == (500, "engine_error") and "worker lost" in info.value.message
+    assert (info.value.status, info.value.code) == (
+        500,
+        "engine_error",
+    ) and "worker lost" in info.value.message
     assert sorted(r.rsplit("-", 1)[1] for r in engine.aborted) == ["0", "2"]
 
     engine.aborted.clear()
-    chunks = reply(server, CompletionBody(model="tiny", prompt="hello", n=3, max_tokens=8, stream=True))
+    chunks = reply(
+        server, CompletionBody(model="tiny", prompt="hello", n=3, max_tokens=8, stream=True)
+    )
     assert chunks[-1]["error"]["code"] == "engine_error"
     assert sorted(r.rsplit("-", 1)[1] for r in engine.aborted) == ["0", "2"]
 
 
 def test_a_stream_no_cell_could_continue_answers_503_or_an_error_event_then_done():
-    """Failover gave up (no live cell in time): a whole reply is 503 with Retry-After; a stream ends with an
-    error event and `[DONE]`, never a cut connection."""
+    """Failover gave up (no live cell in time): a whole reply is 503 with Retry-After; a stream ends
+    with an error event and `[DONE]`, never a cut connection."""
     engine = FakeEngine(fail={"0"}, unavailable=True)
     with pytest.raises(APIError) as info:
         reply(make_server(engine), CompletionBody(model="tiny", prompt="hello", max_tokens=8))
-    assert (info.value.status, info.value.code) == (503, "engine_unavailable") and info.value.headers["Retry-After"]
-    chunks = reply(make_server(engine), CompletionBody(model="tiny", prompt="hello", max_tokens=8, stream=True))
+    assert (info.value.status, info.value.code) == (
+        503,
+        "engine_unavailable",
+    ) and info.value.headers["Retry-After"]
+    chunks = reply(
+        make_server(engine), CompletionBody(model="tiny", prompt="hello", max_tokens=8, stream=True)
+    )
     assert chunks[-1]["error"]["code"] == "engine_unavailable"  # (and `reply` saw [DONE] last)
 
 
@@ -232,8 +313,9 @@ def test_a_client_that_disconnects_cancels_every_choice():
     server = make_server(engine)
 
     async def disconnect_after_two_chunks() -> None:
-        response = await server.respond(CompletionBody(model="tiny", prompt="hello", n=2, max_tokens=20,
-                                                           stream=True))
+        response = await server.respond(
+            CompletionBody(model="tiny", prompt="hello", n=2, max_tokens=20, stream=True)
+        )
         events = response.body_iterator
         await anext(events)
         await anext(events)

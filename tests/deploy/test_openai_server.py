@@ -1,4 +1,5 @@
-"""The OpenAI layer against the real scheduler actor (no Serve): a full queue answers 429 at once."""
+"""The OpenAI layer against the real scheduler actor (no Serve): a full queue answers 429 at
+once."""
 
 import asyncio
 
@@ -17,11 +18,21 @@ pytestmark = pytest.mark.slow
 
 
 def test_full_queue_gets_429_with_retry_after(ray_session, tiny_checkpoint):
-    config = EngineConfig(model=tiny_checkpoint, mode="disaggregated", slots=1, prefill_slots=1, max_model_len=1024,
-                          token_budget=8, prefill_chunk=8, max_waiting=1)
+    config = EngineConfig(
+        model=tiny_checkpoint,
+        mode="disaggregated",
+        slots=1,
+        prefill_slots=1,
+        max_model_len=1024,
+        token_budget=8,
+        prefill_chunk=8,
+        max_waiting=1,
+    )
     handle = start_scheduler(config)
     info = load_tokenizer(tiny_checkpoint)
-    server = OpenAIServer(EngineClient(handle), ServedModel("tiny", info.tokenizer, info.eos_token_ids, 1024))
+    server = OpenAIServer(
+        EngineClient(handle), ServedModel("tiny", info.tokenizer, info.eos_token_ids, 1024)
+    )
 
     async def scenario():
         long = CompletionBody(model="tiny", prompt=[5 + i % 300 for i in range(1000)], max_tokens=4)
@@ -38,6 +49,9 @@ def test_full_queue_gets_429_with_retry_after(ray_session, tiny_checkpoint):
         error, first, second = asyncio.run(scenario())
     finally:
         ray.get(handle.shutdown.remote())
-    assert error.status == 429 and error.headers == {"Retry-After": "1"} and error.code == "queue_full"
+    assert (
+        error.status == 429 and error.headers == {"Retry-After": "1"} and error.code == "queue_full"
+    )
     assert error.body()["error"]["type"] == "rate_limit_error"
-    assert first.status_code == 200 and second.status_code == 200  # the queued ones were not disturbed
+    # the queued ones were not disturbed
+    assert first.status_code == 200 and second.status_code == 200

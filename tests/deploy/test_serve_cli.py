@@ -1,4 +1,5 @@
-"""`pdserve serve` as a user runs it: its own Ray, the ingress replica serving HTTP on --port itself."""
+"""`pdserve serve` as a user runs it: its own Ray, the ingress replica serving HTTP on --port
+itself."""
 
 import json
 import os
@@ -22,7 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def _wait_ready(proc: subprocess.Popen, base: str, log: Path, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        assert proc.poll() is None, f"pdserve serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+        assert proc.poll() is None, (
+            f"pdserve serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+        )
         if "Ctrl-C stops it." in log.read_text():  # printed once the app is up
             assert httpx.get(f"{base}/v1/models", timeout=10).status_code == 200
             return
@@ -31,16 +34,39 @@ def _wait_ready(proc: subprocess.Popen, base: str, log: Path, timeout: float = 2
 
 
 @pytest.mark.slow
-def test_pdserve_serve_streams_on_its_port_frees_a_dropped_stream_and_stops_on_sigterm(tiny_checkpoint, tmp_path):
+def test_pdserve_serve_streams_on_its_port_frees_a_dropped_stream_and_stops_on_sigterm(
+    tiny_checkpoint, tmp_path
+):
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = tmp_path / "serve.log"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a Ray of its own, as `make serve`
+    # a Ray of its own, as `make serve`
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "serve", "--model", tiny_checkpoint,
-                                 "--served-model-name", "tiny", "--mode", "colocated", "--slots", "4",
-                                 "--max-model-len", "1024", "--port", str(port)],
-                                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "deploy.cli",
+                "serve",
+                "--model",
+                tiny_checkpoint,
+                "--served-model-name",
+                "tiny",
+                "--mode",
+                "colocated",
+                "--slots",
+                "4",
+                "--max-model-len",
+                "1024",
+                "--port",
+                str(port),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+        )
     try:
         _wait_ready(proc, base, log)
         assert f"(colocated, direct ingress) at {base}/v1" in log.read_text()
@@ -48,17 +74,38 @@ def test_pdserve_serve_streams_on_its_port_frees_a_dropped_stream_and_stops_on_s
         prompt = [5, 6, 7, 8]
         want = local_text(tiny_checkpoint, prompt_token_ids=prompt, max_tokens=16)[0]
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0}
-        assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"] == want
-        with httpx.stream("POST", f"{base}/v1/completions", json=body | {"stream": True}, timeout=60) as r:
+        assert (
+            httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+            == want
+        )
+        with httpx.stream(
+            "POST", f"{base}/v1/completions", json=body | {"stream": True}, timeout=60
+        ) as r:
             events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
-        assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1] if json.loads(e)["choices"]) == want
+        assert (
+            "".join(
+                json.loads(e)["choices"][0]["text"] for e in events[:-1] if json.loads(e)["choices"]
+            )
+            == want
+        )
 
         def stats() -> dict:
             return httpx.get(f"{base}/stats", timeout=10).json()
 
-        with httpx.stream("POST", f"{base}/v1/completions", timeout=60, json={  # dropped after one event
-                "model": "tiny", "prompt": prompt, "max_tokens": 1000, "ignore_eos": True, "stream": True}) as r:
+        # dropped after one event
+        with httpx.stream(
+            "POST",
+            f"{base}/v1/completions",
+            timeout=60,
+            json={
+                "model": "tiny",
+                "prompt": prompt,
+                "max_tokens": 1000,
+                "ignore_eos": True,
+                "stream": True,
+            },
+        ) as r:
             next(r.iter_lines())
         deadline = time.monotonic() + 30
         while stats()["counters"]["aborts"] == 0 and time.monotonic() < deadline:
@@ -76,11 +123,20 @@ def test_pdserve_serve_streams_on_its_port_frees_a_dropped_stream_and_stops_on_s
             proc.wait()
 
 
-@pytest.mark.parametrize("argv, env, says", [
-    (["--ingress", "direct", "--ingress-replicas", "2"], {}, "use --ingress proxy"),
-    (["--ingress", "direct"], {"RAY_ADDRESS": "127.0.0.1:1"}, "needs the Ray this command starts"),
-])
-def test_direct_ingress_it_cannot_give_is_refused_before_anything_starts(argv, env, says, monkeypatch, capsys):
+@pytest.mark.parametrize(
+    "argv, env, says",
+    [
+        (["--ingress", "direct", "--ingress-replicas", "2"], {}, "use --ingress proxy"),
+        (
+            ["--ingress", "direct"],
+            {"RAY_ADDRESS": "127.0.0.1:1"},
+            "needs the Ray this command starts",
+        ),
+    ],
+)
+def test_direct_ingress_it_cannot_give_is_refused_before_anything_starts(
+    argv, env, says, monkeypatch, capsys
+):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     assert main(["serve", "--model", "unused", *argv]) == 2

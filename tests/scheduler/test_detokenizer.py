@@ -35,8 +35,9 @@ def test_no_stop_string_no_holdback():
 
 
 def test_the_fast_path_decodes_as_the_tokenizer_does():
-    """A plain fast tokenizer is decoded through its backend directly: the same text for any ids, special
-    tokens, broken characters and the embedded model's tokenizer included; any other goes through `decode`."""
+    """A plain fast tokenizer is decoded through its backend directly: the same text for any ids,
+    special tokens, broken characters and the embedded model's tokenizer included; any other goes
+    through `decode`."""
     import random
 
     from scheduler.detokenizer import decoder
@@ -55,14 +56,16 @@ def test_the_fast_path_decodes_as_the_tokenizer_does():
         vocab = len(tok)
         for _ in range(200):
             ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 6))]
-            assert fast(ids) == tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            assert fast(ids) == tok.decode(
+                ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+            )
 
 
 def test_the_streaming_path_emits_what_the_two_decodes_per_token_emit(monkeypatch):
-    """For a plain fast tokenizer with a byte-level decoder each token costs one call into `tokenizers`
-    (DecodeStream), not two decodes: the same deltas as the Python path for any ids (broken characters,
-    special tokens, stop strings) and natural text, a prompt that ends inside a character included (the
-    Python path runs until the first text, then the stream)."""
+    """For a plain fast tokenizer with a byte-level decoder each token costs one call into
+    `tokenizers` (DecodeStream), not two decodes: the same deltas as the Python path for any ids
+    (broken characters, special tokens, stop strings) and natural text, a prompt that ends inside a
+    character included (the Python path runs until the first text, then the stream)."""
     import random
 
     from scheduler import detokenizer
@@ -80,7 +83,11 @@ def test_the_streaming_path_emits_what_the_two_decodes_per_token_emit(monkeypatc
         streamed = 0
         for trial in range(300):
             prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 8))]
-            output = natural if trial % 3 == 0 else [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
+            output = (
+                natural
+                if trial % 3 == 0
+                else [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
+            )
             stop = ("the", "ö") if trial % 5 == 0 else ()
             *fast, on_stream = run(tok, prompt, output, stop)
             with monkeypatch.context() as m:

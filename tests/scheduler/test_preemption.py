@@ -1,4 +1,5 @@
-"""Preemption in the policy: who is evicted, the starvation guard, and consistent slots after each step."""
+"""Preemption in the policy: who is evicted, the starvation guard, and consistent slots after each
+step."""
 
 import functools
 
@@ -43,7 +44,9 @@ def test_equal_priority_never_preempts():
 
 
 def test_starvation_guard_stops_evicting_after_max_preemptions():
-    sched = StepPlanner(num_slots=1, capacity=256, token_budget=64, prefill_chunk=64, max_preemptions=2)
+    sched = StepPlanner(
+        num_slots=1, capacity=256, token_budget=64, prefill_chunk=64, max_preemptions=2
+    )
     sched.submit(req("slow", max_tokens=100, priority=5))
     step(sched)
     evictions = []
@@ -65,9 +68,12 @@ def test_preempted_request_recomputes_prompt_and_output_then_continues():
     step(sched)
     step(sched)  # a has outputs [7, 7], 7 tokens computed
     sched.submit(req("u", prompt_len=3, max_tokens=1, priority=0, arrival_s=1))
-    assert step(sched).released == ["a"]  # u runs to completion in a's slot; the worker drops a's state
+    # u runs to completion in a's slot; the worker drops a's state
+    assert step(sched).released == ["a"]
     plan = step(sched)  # a is back: recomputes prompt + both outputs, sampling its third token
     chunk = plan.chunks[0]
     assert chunk.sampling is not None  # sent again with the recompute's first chunk
-    assert chunk.req_id == "a" and chunk.start_pos == 0 and chunk.token_ids == [1, 2, 3, 4, 5, 6, 7, 7]
+    assert (
+        chunk.req_id == "a" and chunk.start_pos == 0 and chunk.token_ids == [1, 2, 3, 4, 5, 6, 7, 7]
+    )
     assert chunk.sample and chunk.output_index == 2

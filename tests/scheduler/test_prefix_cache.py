@@ -23,7 +23,8 @@ def test_block_names_name_whole_prefixes():
     b[B + 5] = 7  # differs inside block 1
     names_a, names_b = chain_hashes(a, 3, []), chain_hashes(b, 3, [])
     assert names_a[0] == names_b[0] and names_a[1] != names_b[1] and names_a[2] != names_b[2]
-    assert chain_hashes(a, 3, names_a[:1]) == names_a  # extending a known prefix gives the same names
+    # extending a known prefix gives the same names
+    assert chain_hashes(a, 3, names_a[:1]) == names_a
 
 
 def test_least_recently_used_block_is_evicted_never_one_in_use_by_the_plan():
@@ -32,7 +33,8 @@ def test_least_recently_used_block_is_evicted_never_one_in_use_by_the_plan():
     assert cache.allocate(n[0]) is not None and cache.allocate(n[1]) is not None
     assert cache.allocate(n[2]) is None  # both blocks are in use by this plan
     cache.pinned.clear()  # the plan was made
-    assert cache.match(n[:1]) != [] and cache.allocate(n[2]) is not None  # evicts n[1], not n[0] just used
+    # evicts n[1], not n[0] just used
+    assert cache.match(n[:1]) != [] and cache.allocate(n[2]) is not None
     assert cache.cached_tokens(n) == B and cache.evictions == 1
 
 
@@ -53,7 +55,8 @@ def test_a_cached_prefix_is_loaded_and_only_the_rest_computed():
     first = tokens(2 * B + 8)
     sched.submit(request("a", first))
     plans = run(sched)
-    assert [save[2] for p in plans for save in p.saves]  # its two full prompt blocks went to the pool
+    # its two full prompt blocks went to the pool
+    assert [save[2] for p in plans for save in p.saves]
     # the same prefix, ending inside block 2: blocks 0-1 are loaded, the rest computed
     b = request("b", first[: 2 * B + 3] + [9, 9])
     sched.submit(b)
@@ -66,11 +69,13 @@ def test_a_cached_prefix_is_loaded_and_only_the_rest_computed():
     plans = run(sched)
     assert len(plans[0].loads) == 2 and plans[0].prefill[0].start_pos == 2 * B - 1
     assert sched.prefix_cache.hit_tokens == 2 * B + 2 * B - 1
-    # each request reports what it found (its usage's cached tokens); a readmission keeps the first count
+    # each request reports what it found (its usage's cached tokens); a readmission keeps the first
+    # count
     assert (b.metrics()["cached_tokens"], c.metrics()["cached_tokens"]) == (2 * B, 2 * B - 1)
     c.reset_cache()
     sched.prefix_cache.admit(c, 1)
-    assert c.num_computed == 2 * B and c.metrics()["cached_tokens"] == 2 * B - 1  # now with an output token
+    # now with an output token
+    assert c.num_computed == 2 * B and c.metrics()["cached_tokens"] == 2 * B - 1
     fresh = StepPlanner(2, 256, token_budget=64, prefill_chunk=64, prefix_cache_blocks=16)
     first_seen = request("a", first)
     fresh.submit(first_seen)
@@ -84,16 +89,32 @@ def test_echo_requests_compute_every_prompt_position():
     sched = StepPlanner(2, 256, token_budget=64, prefill_chunk=64, prefix_cache_blocks=16)
     sched.submit(request("a", tokens(2 * B)))
     run(sched)
-    echo = Request(req_id="e", prompt_ids=tokens(2 * B), max_tokens=2, sampling=SamplingParams(prompt_logprobs=0))
+    echo = Request(
+        req_id="e",
+        prompt_ids=tokens(2 * B),
+        max_tokens=2,
+        sampling=SamplingParams(prompt_logprobs=0),
+    )
     sched.submit(echo)
     assert run(sched)[0].loads == []
 
 
 def cell(cache_routing=True):
-    return Coordinator(CellConfig(mode="disaggregated", num_decode_workers=1, num_prefill_workers=2, decode_slots=8,
-                                  prefill_slots=2, capacity=512, token_budget=64, prefill_chunk=64,
-                                  prefix_cache_blocks=64, cache_routing=cache_routing),
-                       metrics_backend=RecordingBackend())
+    return Coordinator(
+        CellConfig(
+            mode="disaggregated",
+            num_decode_workers=1,
+            num_prefill_workers=2,
+            decode_slots=8,
+            prefill_slots=2,
+            capacity=512,
+            token_budget=64,
+            prefill_chunk=64,
+            prefix_cache_blocks=64,
+            cache_routing=cache_routing,
+        ),
+        metrics_backend=RecordingBackend(),
+    )
 
 
 def test_routing_follows_the_cache_and_weighs_queued_work():
@@ -129,6 +150,8 @@ def test_the_same_prefix_arriving_twice_at_once_is_computed_once():
     sched.submit(request("a", tokens(4 * B + 3)))
     sched.submit(request("b", tokens(4 * B) + [7, 7]))
     plans = run(sched)
-    computed = {r: sum(c.num_tokens for p in plans for c in p.prefill if c.req_id == r) for r in "ab"}
+    computed = {
+        r: sum(c.num_tokens for p in plans for c in p.prefill if c.req_id == r) for r in "ab"
+    }
     assert computed == {"a": 4 * B + 3, "b": 2}  # b waited for a's four blocks, then loaded them
     assert sched.prefix_cache.hit_tokens == 4 * B

@@ -37,30 +37,43 @@ def test_decode_first_then_prefill_oldest_first_within_budget():
     plan, _ = fake_step(sched)
     assert [(c.req_id, c.num_tokens) for c in plan.prefill] == [("a", 5), ("b", 3)]
     plan, _ = fake_step(sched)  # a has 5 left: chunk 5 finishes its prompt and samples token 1
-    assert [(c.req_id, c.num_tokens, c.sample) for c in plan.prefill] == [("a", 5, True), ("b", 3, False)]
+    assert [(c.req_id, c.num_tokens, c.sample) for c in plan.prefill] == [
+        ("a", 5, True),
+        ("b", 3, False),
+    ]
     plan, _ = fake_step(sched)
     assert [c.req_id for c in plan.decode] == ["a"]  # decode before any prefill
-    assert [(c.req_id, c.start_pos, c.num_tokens) for c in plan.prefill] == [("b", 6, 4), ("c", 0, 3)]
+    assert [(c.req_id, c.start_pos, c.num_tokens) for c in plan.prefill] == [
+        ("b", 6, 4),
+        ("c", 0, 3),
+    ]
     assert plan.decode[0].token_ids == [7] and plan.decode[0].start_pos == 10
 
 
 def test_a_short_prompt_waits_for_one_long_prompt_at_most():
-    """Two prompts needing several chunks and a short one behind them: the oldest long one, then the short
-    one, then the other long one gets what is left of the budget (before, the two long ones took it all for
-    as long as both were prefilling). Each priority has its own oldest long prompt; the urgent one goes first."""
+    """Two prompts needing several chunks and a short one behind them: the oldest long one, then the
+    short one, then the other long one gets what is left of the budget (before, the two long ones
+    took it all for as long as both were prefilling). Each priority has its own oldest long prompt;
+    the urgent one goes first."""
     sched = StepPlanner(num_slots=5, capacity=256, token_budget=16, prefill_chunk=8)
     for name, length in (("long-a", 60), ("long-b", 60), ("short", 5)):
         sched.submit(req(name, prompt_len=length, arrival_s=len(sched.requests)))
     plan, _ = fake_step(sched)
-    assert [(c.req_id, c.num_tokens) for c in plan.prefill] == [("long-a", 8), ("short", 5), ("long-b", 3)]
+    assert [(c.req_id, c.num_tokens) for c in plan.prefill] == [
+        ("long-a", 8),
+        ("short", 5),
+        ("long-b", 3),
+    ]
     sched.submit(req("urgent-long", prompt_len=60, priority=-1, arrival_s=10))
     sched.submit(req("short-2", prompt_len=6, arrival_s=11))
     chunks = []
     for _ in range(9):
         plan, _ = fake_step(sched)
         chunks.append([c.req_id for c in plan.prefill])
-    assert chunks[:7] == [["urgent-long", "long-a"]] * 6 + [["urgent-long", "long-a", "long-b"]]  # budget used
-    assert chunks[7:] == [["urgent-long", "long-b", "short-2"], ["long-b", "short-2"]]  # long-a done: long-b next
+    # budget used
+    assert chunks[:7] == [["urgent-long", "long-a"]] * 6 + [["urgent-long", "long-a", "long-b"]]
+    # long-a done: long-b next
+    assert chunks[7:] == [["urgent-long", "long-b", "short-2"], ["long-b", "short-2"]]
 
 
 def test_requests_wait_for_slots_and_finish_by_length_returning_them():
@@ -96,7 +109,9 @@ def test_abort_in_every_state_returns_the_slot():
     assert [r.req_id for r in sched.waiting_requests()] == ["waiting"]
     for name in ("waiting", "decoding", "prefilling"):
         aborted = sched.abort(name)
-        assert aborted.status is RequestStatus.FINISHED and aborted.finish_reason is FinishReason.ABORT
+        assert (
+            aborted.status is RequestStatus.FINISHED and aborted.finish_reason is FinishReason.ABORT
+        )
     assert sched.abort("prefilling") is None  # twice is harmless
     assert sched.idle and sorted(sched.free_slots) == [0, 1]
     sched.submit(req("late"))
@@ -120,10 +135,15 @@ def test_priority_then_arrival_order_admission():
     assert [r.req_id for r in sched.waiting_requests()] == ["urgent", "normal", "low"]
 
 
-@pytest.mark.parametrize("bad", [
-    dict(num_slots=0, capacity=8), dict(num_slots=1, capacity=0),
-    dict(num_slots=1, capacity=8, token_budget=0), dict(num_slots=1, capacity=8, prefill_chunk=-1),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(num_slots=0, capacity=8),
+        dict(num_slots=1, capacity=0),
+        dict(num_slots=1, capacity=8, token_budget=0),
+        dict(num_slots=1, capacity=8, prefill_chunk=-1),
+    ],
+)
 def test_non_positive_limits_are_rejected(bad):
     with pytest.raises(ValueError, match="must be >= 1"):
         StepPlanner(**bad)
@@ -171,13 +191,21 @@ def test_a_token_sampled_for_a_request_evicted_meanwhile_is_not_taken():
 
 
 def test_sampling_parameters_go_to_a_worker_once_per_request():
-    """Delta step messages: a request's first chunk on a worker carries its sampling parameters, later ones do
-    not (the worker keeps them); once it leaves, the next plan tells the worker to drop them."""
+    """Delta step messages: a request's first chunk on a worker carries its sampling parameters,
+    later ones do not (the worker keeps them); once it leaves, the next plan tells the worker to
+    drop them."""
     sched = StepPlanner(num_slots=2, capacity=64, token_budget=8, prefill_chunk=4)
     sched.submit(req("a", prompt_len=6, max_tokens=3))
-    plans = [fake_step(sched)[0] for _ in range(4)]  # prompt 4, prompt 2 + first token, then 2 decodes
+    # prompt 4, prompt 2 + first token, then 2 decodes
+    plans = [fake_step(sched)[0] for _ in range(4)]
     assert plans[0].chunks[0].sampling == SamplingParams()
-    assert [p.chunks[0].sampling for p in plans[1:]] == [None, None, None] and not any(p.released for p in plans)
+    assert [p.chunks[0].sampling for p in plans[1:]] == [None, None, None] and not any(
+        p.released for p in plans
+    )
     sched.submit(req("b", prompt_len=2))
     plan, _ = fake_step(sched)
-    assert plan.released == ["a"] and plan.chunks[0].req_id == "b" and plan.chunks[0].sampling is not None
+    assert (
+        plan.released == ["a"]
+        and plan.chunks[0].req_id == "b"
+        and plan.chunks[0].sampling is not None
+    )

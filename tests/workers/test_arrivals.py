@@ -1,4 +1,5 @@
-"""Arrival schedules: offsets, and chains that start when the item before them ends (a steady population)."""
+"""Arrival schedules: offsets, and chains that start when the item before them ends (a steady
+population)."""
 
 import asyncio
 import math
@@ -20,8 +21,13 @@ def test_a_chain_goes_on_while_the_foreground_lasts_then_the_rest_is_dropped():
     clock = Clock()
     follows = {"b": "a", "c": "b"}
     offsets = {"x": 1.0, "y": 2.0}
-    schedule = ArrivalSchedule(["a", "b", "c", "x", "y"], lambda item: offsets.get(item, 0.0), clock, key=str,
-                               after=follows.get)
+    schedule = ArrivalSchedule(
+        ["a", "b", "c", "x", "y"],
+        lambda item: offsets.get(item, 0.0),
+        clock,
+        key=str,
+        after=follows.get,
+    )
     schedule.start()
     assert schedule.due() == ["a"] and schedule.wait_s() == 1.0
     clock.now = 1.5
@@ -29,7 +35,8 @@ def test_a_chain_goes_on_while_the_foreground_lasts_then_the_rest_is_dropped():
     schedule.ended("a")  # "b" follows at once, whatever its offset
     assert schedule.due() == ["b"] and schedule.wait_s() == 0.5
     clock.now = 2.0
-    assert schedule.due() == ["y"] and schedule.wait_s() == math.inf and schedule  # "c" waits for "b"
+    # "c" waits for "b"
+    assert schedule.due() == ["y"] and schedule.wait_s() == math.inf and schedule
     schedule.ended("x")
     schedule.ended("y")  # the foreground is done: "c" will never start
     assert not schedule and schedule.dropped == ["c"] and schedule.wait_s() == 0.0
@@ -40,8 +47,9 @@ def test_a_chain_goes_on_while_the_foreground_lasts_then_the_rest_is_dropped():
 def test_chains_alone_run_to_their_end_and_an_unknown_predecessor_is_no_chain():
     clock = Clock()
     follows = {"b": "a", "z": "gone"}
-    schedule = ArrivalSchedule(["a", "b", "z"], lambda item: 3.0 if item == "z" else 0.0, clock, key=str,
-                               after=follows.get)
+    schedule = ArrivalSchedule(
+        ["a", "b", "z"], lambda item: 3.0 if item == "z" else 0.0, clock, key=str, after=follows.get
+    )
     assert schedule.due() == ["a"]
     clock.now = 5.0
     schedule.ended("a")
@@ -59,7 +67,9 @@ def test_run_at_arrivals_starts_a_follower_when_its_predecessor_returns():
         return item
 
     follows = {"b": "a", "c": "b", "d": "c"}
-    schedule = ArrivalSchedule(["a", "b", "c", "d", "x"], lambda item: 0.0, key=str, after=follows.get)
+    schedule = ArrivalSchedule(
+        ["a", "b", "c", "d", "x"], lambda item: 0.0, key=str, after=follows.get
+    )
     assert asyncio.run(run_at_arrivals(schedule, start)) == ["a", "x", "b", "c"]
     assert started["b"] >= ended["a"] and started["c"] >= ended["b"]
     assert "d" not in started  # "x" (the foreground) ended while "c" ran
@@ -76,7 +86,8 @@ def test_a_schedule_by_key_takes_offsets_and_chains_by_name_and_defaults_to_now(
     schedule = ArrivalSchedule.by_key(items, {"late": 3.0}, {"b": "a"})
     schedule.clock = clock
     schedule.start()
-    assert [i.req_id for i in schedule.due()] == ["a"] and schedule.wait_s() == 3.0  # "b" follows "a"
+    # "b" follows "a"
+    assert [i.req_id for i in schedule.due()] == ["a"] and schedule.wait_s() == 3.0
     schedule.ended("a")
     assert [i.req_id for i in schedule.due()] == ["b"]
     clock.now = 3.0

@@ -2,13 +2,14 @@
 
 bf16 keeps 8 bits of mantissa, so two correct implementations that round in a different order (fused
 projections, another attention kernel) drift apart by a few tenths of a nat at worst on real text;
-tokens are not compared, since a near tie can flip. Measured on the embedded SmolLM2-135M: mean
-|Δ log p| of the target tokens 0.041, max 0.29 with the packed bf16 matmul of workers/kernels.py (on
-CPUs with AVX512-BF16), 0.021 and 0.13 with oneDNN's; the test allows 0.05 mean and 0.3 max. Both are
-as far from the fp32 model as `transformers` in bf16 is (mean 0.047 packed, 0.050 oneDNN, 0.046
+tokens are not compared, since a near tie can flip. Measured on the embedded SmolLM2-135M: mean |Δ
+log p| of the target tokens 0.041, max 0.29 with the packed bf16 matmul of workers/kernels.py (on
+CPUs with AVX512-BF16), 0.021 and 0.13 with oneDNN's; the test allows 0.05 mean and 0.3 max. Both
+are as far from the fp32 model as `transformers` in bf16 is (mean 0.047 packed, 0.050 oneDNN, 0.046
 transformers; max 0.27, 0.29, 0.29): the packed matmul is not less exact, it rounds elsewhere than
 transformers' own matmuls (bit-identical outputs on all but ~1e-4 of elements, which 30 layers
-amplify). (With the rotary frequencies rounded to bf16, as before they were kept in fp32, it was 0.05 and 0.34.)
+amplify). (With the rotary frequencies rounded to bf16, as before they were kept in fp32, it was
+0.05 and 0.34.)
 """
 
 import pytest
@@ -34,13 +35,15 @@ def models():
 
 
 def _ids(tokenizer, question: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
     return tokenizer(text).input_ids
 
 
 def _step(model, cache, rows: list[tuple[int, list[int], int]], num_decode: int) -> torch.Tensor:
-    """rows: (slot, token_ids, start); the first num_decode are decode tokens. Logits of every token."""
+    """rows: (slot, token_ids, start); the first num_decode are decode tokens. Logits of every
+    token."""
     input_ids, layout = BatchLayout.pack(rows, num_decode, "cpu")
     return model(input_ids, layout, cache, torch.arange(len(input_ids)))  # [N, vocab]
 
@@ -58,9 +61,11 @@ def test_bf16_teacher_forced_logprobs_match_transformers_bf16(models, kernel, mo
         seq = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0].tolist()
         ref = torch.log_softmax(hf(torch.tensor([seq])).logits[0].float(), dim=-1)  # [T, vocab]
     spec = ours.spec
-    cache = SlotKVCache(spec.num_layers, 4, spec.num_kv_heads, 256, spec.head_dim, dtype=torch.bfloat16)
-    # the prompt in chunks of 16 on slot 2, the other prompt beside its first chunk on slot 0; then both
-    # decode in the same steps, ours teacher-forced with the reference sequence
+    cache = SlotKVCache(
+        spec.num_layers, 4, spec.num_kv_heads, 256, spec.head_dim, dtype=torch.bfloat16
+    )
+    # the prompt in chunks of 16 on slot 2, the other prompt beside its first chunk on slot 0; then
+    # both decode in the same steps, ours teacher-forced with the reference sequence
     logits = []
     for start in range(0, len(prompt), 16):
         chunk = prompt[start : start + 16]
@@ -68,8 +73,13 @@ def test_bf16_teacher_forced_logprobs_match_transformers_bf16(models, kernel, mo
         logits.append(_step(ours, cache, rows, 0)[: len(chunk)])
     for pos in range(len(prompt), len(seq) - 1):
         other_pos = len(other) + pos - len(prompt)
-        logits.append(_step(ours, cache, [(0, [other[-1]], other_pos), (2, [seq[pos]], pos)], 2)[1:])
+        logits.append(
+            _step(ours, cache, [(0, [other[-1]], other_pos), (2, [seq[pos]], pos)], 2)[1:]
+        )
     ours_logprobs = torch.log_softmax(torch.cat(logits).float(), dim=-1)  # [T - 1, vocab]
     targets = torch.tensor(seq[1:])[:, None]  # [T - 1, 1]
     diff = (ours_logprobs.gather(1, targets) - ref[:-1].gather(1, targets)).abs()  # [T - 1, 1]
-    assert diff.mean().item() <= MEAN_TOLERANCE and diff.max().item() <= MAX_TOLERANCE, (diff.mean(), diff.max())
+    assert diff.mean().item() <= MEAN_TOLERANCE and diff.max().item() <= MAX_TOLERANCE, (
+        diff.mean(),
+        diff.max(),
+    )

@@ -16,8 +16,13 @@ def loaded():
 def test_embedded_model_knows_the_capital_of_france(loaded):
     questions = ["What is the capital of France?", "What is 2 + 2?"]
     requests = [
-        build_request(str(i), encode_prompt(loaded.tokenizer, messages=[{"role": "user", "content": q}]),
-                      max_tokens=40, eos_token_ids=loaded.eos_token_ids, temperature=0)
+        build_request(
+            str(i),
+            encode_prompt(loaded.tokenizer, messages=[{"role": "user", "content": q}]),
+            max_tokens=40,
+            eos_token_ids=loaded.eos_token_ids,
+            temperature=0,
+        )
         for i, q in enumerate(questions)
     ]
     with open_engine(EngineConfig(slots=2, max_model_len=512), loaded) as engine:
@@ -36,29 +41,55 @@ def test_embedded_model_is_cached_as_safetensors(loaded):
     assert loaded.max_context == 8192 and loaded.model.spec.num_layers == 30
 
 
-PEOPLE = ["a pirate", "a chef", "an astronaut", "a child", "a teacher", "a king", "a dog owner", "a runner",
-          "a poet", "a baker"]
-PERSON = {"type": "object", "required": ["name", "age", "mood"], "properties": {
-    "name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
-    "mood": {"enum": ["happy", "sad", "neutral"]}}}
+PEOPLE = [
+    "a pirate",
+    "a chef",
+    "an astronaut",
+    "a child",
+    "a teacher",
+    "a king",
+    "a dog owner",
+    "a runner",
+    "a poet",
+    "a baker",
+]
+PERSON = {
+    "type": "object",
+    "required": ["name", "age", "mood"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "mood": {"enum": ["happy", "sad", "neutral"]},
+    },
+}
 
 
 def test_json_replies_parse_and_follow_their_schema(loaded):
-    """20 chat prompts with a json_schema response_format (greedy and sampled): every reply is JSON that
-    validates against the schema; json_object replies that end parse as JSON objects."""
+    """20 chat prompts with a json_schema response_format (greedy and sampled): every reply is JSON
+    that validates against the schema; json_object replies that end parse as JSON objects."""
     import json
 
     import jsonschema
 
     from workers.grammar import parse_response_format
 
-    schema = parse_response_format({"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    schema = parse_response_format(
+        {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    )
     anything = parse_response_format({"type": "json_object"})
 
     def ask(req_id, who, structured, **params):
-        messages = [{"role": "user", "content": f"Describe {who} as JSON with a name, an age and a mood."}]
-        return build_request(req_id, encode_prompt(loaded.tokenizer, messages=messages), max_tokens=120,
-                             eos_token_ids=loaded.eos_token_ids, structured=structured, **params)
+        messages = [
+            {"role": "user", "content": f"Describe {who} as JSON with a name, an age and a mood."}
+        ]
+        return build_request(
+            req_id,
+            encode_prompt(loaded.tokenizer, messages=messages),
+            max_tokens=120,
+            eos_token_ids=loaded.eos_token_ids,
+            structured=structured,
+            **params,
+        )
 
     requests = [ask(f"s{i}", who, schema, temperature=0) for i, who in enumerate(PEOPLE)]
     requests += [ask(f"t{i}", who, schema, temperature=1.0, seed=i) for i, who in enumerate(PEOPLE)]

@@ -14,7 +14,9 @@ CAPACITY = 256
 
 def make_engine(kind="llama", num_slots=3, token_budget=16, prefill_chunk=8, tokenizer=None):
     runner = ModelRunner(tiny_model(kind), num_slots=num_slots, capacity=CAPACITY)
-    scheduler = StepPlanner(num_slots, CAPACITY, token_budget=token_budget, prefill_chunk=prefill_chunk)
+    scheduler = StepPlanner(
+        num_slots, CAPACITY, token_budget=token_budget, prefill_chunk=prefill_chunk
+    )
     return LocalEngine(runner, scheduler, tokenizer)
 
 
@@ -24,7 +26,9 @@ def solo(kind, request, **kw):
 
 
 def mixed_requests(**kw):
-    return make_requests(6, prompt_lens=[5, 31, 12, 47, 9, 20], max_tokens=[17, 6, 25, 9, 3, 12], **kw)
+    return make_requests(
+        6, prompt_lens=[5, 31, 12, 47, 9, 20], max_tokens=[17, 6, 25, 9, 3, 12], **kw
+    )
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral"])
@@ -40,9 +44,14 @@ def test_batched_greedy_equals_solo_and_transformers_generate(kind):
         alone = solo(kind, request)
         assert batched.output_ids == alone.output_ids, request.req_id
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([request.prompt_ids]), max_new_tokens=request.max_tokens,
-                              do_sample=False, eos_token_id=VOCAB - 1, pad_token_id=0)
-        assert batched.output_ids == ref[0, len(request.prompt_ids):].tolist(), request.req_id
+            ref = hf.generate(
+                torch.tensor([request.prompt_ids]),
+                max_new_tokens=request.max_tokens,
+                do_sample=False,
+                eos_token_id=VOCAB - 1,
+                pad_token_id=0,
+            )
+        assert batched.output_ids == ref[0, len(request.prompt_ids) :].tolist(), request.req_id
         expected = FinishReason.STOP if batched.output_ids[-1] == VOCAB - 1 else FinishReason.LENGTH
         assert batched.finish_reason is expected
         if expected is FinishReason.LENGTH:
@@ -64,15 +73,18 @@ def test_budget_is_never_exceeded_and_decode_comes_first():
         engine.submit(request)
     mixed_steps = 0
     while not engine.idle:
-        decoding = {r.req_id for r in engine.scheduler.running if r.is_decoding}  # (admission adds none)
+        # (admission adds none)
+        decoding = {r.req_id for r in engine.scheduler.running if r.is_decoding}
         plan = engine.scheduler.plan()
         assert plan.num_tokens <= 10
         assert all(c.num_tokens <= 4 for c in plan.prefill)
         assert all(c.num_tokens == 1 and c.sample for c in plan.decode)
-        # every decoding request gets its token before any prompt chunk gets budget, and the flat batch
-        # the runner builds puts decode tokens first
+        # every decoding request gets its token before any prompt chunk gets budget, and the flat
+        # batch the runner builds puts decode tokens first
         assert {c.req_id for c in plan.decode} == decoding
-        assert plan.chunks[: len(plan.decode)] == plan.decode and not decoding & {c.req_id for c in plan.prefill}
+        assert plan.chunks[: len(plan.decode)] == plan.decode and not decoding & {
+            c.req_id for c in plan.prefill
+        }
         mixed_steps += bool(plan.decode and plan.prefill)
         engine.scheduler.update(plan, engine.runner.execute(plan).tokens)
     assert mixed_steps > 0  # decode and prefill did share steps
@@ -89,15 +101,21 @@ def test_requests_submitted_while_running_arrive_late_and_finish():
         m = done.metrics()
         assert 0 <= m["ttft_s"] <= m["e2e_s"]
         times = done.token_times_s  # one per token, the first at the first token, in order
-        assert len(times) == len(done.output_ids) and times[0] == done.first_token_s and times == sorted(times)
+        assert (
+            len(times) == len(done.output_ids)
+            and times[0] == done.first_token_s
+            and times == sorted(times)
+        )
 
 
 def test_a_chain_of_requests_each_starts_when_the_one_before_ends_while_the_others_last():
-    """A steady population in one process: r0 -> r2 -> r4 is a chain, r1 and r3 the foreground (r3 arrives
-    late); the chain stops at the first link that would start after both ended."""
+    """A steady population in one process: r0 -> r2 -> r4 is a chain, r1 and r3 the foreground (r3
+    arrives late); the chain stops at the first link that would start after both ended."""
     requests = make_requests(5, prompt_lens=[6, 9], max_tokens=[8, 30, 8, 30, 8])
     results = make_engine().run(requests, arrival_s={"r3": 0.05}, after={"r2": "r0", "r4": "r2"})
-    assert set(results) <= {"r0", "r1", "r2", "r3", "r4"} and {"r0", "r1", "r2", "r3"} <= set(results)
+    assert set(results) <= {"r0", "r1", "r2", "r3", "r4"} and {"r0", "r1", "r2", "r3"} <= set(
+        results
+    )
     assert results["r2"].arrival_s >= results["r0"].finish_s
     if "r4" in results:  # it started before the foreground ended
         assert results["r4"].arrival_s >= results["r2"].finish_s
@@ -105,7 +123,9 @@ def test_a_chain_of_requests_each_starts_when_the_one_before_ends_while_the_othe
     for request in make_requests(5, prompt_lens=[6, 9], max_tokens=[8, 30, 8, 30, 8]):
         if request.req_id in results:
             assert results[request.req_id].output_ids == solo("llama", request).output_ids
-    long_chain = make_engine().run(make_requests(4, [6], [20, 3, 20, 20]), after={"r2": "r0", "r3": "r2"})
+    long_chain = make_engine().run(
+        make_requests(4, [6], [20, 3, 20, 20]), after={"r2": "r0", "r3": "r2"}
+    )
     assert set(long_chain) == {"r0", "r1"}  # r1 ended long before r0: nothing followed r0
 
 
@@ -120,8 +140,9 @@ def priority_requests(sampling=None):
     return normal, urgent
 
 
-@pytest.mark.parametrize("sampling", [None, SamplingParams(temperature=0.8, top_k=30, seed=5)],
-                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "sampling", [None, SamplingParams(temperature=0.8, top_k=30, seed=5)], ids=["greedy", "seeded"]
+)
 def test_preempted_requests_produce_their_solo_outputs(sampling):
     engine = make_engine(num_slots=2, token_budget=16, prefill_chunk=8)
     normal, urgent = priority_requests(sampling)
@@ -143,15 +164,20 @@ def test_preempted_requests_produce_their_solo_outputs(sampling):
     assert all(r.metrics()["preemptions"] == r.num_preemptions for r in finished.values())
     alone_normal, alone_urgent = priority_requests(sampling)
     for request in alone_normal + alone_urgent:
-        assert finished[request.req_id].output_ids == solo("llama", request).output_ids, request.req_id
+        assert finished[request.req_id].output_ids == solo("llama", request).output_ids, (
+            request.req_id
+        )
 
 
-@pytest.mark.parametrize("sampling", [None, SamplingParams(temperature=0.8, top_k=30, seed=5)],
-                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "sampling", [None, SamplingParams(temperature=0.8, top_k=30, seed=5)], ids=["greedy", "seeded"]
+)
 def test_planning_one_step_ahead_changes_no_output(sampling):
-    """What the Ray loop does: step N+1 is planned and run before step N's tokens are applied; the runner
-    feeds in the tokens it sampled (PENDING in the plan). Outputs equal the solo runs, stop ids included."""
-    stop = frozenset({solo("llama", mixed_requests(sampling=sampling)[2]).output_ids[4]})  # r2 stops early
+    """What the Ray loop does: step N+1 is planned and run before step N's tokens are applied; the
+    runner feeds in the tokens it sampled (PENDING in the plan). Outputs equal the solo runs, stop
+    ids included."""
+    # r2 stops early
+    stop = frozenset({solo("llama", mixed_requests(sampling=sampling)[2]).output_ids[4]})
     requests = mixed_requests(sampling=sampling, stop_token_ids=stop)
     engine = make_engine(num_slots=3, token_budget=10, prefill_chunk=4)
     sched, runner = engine.scheduler, engine.runner
@@ -170,7 +196,9 @@ def test_planning_one_step_ahead_changes_no_output(sampling):
     for request in mixed_requests(sampling=sampling, stop_token_ids=stop):
         got = next(r for r in requests if r.req_id == request.req_id)
         expected = solo("llama", request)
-        assert got.output_ids == expected.output_ids and got.finish_reason == expected.finish_reason, request.req_id
+        assert (
+            got.output_ids == expected.output_ids and got.finish_reason == expected.finish_reason
+        ), request.req_id
     assert any(r.finish_reason is FinishReason.STOP for r in requests)
 
 

@@ -1,4 +1,5 @@
-"""Our forward equals transformers' logits on the same weights, for prompt chunks and decode steps."""
+"""Our forward equals transformers' logits on the same weights, for prompt chunks and decode
+steps."""
 
 import numpy as np
 import pytest
@@ -17,11 +18,16 @@ def _run(model, cache, rows, decode_first: int):
 
 
 # (2, 0): decode rows out of slot order with an idle row in their span; (0, 1): rows are the span
-@pytest.mark.parametrize(("slot_a", "slot_b"), [(2, 0), (0, 1)], ids=["scattered-slots", "span-slots"])
+@pytest.mark.parametrize(
+    ("slot_a", "slot_b"), [(2, 0), (0, 1)], ids=["scattered-slots", "span-slots"]
+)
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernels", "torch"])
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen2", "llama3-scaled", "mistral", "phi3", "smollm3",
-                                  "granite"])
-def test_logits_match_transformers_for_chunks_and_batched_decode(kind, slot_a, slot_b, kernel, monkeypatch):
+@pytest.mark.parametrize(
+    "kind", ["llama", "qwen3", "qwen2", "llama3-scaled", "mistral", "phi3", "smollm3", "granite"]
+)
+def test_logits_match_transformers_for_chunks_and_batched_decode(
+    kind, slot_a, slot_b, kernel, monkeypatch
+):
     if not kernel:  # SDPA and eager ops, as where the kernels cannot be built
         monkeypatch.setattr(kernels, "load_kernels", lambda: None)
     elif kernels.load_kernels() is None:
@@ -41,8 +47,12 @@ def test_logits_match_transformers_for_chunks_and_batched_decode(kind, slot_a, s
     torch.testing.assert_close(out, ref_a[16:36], atol=2e-5, rtol=1e-4)
     # decode steps of both at different positions in one batched call
     for step in range(3):
-        out = _run(model, cache, [(slot_a, [seq_a[36 + step]], 36 + step), (slot_b, [seq_b[20 + step]], 20 + step)],
-                   2)
+        out = _run(
+            model,
+            cache,
+            [(slot_a, [seq_a[36 + step]], 36 + step), (slot_b, [seq_b[20 + step]], 20 + step)],
+            2,
+        )
         torch.testing.assert_close(out[0], ref_a[36 + step], atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(out[1], ref_b[20 + step], atol=2e-5, rtol=1e-4)
     assert out.shape == (2, VOCAB)
@@ -55,7 +65,8 @@ def test_cache_rows_round_trip_through_export_and_import_piece_by_piece():
     dst = SlotKVCache(spec.num_layers, 3, spec.num_kv_heads, 64, spec.head_dim)
     seq = prompt_ids(30, seed=3)
     _run(model, src, [(1, seq[:29], 0)], 0)
-    pieces = [src.export_rows(1, 0, 16), src.export_rows(1, 16, 29)]  # as a prefill worker sends them out
+    # as a prefill worker sends them out
+    pieces = [src.export_rows(1, 0, 16), src.export_rows(1, 16, 29)]
     assert pieces[1].shape == (spec.num_layers, 2, spec.num_kv_heads, 13, spec.head_dim)
     assert dst.import_rows(2, pieces[0]) == 16 and dst.import_rows(2, pieces[1], 16) == 13
     a = _run(model, src, [(1, [seq[29]], 29)], 1)
@@ -64,8 +75,8 @@ def test_cache_rows_round_trip_through_export_and_import_piece_by_piece():
 
 
 def test_one_steps_rows_of_several_requests_travel_as_one_array():
-    """A prefill step exports every request's new rows into one array (one object in the store); each
-    request's piece is its span of it, at its offset."""
+    """A prefill step exports every request's new rows into one array (one object in the store);
+    each request's piece is its span of it, at its offset."""
     model = tiny_model("llama")
     spec = model.spec
     src = SlotKVCache(spec.num_layers, 2, spec.num_kv_heads, 64, spec.head_dim)
@@ -84,24 +95,35 @@ def test_one_steps_rows_of_several_requests_travel_as_one_array():
 def test_fused_projections_follow_loading_and_dtype_changes():
     model = tiny_model("qwen2")  # q/k/v biases are fused too
     state = {name: t.clone() for name, t in model.state_dict().items()}
-    assert "model.layers.0.self_attn.q_proj.weight" in state and "model.layers.0.mlp.up_proj.weight" in state
+    assert (
+        "model.layers.0.self_attn.q_proj.weight" in state
+        and "model.layers.0.mlp.up_proj.weight" in state
+    )
     attn = model.model.layers[0].self_attn
     state["model.layers.0.self_attn.v_proj.bias"] += 1.0
     model.load_state_dict(state)  # copies into the parameters, which are views of the fused tensors
     v_bias = state["model.layers.0.self_attn.v_proj.bias"]
-    torch.testing.assert_close(attn.qkv_bias[-v_bias.shape[0]:], v_bias)
+    torch.testing.assert_close(attn.qkv_bias[-v_bias.shape[0] :], v_bias)
     model = model.to(torch.float64)  # new storage for every parameter: fused again, still shared
     attn = model.model.layers[0].self_attn
     assert attn.qkv_weight.dtype == torch.float64
-    assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.qkv_weight.untyped_storage().data_ptr()
+    assert (
+        attn.q_proj.weight.untyped_storage().data_ptr()
+        == attn.qkv_weight.untyped_storage().data_ptr()
+    )
     mlp = model.model.layers[1].mlp
-    assert mlp.up_proj.weight.untyped_storage().data_ptr() == mlp.gate_up_weight.untyped_storage().data_ptr()
+    assert (
+        mlp.up_proj.weight.untyped_storage().data_ptr()
+        == mlp.gate_up_weight.untyped_storage().data_ptr()
+    )
 
 
 def test_bf16_model_keeps_fp32_rotary_frequencies():
     model = tiny_model("llama").to(torch.bfloat16)
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
-    torch.testing.assert_close(model.inv_freq, tiny_hf_model("llama").model.rotary_emb.inv_freq, atol=0, rtol=0)
+    torch.testing.assert_close(
+        model.inv_freq, tiny_hf_model("llama").model.rotary_emb.inv_freq, atol=0, rtol=0
+    )
 
 
 def test_sliding_window_checkpoints_are_served_up_to_their_window_where_full_attention_is_exact():
@@ -111,9 +133,13 @@ def test_sliding_window_checkpoints_are_served_up_to_their_window_where_full_att
     from workers.loader import from_hf_model, model_context
 
     common = {k: v for k, v in tiny_hf_config("qwen2").to_dict().items() if k != "layer_types"}
-    config = Qwen2Config(**(common | {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}))
+    config = Qwen2Config(
+        **(common | {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0})
+    )
     assert model_context(config) == 16
-    assert model_context(tiny_hf_config("mistral")) == 1024 == model_context(tiny_hf_config("llama"))
+    assert (
+        model_context(tiny_hf_config("mistral")) == 1024 == model_context(tiny_hf_config("llama"))
+    )
     torch.manual_seed(1234)
     hf = AutoModelForCausalLM.from_config(config).eval()
     model = from_hf_model(hf)
@@ -122,8 +148,10 @@ def test_sliding_window_checkpoints_are_served_up_to_their_window_where_full_att
     with torch.no_grad():
         ref = hf(torch.tensor([seq])).logits[0]
         ours = _run(model, cache, [(0, seq, 0)], 0)
-    torch.testing.assert_close(ours[:16], ref[:16], atol=2e-5, rtol=1e-4)  # within the window: the same
-    assert not torch.allclose(ours[16], ref[16], atol=1e-3)  # one past it, the window drops a key: hence the cap
+    # within the window: the same
+    torch.testing.assert_close(ours[:16], ref[:16], atol=2e-5, rtol=1e-4)
+    # one past it, the window drops a key: hence the cap
+    assert not torch.allclose(ours[16], ref[16], atol=1e-3)
 
 
 def test_an_activation_other_than_silu_is_refused_by_name():
@@ -137,8 +165,9 @@ def test_an_activation_other_than_silu_is_refused_by_name():
 
 
 def test_a_longrope_checkpoint_is_served_up_to_its_original_context_where_its_short_factors_hold():
-    """Phi-3 128k: `transformers` rotates every position with the long factors once a sequence passes the
-    original context, which keys cached before cannot follow; so the served context stops there."""
+    """Phi-3 128k: `transformers` rotates every position with the long factors once a sequence
+    passes the original context, which keys cached before cannot follow; so the served context stops
+    there."""
     from tests.factories import tiny_hf_config
     from workers.loader import model_context
 
@@ -150,7 +179,8 @@ def test_a_longrope_checkpoint_is_served_up_to_its_original_context_where_its_sh
         short, long = hf(torch.tensor([seq[:64]])).logits[0], hf(torch.tensor([seq])).logits[0]
         ours = _run(model, cache, [(0, seq, 0)], 0)
     torch.testing.assert_close(ours[:64], short, atol=2e-5, rtol=1e-4)  # up to 64 tokens: the same
-    assert not torch.allclose(long[:64], short, atol=1e-3)  # at 65, transformers re-rotates all: hence the cap
+    # at 65, transformers re-rotates all: hence the cap
+    assert not torch.allclose(long[:64], short, atol=1e-3)
 
 
 def test_a_partial_rotary_checkpoint_is_refused_by_name():

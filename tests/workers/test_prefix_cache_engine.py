@@ -1,4 +1,5 @@
-"""The prefix cache changes no output: the same tokens with it as without, in every case it has to handle."""
+"""The prefix cache changes no output: the same tokens with it as without, in every case it has to
+handle."""
 
 import pytest
 
@@ -14,17 +15,38 @@ SYSTEM = prompt_ids(3 * BLOCK_SIZE + 5, 100)  # a shared prefix that ends inside
 
 
 def engine(prefix_blocks, num_slots=3):
-    runner = ModelRunner(tiny_model("llama"), num_slots=num_slots, capacity=CAPACITY, prefix_blocks=prefix_blocks)
-    return LocalEngine(runner, StepPlanner(num_slots, CAPACITY, token_budget=24, prefill_chunk=8,
-                                         prefix_cache_blocks=prefix_blocks))
+    runner = ModelRunner(
+        tiny_model("llama"), num_slots=num_slots, capacity=CAPACITY, prefix_blocks=prefix_blocks
+    )
+    return LocalEngine(
+        runner,
+        StepPlanner(
+            num_slots, CAPACITY, token_budget=24, prefill_chunk=8, prefix_cache_blocks=prefix_blocks
+        ),
+    )
 
 
 def workload(sampling):
     turns = [SYSTEM + prompt_ids(n, 200 + n) for n in (3, 11, 20, 7)]
     whole = prompt_ids(2 * BLOCK_SIZE, 300)  # a prompt that will be cached entirely
-    prompts = turns + [turns[1], turns[1], whole, whole, whole[:BLOCK_SIZE + 1], prompt_ids(40, 400)]
-    return [Request(req_id=f"r{i}", prompt_ids=p, max_tokens=8 + i % 5, sampling=sampling,
-                    stop_token_ids=frozenset({VOCAB - 1})) for i, p in enumerate(prompts)]
+    prompts = turns + [
+        turns[1],
+        turns[1],
+        whole,
+        whole,
+        whole[: BLOCK_SIZE + 1],
+        prompt_ids(40, 400),
+    ]
+    return [
+        Request(
+            req_id=f"r{i}",
+            prompt_ids=p,
+            max_tokens=8 + i % 5,
+            sampling=sampling,
+            stop_token_ids=frozenset({VOCAB - 1}),
+        )
+        for i, p in enumerate(prompts)
+    ]
 
 
 def run_waves(eng, requests, wave=3):
@@ -35,12 +57,15 @@ def run_waves(eng, requests, wave=3):
     return {k: r.output_ids for k, r in results.items()}
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_k=40, seed=9)],
-                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingParams(), SamplingParams(temperature=0.8, top_k=40, seed=9)],
+    ids=["greedy", "seeded"],
+)
 @pytest.mark.parametrize("blocks", [64, 6], ids=["roomy", "evicting"])
 def test_outputs_with_the_cache_equal_outputs_without(sampling, blocks):
-    """Shared prefixes ending inside a block, the same prompt twice at once, a prompt entirely cached,
-    and (with 6 blocks) eviction under pressure."""
+    """Shared prefixes ending inside a block, the same prompt twice at once, a prompt entirely
+    cached, and (with 6 blocks) eviction under pressure."""
     expected = run_waves(engine(0), workload(sampling))
     cached = engine(blocks)
     assert run_waves(cached, workload(sampling)) == expected
@@ -51,12 +76,24 @@ def test_outputs_with_the_cache_equal_outputs_without(sampling, blocks):
 
 
 def test_recompute_after_preemption_uses_the_cache():
-    """Two slots, long low-priority requests on a shared prefix, urgent ones arriving mid-output: the evicted
-    ones reload their prefix (and the blocks of their own output) instead of recomputing it."""
+    """Two slots, long low-priority requests on a shared prefix, urgent ones arriving mid-output:
+    the evicted ones reload their prefix (and the blocks of their own output) instead of recomputing
+    it."""
+
     def requests():
-        normal = [Request(req_id=f"n{i}", prompt_ids=SYSTEM + prompt_ids(5, 500 + i), max_tokens=40, priority=1)
-                  for i in range(2)]
-        urgent = [Request(req_id=f"u{i}", prompt_ids=prompt_ids(9, 600 + i), max_tokens=6) for i in range(2)]
+        normal = [
+            Request(
+                req_id=f"n{i}",
+                prompt_ids=SYSTEM + prompt_ids(5, 500 + i),
+                max_tokens=40,
+                priority=1,
+            )
+            for i in range(2)
+        ]
+        urgent = [
+            Request(req_id=f"u{i}", prompt_ids=prompt_ids(9, 600 + i), max_tokens=6)
+            for i in range(2)
+        ]
         return normal, urgent
 
     def run(prefix_blocks):
@@ -77,12 +114,14 @@ def test_recompute_after_preemption_uses_the_cache():
     got, eng = run(64)
     assert got == expected
     assert eng.scheduler.num_preemptions > 0
-    # the recompute found its prompt and output blocks in the pool: more hits than the prompts alone give
+    # the recompute found its prompt and output blocks in the pool: more hits than the prompts alone
+    # give
     assert eng.scheduler.prefix_cache.hit_tokens > 3 * BLOCK_SIZE
 
 
 def test_a_pool_that_does_not_fit_fails_at_start_up_with_the_numbers():
-    """Asking for more KV than the machine has fails before anything is allocated, saying how much."""
+    """Asking for more KV than the machine has fails before anything is allocated, saying how
+    much."""
     huge = 10**9 // BLOCK_SIZE  # a billion tokens of prefix cache
     with pytest.raises(MemoryError, match=r"prefix cache 1000000000 tokens = .* GiB.* available"):
         ModelRunner(tiny_model("llama"), num_slots=2, capacity=CAPACITY, prefix_blocks=huge)

@@ -1,4 +1,5 @@
-"""Log-probs, echo log-probs, penalties, logit_bias and min_tokens against plain references on transformers."""
+"""Log-probs, echo log-probs, penalties, logit_bias and min_tokens against plain references on
+transformers."""
 
 import math
 
@@ -21,16 +22,25 @@ def hf_logprobs(tokens: list[int]) -> torch.Tensor:
 
 
 def request(req_id: str, prompt_len: int, max_tokens: int, prompt_seed: int, **params) -> Request:
-    return Request(req_id=req_id, prompt_ids=prompt_ids(prompt_len, prompt_seed), max_tokens=max_tokens,
-                   sampling=SamplingParams(**params), stop_token_ids=frozenset({EOS}))
+    return Request(
+        req_id=req_id,
+        prompt_ids=prompt_ids(prompt_len, prompt_seed),
+        max_tokens=max_tokens,
+        sampling=SamplingParams(**params),
+        stop_token_ids=frozenset({EOS}),
+    )
 
 
 def test_logprobs_and_echo_logprobs_equal_transformers():
-    """Batched with plain requests, chunked (chunk 8 < prompt): every output token's log-prob and top
-    alternatives, and every prompt token's after the first, equal transformers' log_softmax."""
-    asks = [request("a", 21, 9, 1, logprobs=3, prompt_logprobs=2), request("b", 5, 12, 2, logprobs=0),
-            request("c", 30, 6, 3), request("d", 13, 7, 4, prompt_logprobs=0),
-            request("e", 17, 8, 5, temperature=0.9, seed=7, logprobs=5)]
+    """Batched with plain requests, chunked (chunk 8 < prompt): every output token's log-prob and
+    top alternatives, and every prompt token's after the first, equal transformers' log_softmax."""
+    asks = [
+        request("a", 21, 9, 1, logprobs=3, prompt_logprobs=2),
+        request("b", 5, 12, 2, logprobs=0),
+        request("c", 30, 6, 3),
+        request("d", 13, 7, 4, prompt_logprobs=0),
+        request("e", 17, 8, 5, temperature=0.9, seed=7, logprobs=5),
+    ]
     results = make_engine(num_slots=3).run(asks)
     for req in asks:
         done = results[req.req_id]
@@ -50,15 +60,18 @@ def test_logprobs_and_echo_logprobs_equal_transformers():
             assert done.prompt_logprobs == []
             continue
         assert [t.token_id for t in done.prompt_logprobs] == done.prompt_ids[1:]
-        for i, token in enumerate(done.prompt_logprobs):  # prompt token i + 1, predicted at position i
+        # prompt token i + 1, predicted at position i
+        for i, token in enumerate(done.prompt_logprobs):
             assert token.logprob == pytest.approx(lp[i, token.token_id].item(), abs=1e-4)
-            assert [t for t, _ in token.top] == lp[i].topk(req.sampling.prompt_logprobs).indices.tolist()
+            assert [t for t, _ in token.top] == lp[i].topk(
+                req.sampling.prompt_logprobs
+            ).indices.tolist()
 
 
 def reference_tokens(req: Request) -> list[int]:
-    """One token at a time on transformers' logits, processed in plain Python floats: logit_bias, stop ids
-    masked under min_tokens, repetition / frequency / presence penalties; then argmax, or the engine's
-    seeded draw."""
+    """One token at a time on transformers' logits, processed in plain Python floats: logit_bias,
+    stop ids masked under min_tokens, repetition / frequency / presence penalties; then argmax, or
+    the engine's seeded draw."""
     p, prompt, out = req.sampling, list(req.prompt_ids), []
     while len(out) < req.max_tokens:
         with torch.no_grad():
@@ -70,7 +83,11 @@ def reference_tokens(req: Request) -> list[int]:
                 row[token] = -math.inf
         if p.repetition_penalty != 1.0:
             for token in set(prompt) | set(out):
-                row[token] = row[token] / p.repetition_penalty if row[token] > 0 else row[token] * p.repetition_penalty
+                row[token] = (
+                    row[token] / p.repetition_penalty
+                    if row[token] > 0
+                    else row[token] * p.repetition_penalty
+                )
         for token in set(out):
             row[token] -= p.frequency_penalty * out.count(token) + p.presence_penalty
         if p.greedy:
@@ -91,13 +108,34 @@ def processed_requests() -> list[Request]:
         request("presence", 12, 14, 11, presence_penalty=1.5, prompt_logprobs=1, logprobs=1),
         request("frequency", 25, 14, 12, frequency_penalty=0.8),
         request("repetition", 9, 14, 13, repetition_penalty=1.3),
-        request("all", 18, 12, 14, presence_penalty=-0.5, frequency_penalty=0.4, repetition_penalty=0.8,
-                logit_bias=((7, 5.0), (100, -100.0))),
+        request(
+            "all",
+            18,
+            12,
+            14,
+            presence_penalty=-0.5,
+            frequency_penalty=0.4,
+            repetition_penalty=0.8,
+            logit_bias=((7, 5.0), (100, -100.0)),
+        ),
         request("bias", 7, 10, 15, logit_bias=((42, 8.0), (43, 6.0))),
         # EOS pushed to the top: without min_tokens it would stop at once
-        request("min_tokens", 10, 20, 16, min_tokens=6, suppress_ids=suppress, logit_bias=((EOS, 30.0),)),
-        request("sampled", 15, 12, 17, temperature=0.8, top_k=50, seed=5, frequency_penalty=1.0,
-                presence_penalty=0.5, repetition_penalty=1.2, logit_bias=((9, 3.0),)),
+        request(
+            "min_tokens", 10, 20, 16, min_tokens=6, suppress_ids=suppress, logit_bias=((EOS, 30.0),)
+        ),
+        request(
+            "sampled",
+            15,
+            12,
+            17,
+            temperature=0.8,
+            top_k=50,
+            seed=5,
+            frequency_penalty=1.0,
+            presence_penalty=0.5,
+            repetition_penalty=1.2,
+            logit_bias=((9, 3.0),),
+        ),
         request("plain", 20, 10, 18),
         request("min_p", 11, 12, 20, temperature=1.3, min_p=0.2, seed=9),
     ]
@@ -105,8 +143,8 @@ def processed_requests() -> list[Request]:
 
 @pytest.mark.parametrize("preempt", [False, True], ids=["batched", "preempted"])
 def test_penalties_bias_and_min_tokens_equal_a_plain_reference(preempt):
-    """Batched together (and, on two slots with more urgent requests arriving mid-output, preempted and
-    recomputed): each request's tokens equal the one-at-a-time reference."""
+    """Batched together (and, on two slots with more urgent requests arriving mid-output, preempted
+    and recomputed): each request's tokens equal the one-at-a-time reference."""
     engine = make_engine(num_slots=2 if preempt else 3)
     requests = processed_requests()
     late = requests[4:] if preempt else []
@@ -125,29 +163,46 @@ def test_penalties_bias_and_min_tokens_equal_a_plain_reference(preempt):
     for req in processed_requests():
         got = next(r for r in requests if r.req_id == req.req_id)
         assert got.output_ids == reference_tokens(req), req.req_id
-    assert requests[5].output_ids[-1] == EOS and len(requests[5].output_ids) == 7  # min_tokens=6, then EOS
+    # min_tokens=6, then EOS
+    assert requests[5].output_ids[-1] == EOS and len(requests[5].output_ids) == 7
     echo = requests[0]  # its prompt log-probs arrive once, whole, however often it was recomputed
     lp = hf_logprobs(echo.prompt_ids + echo.output_ids)
     assert [t.logprob for t in echo.prompt_logprobs] == pytest.approx(
-        [lp[i, t].item() for i, t in enumerate(echo.prompt_ids[1:])], abs=1e-4)
+        [lp[i, t].item() for i, t in enumerate(echo.prompt_ids[1:])], abs=1e-4
+    )
     assert [t.logprob for t in echo.logprobs] == pytest.approx(
-        [lp[len(echo.prompt_ids) - 1 + i, t].item() for i, t in enumerate(echo.output_ids)], abs=1e-4)
+        [lp[len(echo.prompt_ids) - 1 + i, t].item() for i, t in enumerate(echo.output_ids)],
+        abs=1e-4,
+    )
     if preempt:
         assert echo.num_preemptions > 0
-    engine.run([request("after", 4, 2, 19)])  # the next plan carries what left: the worker drops its states
+    # the next plan carries what left: the worker drops its states
+    engine.run([request("after", 4, 2, 19)])
     assert engine.runner.states.states == {}
     assert set(engine.runner.states.params) == {"after"}  # its own release rides on the next plan
 
 
 @pytest.mark.parametrize("prompt_len", [1, 2, 29])
 def test_n_choices_share_one_prefill_and_equal_separate_requests(prompt_len):
-    """Choice i (fork_of choice 0, seed + i) equals a request of its own with that seed; the prompt is
-    computed once: each later choice copies its sibling's KV and computes only the last prompt token."""
+    """Choice i (fork_of choice 0, seed + i) equals a request of its own with that seed; the prompt
+    is computed once: each later choice copies its sibling's KV and computes only the last prompt
+    token."""
+
     def choices(n: int, seed: int) -> list[Request]:
         prompt = prompt_ids(prompt_len, 21)
-        return [Request(req_id=f"x-{i}", prompt_ids=prompt, max_tokens=9, stop_token_ids=frozenset({EOS}),
-                        sampling=SamplingParams(temperature=0.9, seed=seed + i, presence_penalty=0.5, logprobs=1),
-                        fork_of="x-0" if i else None) for i in range(n)]
+        return [
+            Request(
+                req_id=f"x-{i}",
+                prompt_ids=prompt,
+                max_tokens=9,
+                stop_token_ids=frozenset({EOS}),
+                sampling=SamplingParams(
+                    temperature=0.9, seed=seed + i, presence_penalty=0.5, logprobs=1
+                ),
+                fork_of="x-0" if i else None,
+            )
+            for i in range(n)
+        ]
 
     engine = make_engine(num_slots=4)
     plans = []
@@ -157,20 +212,34 @@ def test_n_choices_share_one_prefill_and_equal_separate_requests(prompt_len):
     computed = sum(c.num_tokens for p in plans for c in p.prefill if c.req_id.startswith("x-"))
     copies = [copy for p in plans for copy in p.copies]
     if prompt_len > 1:
-        assert computed == prompt_len + 2 and len(copies) == 2  # one prompt, then one token per later choice
+        # one prompt, then one token per later choice
+        assert computed == prompt_len + 2 and len(copies) == 2
     for i, expected in enumerate(choices(3, 40)):
-        alone = make_engine(num_slots=1).run([Request(req_id="solo", prompt_ids=expected.prompt_ids, max_tokens=9,
-                                                      stop_token_ids=frozenset({EOS}), sampling=expected.sampling)])
+        alone = make_engine(num_slots=1).run(
+            [
+                Request(
+                    req_id="solo",
+                    prompt_ids=expected.prompt_ids,
+                    max_tokens=9,
+                    stop_token_ids=frozenset({EOS}),
+                    sampling=expected.sampling,
+                )
+            ]
+        )
         assert forked[f"x-{i}"].output_ids == alone["solo"].output_ids
         assert [t.logprob for t in forked[f"x-{i}"].logprobs] == pytest.approx(
-            [t.logprob for t in alone["solo"].logprobs], abs=1e-5)
+            [t.logprob for t in alone["solo"].logprobs], abs=1e-5
+        )
     assert len({tuple(forked[f"x-{i}"].output_ids) for i in range(3)}) > 1  # the seeds differ
 
 
 def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_top_one():
     logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(0)) * 3
-    kept = torch.isfinite(filter_logits(logits, SamplingParams(temperature=0.7, min_p=0.05, seed=1)))
+    kept = torch.isfinite(
+        filter_logits(logits, SamplingParams(temperature=0.7, min_p=0.05, seed=1))
+    )
     probs = (logits / 0.7).softmax(-1).tolist()
     assert kept.tolist() == [q >= 0.05 * max(probs) for q in probs]
     assert 1 < int(kept.sum()) < VOCAB  # the filter did something, and not everything
-    assert torch.isfinite(filter_logits(logits, SamplingParams(temperature=0.7, seed=1))).all()  # 0: off
+    # 0: off
+    assert torch.isfinite(filter_logits(logits, SamplingParams(temperature=0.7, seed=1))).all()

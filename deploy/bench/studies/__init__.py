@@ -1,1 +1,2 @@
-"""Measurement studies behind docs/BENCHMARKS.md: scripts run with `python -m deploy.bench.studies.<name>`."""
+"""Measurement studies behind docs/BENCHMARKS.md: scripts run with `python -m
+deploy.bench.studies.<name>`."""

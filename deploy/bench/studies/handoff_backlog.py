@@ -1,11 +1,13 @@
-"""Measures the handoff backlog under an overload: prompts whose KV waits in the object store for a decode slot.
+"""Measures the handoff backlog under an overload: prompts whose KV waits in the object store for a
+decode slot.
 
 Runs the disaggregated engine (1 prefill + 1 decode worker) on N requests sent at once, samples the
-scheduler's `live_handoffs` (handed off, not yet imported) every 20 ms, and prints one JSON line: the
-peak and mean backlog, output tok/s and the decode worker's steps per call. docs/BENCHMARKS.md
-("Prefill slots, backpressure...") has the runs. Usage:
+scheduler's `live_handoffs` (handed off, not yet imported) every 20 ms, and prints one JSON line:
+the peak and mean backlog, output tok/s and the decode worker's steps per call. docs/BENCHMARKS.md
+has the runs. Usage:
 
-    PYTHONPATH=. .venv/bin/python deploy/bench/studies/handoff_backlog.py CHECKPOINT REQUESTS PROMPT_LEN OUTPUT_LEN SLOTS
+    .venv/bin/python -m deploy.bench.studies.handoff_backlog \
+        CHECKPOINT REQUESTS PROMPT_LEN OUTPUT_LEN SLOTS
 """
 
 import json
@@ -21,14 +23,22 @@ from scheduler.request import Request
 
 
 def main(model: str, n: int, prompt_len: int, output_len: int, slots: int) -> None:
-    config = EngineConfig(model=model, mode="disaggregated", slots=slots, max_model_len=prompt_len + output_len + 8)
+    config = EngineConfig(
+        model=model, mode="disaggregated", slots=slots, max_model_len=prompt_len + output_len + 8
+    )
     engine = RayEngine(config)
     rng = np.random.default_rng(0)
     vocab = min(len(engine.tokenizer), 32_000)
 
     def requests(tag: str, count: int) -> list[Request]:
-        return [Request(req_id=f"{tag}{i}", prompt_ids=rng.integers(10, vocab, prompt_len).tolist(),
-                        max_tokens=output_len) for i in range(count)]
+        return [
+            Request(
+                req_id=f"{tag}{i}",
+                prompt_ids=rng.integers(10, vocab, prompt_len).tolist(),
+                max_tokens=output_len,
+            )
+            for i in range(count)
+        ]
 
     try:
         engine.run(requests("warm", 4))
@@ -48,11 +58,23 @@ def main(model: str, n: int, prompt_len: int, output_len: int, slots: int) -> No
         done.set()
         watcher.join()
         timeline = engine.stats()["timeline"]
-        print(json.dumps({"requests": n, "prompt_len": prompt_len, "output_len": output_len, "slots": slots,
-                          "prefill_slots": config.prefill_slots, "peak_waiting_handoffs": max(samples),
-                          "mean_waiting_handoffs": round(float(np.mean(samples)), 1),
-                          "output_tok_s": round(sum(len(c.token_ids) for c in completions.values()) / seconds),
-                          "decode_steps_per_call": round(timeline["decode"]["steps_per_call"], 2)}))
+        print(
+            json.dumps(
+                {
+                    "requests": n,
+                    "prompt_len": prompt_len,
+                    "output_len": output_len,
+                    "slots": slots,
+                    "prefill_slots": config.prefill_slots,
+                    "peak_waiting_handoffs": max(samples),
+                    "mean_waiting_handoffs": round(float(np.mean(samples)), 1),
+                    "output_tok_s": round(
+                        sum(len(c.token_ids) for c in completions.values()) / seconds
+                    ),
+                    "decode_steps_per_call": round(timeline["decode"]["steps_per_call"], 2),
+                }
+            )
+        )
     finally:
         engine.close()
 

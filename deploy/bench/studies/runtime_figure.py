@@ -1,8 +1,8 @@
 """Draws docs/bench-runtime.png: pdserve against vLLM's CPU backend, from the runs in BENCHMARKS.md.
 
 The figures are the `output_tok_s` lines of the runs listed in docs/BENCHMARKS.md ("Second pass" and
-"Through the Serve app"), measured on the 2-core development machine on 2026-11-30; where a setting was
-run twice, both runs are drawn. Run: `.venv/bin/python deploy/bench/studies/runtime_figure.py`.
+"Through the Serve app"), measured on the 2-core development machine on 2026-11-30; where a setting
+was run twice, both runs are drawn. Run: `.venv/bin/python -m deploy.bench.studies.runtime_figure`.
 """
 
 from pathlib import Path
@@ -37,7 +37,7 @@ def main() -> None:
     ax.set_title("SmolLM2-135M, 64 requests (prompts 16-512, outputs 16-256), 2 CPU cores")
     ax.legend(frameon=False, fontsize=8)
     fig.tight_layout()
-    fig.savefig(Path(__file__).with_name("bench-runtime.png"), dpi=110)
+    fig.savefig(Path(__file__).resolve().parents[3] / "docs" / "bench-runtime.png", dpi=110)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The scheduler actor's lifecycle: abort in every state, lost handoffs, dead workers, a full queue."""
+"""The scheduler actor's lifecycle: abort in every state, lost handoffs, dead workers, a full
+queue."""
 
 import asyncio
 import json
@@ -23,7 +24,8 @@ pytestmark = pytest.mark.slow
 
 
 def plasma_objects() -> int:
-    """Objects in Ray's object store, counted by Ray itself (independent of the scheduler's books)."""
+    """Objects in Ray's object store, counted by Ray itself (independent of the scheduler's
+    books)."""
     return int(re.search(r"(\d+) objects", memory_summary(stats_only=True)).group(1))
 
 
@@ -43,10 +45,21 @@ def req(req_id, prompt_len, max_tokens, seed=0):
 
 
 def crowded_config(checkpoint, **kw):
-    """Two decode slots and one prefill row, four-token steps, one decode step per call (no bursts): easy
-    to hold requests in each state long enough."""
-    return EngineConfig(**dict(model=checkpoint, mode="disaggregated", slots=2, prefill_slots=1, max_model_len=640,
-                               token_budget=4, prefill_chunk=4, max_burst_ms=0) | kw)
+    """Two decode slots and one prefill row, four-token steps, one decode step per call (no bursts):
+    easy to hold requests in each state long enough."""
+    return EngineConfig(
+        **dict(
+            model=checkpoint,
+            mode="disaggregated",
+            slots=2,
+            prefill_slots=1,
+            max_model_len=640,
+            token_budget=4,
+            prefill_chunk=4,
+            max_burst_ms=0,
+        )
+        | kw
+    )
 
 
 def test_abort_in_every_state_frees_slots_and_handoff_objects(ray_session, tiny_checkpoint):
@@ -55,17 +68,29 @@ def test_abort_in_every_state_frees_slots_and_handoff_objects(ray_session, tiny_
     decode, prefill = "decode-0", "prefill-0"
 
     async def scenario():
-        tasks = {r.req_id: asyncio.create_task(stream(r))
-                 for r in (req("A", 4, 600, 1), req("B", 4, 600, 2))}
+        tasks = {
+            r.req_id: asyncio.create_task(stream(r))
+            for r in (req("A", 4, 600, 1), req("B", 4, 600, 2))
+        }
         await wait_for_stats(handle, lambda s: s["workers"][decode]["running"] == 2)
         tasks["C"] = asyncio.create_task(stream(req("C", 6, 10, 3)))  # prefilled, then waits
         await wait_for_stats(handle, lambda s: s["live_handoffs"] == 1)
         assert plasma_objects() >= 1
         tasks["D"] = asyncio.create_task(stream(req("D", 500, 5, 4)))  # 125 four-token chunks
-        tasks["E"] = asyncio.create_task(stream(req("E", 10, 5, 5)))  # waits: C and D fill `prefill_room`
-        stats = await wait_for_stats(handle, lambda s: s["workers"][prefill]["running"] == 1
-                               and s["workers"][prefill]["waiting"] == 1)
-        assert stats["workers"][decode] == {"alive": True, "slots_used": 2, "running": 2, "waiting": 1}
+        # waits: C and D fill `prefill_room`
+        tasks["E"] = asyncio.create_task(stream(req("E", 10, 5, 5)))
+        stats = await wait_for_stats(
+            handle,
+            lambda s: (
+                s["workers"][prefill]["running"] == 1 and s["workers"][prefill]["waiting"] == 1
+            ),
+        )
+        assert stats["workers"][decode] == {
+            "alive": True,
+            "slots_used": 2,
+            "running": 2,
+            "waiting": 1,
+        }
         for req_id in ("E", "D", "C", "A"):  # waiting, prefilling, in handoff, decoding
             assert await handle.abort.remote(req_id)
         done = {k: await tasks[k] for k in ("A", "C", "D", "E")}
@@ -73,7 +98,10 @@ def test_abort_in_every_state_frees_slots_and_handoff_objects(ray_session, tiny_
         assert len(done["A"].token_ids) < 600 and done["D"].token_ids == []
         stats = await handle.stats.remote()
         assert stats["live_handoffs"] == 0
-        assert stats["workers"][prefill]["slots_used"] == 0 and stats["workers"][decode]["slots_used"] == 1
+        assert (
+            stats["workers"][prefill]["slots_used"] == 0
+            and stats["workers"][decode]["slots_used"] == 1
+        )
         assert not await handle.abort.remote("A")  # already gone
         assert await handle.abort.remote("B")
         await tasks["B"]
@@ -98,7 +126,9 @@ def test_a_closed_stream_aborts_its_request(ray_session, tiny_checkpoint):
         outputs = client.generate(req("X", 4, 600))
         await outputs.__anext__()  # first output arrived: it is decoding
         await outputs.aclose()  # what the ingress does when an HTTP client disconnects
-        return await wait_for_stats(handle, lambda s: s["workers"]["decode-0"]["slots_used"] == 0, timeout=20)
+        return await wait_for_stats(
+            handle, lambda s: s["workers"]["decode-0"]["slots_used"] == 0, timeout=20
+        )
 
     try:
         stats = asyncio.run(scenario())
@@ -110,8 +140,14 @@ def test_a_closed_stream_aborts_its_request(ray_session, tiny_checkpoint):
 def test_outputs_of_many_streams_arrive_in_few_messages(ray_session, tiny_checkpoint):
     """Outputs are batched per step per consumer: 8 streams of 40 tokens take far fewer polls than
     the 320 messages a per-token stream would send, and every stream still gets all its tokens."""
-    config = EngineConfig(model=tiny_checkpoint, mode="disaggregated", slots=8, max_model_len=128, token_budget=64,
-                          prefill_chunk=16)
+    config = EngineConfig(
+        model=tiny_checkpoint,
+        mode="disaggregated",
+        slots=8,
+        max_model_len=128,
+        token_budget=64,
+        prefill_chunk=16,
+    )
     handle = start_scheduler(config)
     client = EngineClient(handle)
 
@@ -122,7 +158,9 @@ def test_outputs_of_many_streams_arrive_in_few_messages(ray_session, tiny_checkp
         done = asyncio.run(scenario())
     finally:
         ray.get(handle.shutdown.remote())
-    assert [len(c.token_ids) for c in done] == [40] * 8 and {c.finish_reason for c in done} == {"length"}
+    assert [len(c.token_ids) for c in done] == [40] * 8 and {c.finish_reason for c in done} == {
+        "length"
+    }
     assert client.num_polls < 8 * 40 / 4, client.num_polls
 
 
@@ -148,9 +186,12 @@ def test_full_queue_and_oversized_requests_are_rejected_at_once(ray_session, tin
         ray.get(handle.shutdown.remote())
 
 
-def test_a_draining_cell_refuses_new_requests_and_ends_when_its_open_ones_have(ray_session, tiny_checkpoint):
-    """What a Cell replica being scaled down does: the open request runs to its end, a new one is refused
-    (the ingress places it on another cell), and the drain returns only after the open one ended."""
+def test_a_draining_cell_refuses_new_requests_and_ends_when_its_open_ones_have(
+    ray_session, tiny_checkpoint
+):
+    """What a Cell replica being scaled down does: the open request runs to its end, a new one is
+    refused (the ingress places it on another cell), and the drain returns only after the open one
+    ended."""
     handle = start_scheduler(crowded_config(tiny_checkpoint))
     stream = streamer(handle)
 
@@ -183,9 +224,9 @@ def long_context(checkpoint, tmp_path, context=8192):
 
 
 def test_lost_handoff_is_prefilled_again(ray_session, tiny_checkpoint, tmp_path):
-    """Kill the prefill worker while a handoff waits for a decode slot: its bytes die with their owner,
-    the import fails, the request is prefilled again and still produces local mode's tokens. The two
-    requests holding the slots must outlast the kill and the second it waits."""
+    """Kill the prefill worker while a handoff waits for a decode slot: its bytes die with their
+    owner, the import fails, the request is prefilled again and still produces local mode's tokens.
+    The two requests holding the slots must outlast the kill and the second it waits."""
     config = crowded_config(long_context(tiny_checkpoint, tmp_path), max_model_len=8192)
     expected = local_outputs(config, [req("C", 6, 12, 3)])["C"]
     handle = start_scheduler(config)
@@ -216,8 +257,15 @@ def test_lost_handoff_is_prefilled_again(ray_session, tiny_checkpoint, tmp_path)
 def test_killed_workers_lose_no_request(ray_session, tiny_checkpoint):
     """Kill the prefill and the decode worker mid-run: every request completes with local mode's
     tokens (recomputed from prompt + streamed tokens) or ends with an error; nothing hangs."""
-    config = EngineConfig(model=tiny_checkpoint, mode="disaggregated", slots=3, prefill_slots=2,
-                          max_model_len=512, token_budget=8, prefill_chunk=4)
+    config = EngineConfig(
+        model=tiny_checkpoint,
+        mode="disaggregated",
+        slots=3,
+        prefill_slots=2,
+        max_model_len=512,
+        token_budget=8,
+        prefill_chunk=4,
+    )
 
     def workload():
         return make_requests(10, [5, 40, 12, 70, 9], [20, 250, 300, 240, 280])
@@ -255,10 +303,12 @@ def test_killed_workers_lose_no_request(ray_session, tiny_checkpoint):
     assert stats["live_handoffs"] == 0
 
 
-def test_a_step_that_raises_ends_its_requests_with_the_error_and_the_cell_keeps_serving(ray_session,
-                                                                                        tiny_checkpoint):
-    """A step failing inside the worker (here: a response format only the worker checks) must not leave
-    streams waiting forever: the worker's requests end with the error and later requests are served."""
+def test_a_step_that_raises_ends_its_requests_with_the_error_and_the_cell_keeps_serving(
+    ray_session, tiny_checkpoint
+):
+    """A step failing inside the worker (here: a response format only the worker checks) must not
+    leave streams waiting forever: the worker's requests end with the error and later requests are
+    served."""
     from scheduler.request import SamplingParams
 
     config = EngineConfig(model=tiny_checkpoint, mode="colocated", slots=2, max_model_len=256)
@@ -268,4 +318,7 @@ def test_a_step_that_raises_ends_its_requests_with_the_error_and_the_cell_keeps_
         failed = engine.run([bad])["bad"]
         later = engine.run([req("later", 6, 5)])["later"]
     assert failed.finish_reason == "error" and "internal error on decode-0" in failed.error
-    assert later.finish_reason == "length" and later.token_ids == local_outputs(config, [req("later", 6, 5)])["later"]
+    assert (
+        later.finish_reason == "length"
+        and later.token_ids == local_outputs(config, [req("later", 6, 5)])["later"]
+    )

@@ -27,32 +27,52 @@ def sample_sum(text: str, name: str, worker_id: str, **labels: str) -> float:
 
 
 def test_ttft_histogram_counts_every_served_request(ray_session, tiny_checkpoint):
-    config = EngineConfig(model=tiny_checkpoint, mode="disaggregated", slots=3, max_model_len=128,
-                          token_budget=16, prefill_chunk=8)
+    config = EngineConfig(
+        model=tiny_checkpoint,
+        mode="disaggregated",
+        slots=3,
+        max_model_len=128,
+        token_budget=16,
+        prefill_chunk=8,
+    )
     with RayEngine(config) as engine:
         worker_id = ray_session.get(engine.handle.ready.remote())["scheduler_worker_id"]
         requests = make_requests(7, [5, 20, 9], [4, 9, 6])
-        for r in requests[3:]:  # four requests repeat the first's 20-token prompt: one 16-token block cached
+        # four requests repeat the first's 20-token prompt: one 16-token block cached
+        for r in requests[3:]:
             r.prompt_ids = list(requests[1].prompt_ids)
         results = engine.run(requests[:3])
         results |= engine.run(requests[3:])
         prefill_cache = engine.stats()["workers"]["prefill-0"]["prefix_cache"]
     assert len(results) == 7
-    assert prefill_cache["hit_tokens"] == 4 * 16 and prefill_cache["blocks_used"] >= 1, prefill_cache
+    assert prefill_cache["hit_tokens"] == 4 * 16 and prefill_cache["blocks_used"] >= 1, (
+        prefill_cache
+    )
+
     def finished(text: str) -> float:
-        return sum(sample_sum(text, "ray_pdserve_requests_finished_total", worker_id, reason=r)
-                   for r in ("stop", "length"))
+        return sum(
+            sample_sum(text, "ray_pdserve_requests_finished_total", worker_id, reason=r)
+            for r in ("stop", "length")
+        )
 
     deadline, text = time.monotonic() + 60, ""
-    while time.monotonic() < deadline:  # Ray exports metrics every few seconds, not all in one batch
+    # Ray exports metrics every few seconds, not all in one batch
+    while time.monotonic() < deadline:
         text = scrape(ray_session.metrics_port)
-        if sample_sum(text, "ray_pdserve_ttft_seconds_count", worker_id) >= 7 and finished(text) >= 7 \
-                and "ray_pdserve_prefix_cache_hit_rate{" in text:
+        if (
+            sample_sum(text, "ray_pdserve_ttft_seconds_count", worker_id) >= 7
+            and finished(text) >= 7
+            and "ray_pdserve_prefix_cache_hit_rate{" in text
+        ):
             break
         time.sleep(1)
-    counts = {name: sample_sum(text, f"ray_pdserve_{name}_count", worker_id)
-              for name in ("ttft_seconds", "e2e_seconds", "kv_handoff_bytes")} | {"finished": finished(text)}
-    assert counts == dict.fromkeys(counts, 7), [line for line in text.splitlines() if "pdserve" in line]
+    counts = {
+        name: sample_sum(text, f"ray_pdserve_{name}_count", worker_id)
+        for name in ("ttft_seconds", "e2e_seconds", "kv_handoff_bytes")
+    } | {"finished": finished(text)}
+    assert counts == dict.fromkeys(counts, 7), [
+        line for line in text.splitlines() if "pdserve" in line
+    ]
     assert sample_sum(text, "ray_pdserve_step_seconds_count", worker_id, kind="decode") > 0
     assert re.search(r"ray_pdserve_slots_in_use\{", text)
     hit_rate = sample_sum(text, "ray_pdserve_prefix_cache_hit_rate", worker_id, worker="prefill-0")

@@ -1,4 +1,5 @@
-"""Decode bursts without Ray or a model: several decode steps in one worker call change no output."""
+"""Decode bursts without Ray or a model: several decode steps in one worker call change no
+output."""
 
 import pytest
 
@@ -15,12 +16,14 @@ from tests.scheduler.cell.test_coordinator import (
     token,
 )
 
-bursts_while_prompts_wait: list[bool] = []  # per burst run_calls saw: whether the prefill pool held prompts
+# per burst run_calls saw: whether the prefill pool held prompts
+bursts_while_prompts_wait: list[bool] = []
 
 
 def run_calls(coordinator, streams, max_steps, calls=None, before_call=None):
-    """The actor's loop by hand: each worker keeps one call in flight ahead, a call is `plan_call`'s plans
-    (each answered by the fake worker in order), applied step by step. Returns every call's plans."""
+    """The actor's loop by hand: each worker keeps one call in flight ahead, a call is `plan_call`'s
+    plans (each answered by the fake worker in order), applied step by step. Returns every call's
+    plans."""
     calls = [] if calls is None else calls
     in_flight: dict = {}
     for n in range(1000):
@@ -35,10 +38,18 @@ def run_calls(coordinator, streams, max_steps, calls=None, before_call=None):
                 if len(plans) > 1:  # only while nothing else could use the worker sooner
                     sched = worker.sched
                     full = not sched.free_slots and not sched.can_preempt_for_waiting()
-                    assert full or not sched.num_waiting and all(p.sched.idle for p in coordinator.prefill)
-                    bursts_while_prompts_wait.append(not all(p.sched.idle for p in coordinator.prefill))
-                sent = [(plan, fake_step(coordinator, worker, plan, imports if i == 0 else []))
-                        for i, plan in enumerate(plans)]
+                    assert (
+                        full
+                        or not sched.num_waiting
+                        and all(p.sched.idle for p in coordinator.prefill)
+                    )
+                    bursts_while_prompts_wait.append(
+                        not all(p.sched.idle for p in coordinator.prefill)
+                    )
+                sent = [
+                    (plan, fake_step(coordinator, worker, plan, imports if i == 0 else []))
+                    for i, plan in enumerate(plans)
+                ]
             for plan, result in in_flight.pop(worker.name, []):
                 coordinator.apply(worker, plan, result)
                 streams.take(coordinator)
@@ -51,32 +62,43 @@ def run_calls(coordinator, streams, max_steps, calls=None, before_call=None):
 
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
 def test_bursts_change_no_output_and_never_run_past_a_stop(mode):
-    """Requests stopping on a stop id, at max_tokens, all in the middle of bursts: each stream gets exactly
-    its tokens, and what a burst sampled after a request's stop never reaches it."""
+    """Requests stopping on a stop id, at max_tokens, all in the middle of bursts: each stream gets
+    exactly its tokens, and what a burst sampled after a request's stop never reaches it."""
     stop_at = {"s0": 2, "s1": 7, "s2": 12}
     coordinator, streams = cell(mode=mode, decode_slots=8, token_budget=32), Streams()
     requests = [req(f"r{i}", prompt_len=3 + 2 * i, max_tokens=1 + 5 * i) for i in range(5)]
     for name, index in stop_at.items():
-        requests.append(Request(req_id=name, prompt_ids=[1, 2, 3], max_tokens=30,
-                                stop_token_ids=frozenset({token(name, index)})))
+        requests.append(
+            Request(
+                req_id=name,
+                prompt_ids=[1, 2, 3],
+                max_tokens=30,
+                stop_token_ids=frozenset({token(name, index)}),
+            )
+        )
     for request in requests:
         coordinator.admit(request, consumer="c")
     calls = run_calls(coordinator, streams, max_steps=6)
     for request in requests:
         length = stop_at[request.req_id] + 1 if request.req_id in stop_at else request.max_tokens
-        assert streams.tokens[request.req_id] == expected_tokens(request.req_id, length), request.req_id
+        assert streams.tokens[request.req_id] == expected_tokens(request.req_id, length), (
+            request.req_id
+        )
         assert streams.finish[request.req_id] == ("stop" if request.req_id in stop_at else "length")
     assert_idle(coordinator)
     bursts = [plans for kind, plans, _ in calls if len(plans) > 1]
     assert bursts and max(map(len, bursts)) == 6
-    assert all(kind == "decode" and not imports and not any(p.prefill for p in plans)
-               for kind, plans, imports in calls if len(plans) > 1)
+    assert all(
+        kind == "decode" and not imports and not any(p.prefill for p in plans)
+        for kind, plans, imports in calls
+        if len(plans) > 1
+    )
 
 
 def test_no_burst_while_a_waiting_or_prefilling_prompt_could_take_a_free_slot():
-    """Prompts keep arriving: while the decode worker has a free slot, a burst never forms while one waits
-    or is prefilled (it would keep it, or its handoff, out of the worker's next steps); it forms once they
-    are all decoding, or once the worker is full."""
+    """Prompts keep arriving: while the decode worker has a free slot, a burst never forms while one
+    waits or is prefilled (it would keep it, or its handoff, out of the worker's next steps); it
+    forms once they are all decoding, or once the worker is full."""
     coordinator, streams = cell(decode_slots=4, prefill_slots=1), Streams()
 
     def arrive(n):
@@ -91,8 +113,9 @@ def test_no_burst_while_a_waiting_or_prefilling_prompt_could_take_a_free_slot():
 
 
 def test_bursts_with_requests_waiting_for_a_slot_end_where_a_slot_frees():
-    """One slot, three requests: the ones waiting cannot start before the running one ends, so calls burst,
-    but a burst ends with the step that plans the running request's last token: the next one starts at once."""
+    """One slot, three requests: the ones waiting cannot start before the running one ends, so calls
+    burst, but a burst ends with the step that plans the running request's last token: the next one
+    starts at once."""
     coordinator, streams = cell(mode="colocated", decode_slots=1), Streams()
     requests = [req(f"r{i}", max_tokens=20) for i in range(3)]
     for request in requests:
@@ -102,13 +125,17 @@ def test_bursts_with_requests_waiting_for_a_slot_end_where_a_slot_frees():
     bursts = [plans for _, plans, _ in calls if len(plans) > 1]
     assert bursts
     for plans in bursts:
-        last_tokens = [i for i, plan in enumerate(plans) for c in plan.decode if c.output_index == 19]
+        last_tokens = [
+            i for i, plan in enumerate(plans) for c in plan.decode if c.output_index == 19
+        ]
         assert last_tokens in ([], [len(plans) - 1])
-    coordinator = cell(mode="colocated", decode_slots=1)  # a waiting request that may preempt: no burst
+    # a waiting request that may preempt: no burst
+    coordinator = cell(mode="colocated", decode_slots=1)
     coordinator.admit(req("slow", max_tokens=20, priority=1), consumer="c")
     worker = coordinator.decode[0]
     while not worker.sched.running or not all(r.is_decoding for r in worker.sched.running):
-        plan_call(coordinator, worker, 1)  # the prompt's chunks (results never applied: none needed here)
+        # the prompt's chunks (results never applied: none needed here)
+        plan_call(coordinator, worker, 1)
     coordinator.admit(req("same", max_tokens=3, priority=1), consumer="c")
     assert may_burst(worker, [])
     coordinator.admit(req("urgent", max_tokens=3, priority=0), consumer="c")
@@ -134,15 +161,19 @@ def test_an_abort_during_a_burst_ends_the_stream_once():
 def test_burst_length_keeps_the_call_overhead_a_small_share():
     sizer = BurstSizer(max_burst_s=0.020, max_steps=16, overhead_share=0.1)
     assert sizer.length("decode-0") == 1  # nothing measured yet
-    sizer.observe("decode-0", steps=1, period_s=0.0015, worker_s=0.0005)  # 1 ms beyond a 0.5 ms step
+    # 1 ms beyond a 0.5 ms step
+    sizer.observe("decode-0", steps=1, period_s=0.0015, worker_s=0.0005)
     assert sizer.length("decode-0") == 16  # 20 wanted, capped by max_steps
-    sizer.observe("gpu", steps=1, period_s=0.006, worker_s=0.005)  # 1 ms beyond 5 ms: 2 steps make it 10%
+    # 1 ms beyond 5 ms: 2 steps make it 10%
+    sizer.observe("gpu", steps=1, period_s=0.006, worker_s=0.005)
     assert sizer.length("gpu") == 2
     sizer.observe("big", steps=1, period_s=0.101, worker_s=0.100)  # 1% already: one step a call
     assert sizer.length("big") == 1
-    sizer.observe("slow-call", steps=1, period_s=0.030, worker_s=0.004)  # the time cap: 20 ms of steps
+    # the time cap: 20 ms of steps
+    sizer.observe("slow-call", steps=1, period_s=0.030, worker_s=0.004)
     assert sizer.length("slow-call") == 5
-    sizer.observe("decode-1", steps=4, period_s=0.003, worker_s=0.002)  # per step: 0.5 ms; per call: 1 ms
+    # per step: 0.5 ms; per call: 1 ms
+    sizer.observe("decode-1", steps=4, period_s=0.003, worker_s=0.002)
     assert sizer.length("decode-1") == 16
     off = BurstSizer(max_burst_s=0.0)
     off.observe("decode-0", steps=1, period_s=0.0015, worker_s=0.0005)
@@ -152,8 +183,9 @@ def test_burst_length_keeps_the_call_overhead_a_small_share():
 
 
 def test_a_full_decode_worker_bursts_while_prompts_wait_on_the_prefill_pool():
-    """Under overload nothing the prefill pool holds can start before a running request ends, so the decode
-    worker keeps bursting (it used to wait for the prefill pool to empty); every stream is unchanged."""
+    """Under overload nothing the prefill pool holds can start before a running request ends, so the
+    decode worker keeps bursting (it used to wait for the prefill pool to empty); every stream is
+    unchanged."""
     coordinator, streams = cell(decode_slots=2, prefill_slots=1), Streams()
     for i in range(8):
         coordinator.admit(req(f"r{i}", max_tokens=25), consumer="c")
@@ -168,4 +200,3 @@ def test_a_full_decode_worker_bursts_while_prompts_wait_on_the_prefill_pool():
         step_all(coordinator, streams, steps=1)
     coordinator.admit(req("b", max_tokens=25), consumer="c")
     assert worker.sched.free_slots and not may_burst(worker, coordinator.prefill)
-

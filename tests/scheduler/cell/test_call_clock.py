@@ -1,4 +1,5 @@
-"""When a prompt-finishing prefill call should come back: what a decode worker waits for before planning."""
+"""When a prompt-finishing prefill call should come back: what a decode worker waits for before
+planning."""
 
 import math
 
@@ -13,7 +14,9 @@ def test_seconds_per_token_is_a_moving_average_of_calls_that_computed_tokens():
     clock.observe("p", 1.0, 100)
     clock.observe("p", 3.0, 100)
     clock.observe("p", 0.5, 0)  # a call that only imported KV says nothing of the pace
-    assert clock.s_per_token["p"] == pytest.approx(0.02) and clock.ends("p", 50, 10.0) == pytest.approx(11.0)
+    assert clock.s_per_token["p"] == pytest.approx(0.02) and clock.ends(
+        "p", 50, 10.0
+    ) == pytest.approx(11.0)
 
 
 def test_a_call_queued_behind_another_leaves_the_running_one_expected():

@@ -1,11 +1,13 @@
-"""The scheduler's decisions without Ray or a model: routing, handoffs, loss, death, abort, preemption.
+"""The scheduler's decisions without Ray or a model: routing, handoffs, loss, death, abort,
+preemption.
 
-A fake worker answers each plan at once: the token it samples for output index i of a request depends
-only on (request, i), as seeded sampling does, so a recomputed request must continue with exactly the
-tokens it would have had, and every test can check the streams are whole. A fake decode worker also
-keeps a ledger of what each position of each slot holds (imported pieces, copies, computed rows) and
-checks that every chunk it runs finds its request's rows before it: a handoff imported into the wrong
-slot, a piece missing or imported twice from a void attempt fails every test that steps.
+A fake worker answers each plan at once: the token it samples for output index i of a request
+depends only on (request, i), as seeded sampling does, so a recomputed request must continue with
+exactly the tokens it would have had, and every test can check the streams are whole. A fake decode
+worker also keeps a ledger of what each position of each slot holds (imported pieces, copies,
+computed rows) and checks that every chunk it runs finds its request's rows before it: a handoff
+imported into the wrong slot, a piece missing or imported twice from a void attempt fails every test
+that steps.
 """
 
 import functools
@@ -34,7 +36,8 @@ def expected_tokens(req_id: str, max_tokens: int) -> list[int]:
 req = functools.partial(make_request, prompt_len=6, max_tokens=5)
 
 
-LEDGER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decode worker -> slot -> position -> row
+# decode worker -> slot -> position -> row
+LEDGER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class Checked(Coordinator):
@@ -44,14 +47,25 @@ class Checked(Coordinator):
 
 
 def cell(mode="disaggregated", **kw):
-    config = dict(mode=mode, num_decode_workers=1, num_prefill_workers=1, decode_slots=2, prefill_slots=1,
-                  capacity=64, token_budget=8, prefill_chunk=4) | kw
+    config = (
+        dict(
+            mode=mode,
+            num_decode_workers=1,
+            num_prefill_workers=1,
+            decode_slots=2,
+            prefill_slots=1,
+            capacity=64,
+            token_budget=8,
+            prefill_chunk=4,
+        )
+        | kw
+    )
     return Checked(CellConfig(**config), metrics_backend=RecordingBackend())
 
 
 def row(request, position):
-    """What a correct cache holds at a request's position: whose row it is (the choices of one prompt share
-    its rows) and the token there."""
+    """What a correct cache holds at a request's position: whose row it is (the choices of one
+    prompt share its rows) and the token there."""
     num_prompt = len(request.prompt_ids)
     if position < num_prompt:
         return request.fork_of or request.req_id, request.prompt_ids[position]
@@ -67,46 +81,75 @@ class Rows:
 
 def fake_step(coordinator, worker, plan, imports, lose_imports=()):
     """What a worker would return: a token per sampling chunk; prefill workers export handoffs."""
-    lost = {i.handoff.req_id for i in imports if i.handoff.req_id in lose_imports}  # dropped from the step
-    sampled = {c.req_id: token(c.req_id, c.output_index) for c in plan.chunks if c.sample and c.req_id not in lost}
+    # dropped from the step
+    lost = {i.handoff.req_id for i in imports if i.handoff.req_id in lose_imports}
+    sampled = {
+        c.req_id: token(c.req_id, c.output_index)
+        for c in plan.chunks
+        if c.sample and c.req_id not in lost
+    }
     if worker.kind == "prefill":  # a piece per export, 1000 bytes per request in its last one
         requests = worker.sched.requests
-        pieces = [KVPiece(r, first, end - first, Rows([row(requests[r], p) for p in range(first, end)]),
-                          0 if end < requests[r].num_tokens else 1000, 0.001) for r, _, first, end in plan.exports]
+        pieces = [
+            KVPiece(
+                r,
+                first,
+                end - first,
+                Rows([row(requests[r], p) for p in range(first, end)]),
+                0 if end < requests[r].num_tokens else 1000,
+                0.001,
+            )
+            for r, _, first, end in plan.exports
+        ]
         return StepResult(Samples(sampled), kv_pieces=pieces, step_s=0.01, forward_s=0.009)
-    if worker.sched.prefix_cache is None:  # (rows loaded from a prefix cache's pool are not kept track of)
+    # (rows loaded from a prefix cache's pool are not kept track of)
+    if worker.sched.prefix_cache is None:
         check_slots(worker, plan, [i for i in imports if i.handoff.req_id not in lost], lost)
-    return StepResult(Samples(sampled), failed_imports=sorted(lost),
-                      import_s={i.handoff.req_id: 0.002 for i in imports if i.handoff.req_id not in lost and i.final},
-                      step_s=0.01, forward_s=0.009)
+    return StepResult(
+        Samples(sampled),
+        failed_imports=sorted(lost),
+        import_s={
+            i.handoff.req_id: 0.002 for i in imports if i.handoff.req_id not in lost and i.final
+        },
+        step_s=0.01,
+        forward_s=0.009,
+    )
 
 
 def check_slots(worker, plan, imports, lost):
-    """Apply a decode step to the worker's ledger: imports, copies, then each chunk (but those of the
-    requests whose import was lost: the worker drops them), which must find its request's rows at every
-    position before its own."""
+    """Apply a decode step to the worker's ledger: imports, copies, then each chunk (but those of
+    the requests whose import was lost: the worker drops them), which must find its request's rows
+    at every position before its own."""
     slots = LEDGER.setdefault(worker, {})
     for item in imports:
-        for piece in item.handoff.pieces[item.handoff.imported:]:
+        for piece in item.handoff.pieces[item.handoff.imported :]:
             for i, held in enumerate(piece.ref.rows):
                 slots.setdefault(item.slot, {})[piece.start + i] = held
     for source, target, length in plan.copies:
-        slots.setdefault(target, {}).update({p: slots.get(source, {}).get(p) for p in range(length)})
+        slots.setdefault(target, {}).update(
+            {p: slots.get(source, {}).get(p) for p in range(length)}
+        )
     for chunk in (c for c in plan.chunks if c.req_id not in lost):
         request, held = worker.sched.requests[chunk.req_id], slots.setdefault(chunk.slot, {})
         wrong = [p for p in range(chunk.start_pos) if held.get(p) != row(request, p)]
-        assert not wrong, f"{chunk.req_id} in slot {chunk.slot} finds wrong rows at positions {wrong}"
-        held.update({p: row(request, p) for p in range(chunk.start_pos, chunk.start_pos + chunk.num_tokens)})
+        assert not wrong, (
+            f"{chunk.req_id} in slot {chunk.slot} finds wrong rows at positions {wrong}"
+        )
+        held.update(
+            {p: row(request, p) for p in range(chunk.start_pos, chunk.start_pos + chunk.num_tokens)}
+        )
 
 
 class Streams:
-    """What each consumer's streams received, checked to be whole: no token twice, one final output."""
+    """What each consumer's streams received, checked to be whole: no token twice, one final
+    output."""
 
     def __init__(self):
         self.tokens: dict[str, list[int]] = {}
         self.finish: dict[str, str] = {}
         self.errors: dict[str, str | None] = {}
-        self.in_flight: dict = {}  # worker name -> (plan, result) sent and not yet applied (run_overlapped)
+        # worker name -> (plan, result) sent and not yet applied (run_overlapped)
+        self.in_flight: dict = {}
 
     def take(self, coordinator):
         for outputs in coordinator.take_outputs().values():
@@ -174,9 +217,13 @@ def test_final_outputs_carry_where_the_request_ran():
                 coordinator.apply(worker, step[0], fake_step(coordinator, worker, *step))
         finals += [o for outs in coordinator.take_outputs().values() for o in outs if o.finished]
     metrics = {o.req_id: o.metrics for o in finals}
-    assert {metrics["a"]["prefill_worker"], metrics["b"]["prefill_worker"]} == {0, 1}  # least loaded
+    # least loaded
+    assert {metrics["a"]["prefill_worker"], metrics["b"]["prefill_worker"]} == {0, 1}
     assert {metrics["a"]["decode_worker"], metrics["b"]["decode_worker"]} == {0, 1}
-    assert all(m["kv_handoff_bytes"] == 1000 and m["kv_handoff_s"] == pytest.approx(0.003) for m in metrics.values())
+    assert all(
+        m["kv_handoff_bytes"] == 1000 and m["kv_handoff_s"] == pytest.approx(0.003)
+        for m in metrics.values()
+    )
 
 
 def test_short_prompts_skip_the_handoff_and_colocated_never_hands_off():
@@ -185,7 +232,9 @@ def test_short_prompts_skip_the_handoff_and_colocated_never_hands_off():
     coordinator.admit(req("long", prompt_len=12), consumer="c")
     assert [r.req_id for r in coordinator.decode[0].sched.waiting_requests()] == ["short"]
     step_all(coordinator, streams)
-    assert coordinator.counts.handoffs == 1 and streams.tokens["short"] == expected_tokens("short", 5)
+    assert coordinator.counts.handoffs == 1 and streams.tokens["short"] == expected_tokens(
+        "short", 5
+    )
     colocated, streams = cell(mode="colocated", num_decode_workers=2), Streams()
     for i in range(3):
         colocated.admit(req(f"r{i}"), consumer="c")
@@ -210,9 +259,13 @@ def test_outputs_go_to_the_consumer_that_submitted():
 
 @pytest.mark.parametrize("when", ["early", "at the handoff"])
 def test_a_lost_handoff_is_prefilled_again_and_continues_exactly(when):
-    """KV pieces lost once: found at the first early import into the idle decode worker's reserved slot, or
-    (its only slot busy) when every piece is imported at the handoff."""
-    coordinator, streams, lose = cell(decode_slots=1 if when == "at the handoff" else 2), Streams(), {"a"}
+    """KV pieces lost once: found at the first early import into the idle decode worker's reserved
+    slot, or (its only slot busy) when every piece is imported at the handoff."""
+    coordinator, streams, lose = (
+        cell(decode_slots=1 if when == "at the handoff" else 2),
+        Streams(),
+        {"a"},
+    )
     if when == "at the handoff":
         coordinator.admit(req("busy", prompt_len=3, max_tokens=12), consumer="c")
     coordinator.admit(req("a", max_tokens=8), consumer="c")
@@ -221,6 +274,7 @@ def test_a_lost_handoff_is_prefilled_again_and_continues_exactly(when):
         if result.failed_imports:
             assert [i.final for i in imports] == [when == "at the handoff"]
             lose.clear()
+
     step_all(coordinator, streams, lose_imports=lose, observe=lost_once)
     assert coordinator.counts.recomputes == 1 and not lose
     assert streams.tokens["a"] == expected_tokens("a", 8) and streams.finish["a"] == "length"
@@ -233,7 +287,9 @@ def test_a_request_that_keeps_losing_its_cache_ends_with_an_error_alone():
     coordinator.admit(req("fine", prompt_len=9), consumer="c")
     step_all(coordinator, streams, lose_imports={"doomed"})
     assert streams.finish == {"doomed": "error", "fine": "length"}
-    assert "giving up" in streams.errors["doomed"] and streams.tokens["fine"] == expected_tokens("fine", 5)
+    assert "giving up" in streams.errors["doomed"] and streams.tokens["fine"] == expected_tokens(
+        "fine", 5
+    )
     assert_idle(coordinator)
 
 
@@ -269,18 +325,27 @@ def test_when_a_whole_pool_is_gone_waiting_requests_end_with_an_error():
     assert streams.finish["c"] == "error"
 
 
-@pytest.mark.parametrize("state", ["waiting", "prefilling", "pieces-sent", "handed-off", "decoding"])
+@pytest.mark.parametrize(
+    "state", ["waiting", "prefilling", "pieces-sent", "handed-off", "decoding"]
+)
 def test_abort_in_every_state_frees_everything(state):
     coordinator, streams = cell(decode_slots=1, prefill_chunk=2, token_budget=2), Streams()
-    coordinator.admit(req("hog", max_tokens=40), consumer="c")  # holds the decode slot once handed off
+    # holds the decode slot once handed off
+    coordinator.admit(req("hog", max_tokens=40), consumer="c")
     step_all(coordinator, streams, steps=4)
     coordinator.admit(req("x", prompt_len=6, max_tokens=5), consumer="c")
-    coordinator.admit(req("y", prompt_len=6, max_tokens=5), consumer="c")  # waits behind x for the prefill row
-    reached = {"waiting": lambda: "y" in {r.req_id for r in coordinator.prefill[0].sched.waiting_requests()},
-               "prefilling": lambda: any(r.req_id == "x" for r in coordinator.prefill[0].sched.running),
-               "pieces-sent": lambda: len(coordinator.kv.pieces.get("x", ())) == 2,  # 2 of its 3 chunks' KV out
-               "handed-off": lambda: "x" in coordinator.kv.handoffs,
-               "decoding": lambda: any(r.req_id == "x" for r in coordinator.decode[0].sched.running)}
+    # waits behind x for the prefill row
+    coordinator.admit(req("y", prompt_len=6, max_tokens=5), consumer="c")
+    reached = {
+        "waiting": lambda: (
+            "y" in {r.req_id for r in coordinator.prefill[0].sched.waiting_requests()}
+        ),
+        "prefilling": lambda: any(r.req_id == "x" for r in coordinator.prefill[0].sched.running),
+        # 2 of its 3 chunks' KV out
+        "pieces-sent": lambda: len(coordinator.kv.pieces.get("x", ())) == 2,
+        "handed-off": lambda: "x" in coordinator.kv.handoffs,
+        "decoding": lambda: any(r.req_id == "x" for r in coordinator.decode[0].sched.running),
+    }
     target = "y" if state == "waiting" else "x"
     if state == "decoding":
         coordinator.abort("hog")
@@ -291,7 +356,8 @@ def test_abort_in_every_state_frees_everything(state):
     assert coordinator.abort(target) and not coordinator.abort(target)
     streams.take(coordinator)
     assert streams.finish[target] == "abort" and target not in coordinator.kv.handoffs
-    assert target not in coordinator.kv.pieces  # every piece's ref dropped at once: the store frees them
+    # every piece's ref dropped at once: the store frees them
+    assert target not in coordinator.kv.pieces
     for other in {"hog", "x", "y"} - {target} - set(streams.finish):
         coordinator.abort(other)
     streams.take(coordinator)
@@ -306,8 +372,12 @@ def test_preemption_on_a_decode_worker_recomputes_on_the_prefill_pool():
     assert coordinator.decode[0].sched.running == [normal]
     coordinator.admit(req("urgent", max_tokens=4, priority=0), consumer="c")
     step_all(coordinator, streams)
-    assert streams.tokens == {"normal": expected_tokens("normal", 20), "urgent": expected_tokens("urgent", 4)}
-    assert normal.num_preemptions == 1 and coordinator.counts.handoffs == 3  # normal handed off twice
+    assert streams.tokens == {
+        "normal": expected_tokens("normal", 20),
+        "urgent": expected_tokens("urgent", 4),
+    }
+    # normal handed off twice
+    assert normal.num_preemptions == 1 and coordinator.counts.handoffs == 3
     assert_idle(coordinator)
 
 
@@ -338,8 +408,8 @@ def test_a_consumer_that_went_away_has_its_requests_aborted():
 
 
 def run_overlapped(coordinator, streams, steps=400):
-    """Each worker keeps one step in flight: step N+1 is planned before step N's results are applied.
-    What is still in flight when `steps` run out stays in flight for the next call."""
+    """Each worker keeps one step in flight: step N+1 is planned before step N's results are
+    applied. What is still in flight when `steps` run out stays in flight for the next call."""
     in_flight = streams.in_flight
     for _ in range(steps):
         for worker in coordinator.workers:
@@ -357,19 +427,24 @@ def run_overlapped(coordinator, streams, steps=400):
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
 def test_one_step_in_flight_changes_no_output(mode):
     """Planning ahead never samples past max_tokens, and a token sampled for a request that already
-    stopped (on a stop id, decided only when the step before is applied) never reaches its stream."""
+    stopped (on a stop id, decided only when the step before is applied) never reaches its
+    stream."""
     stop_at = {"s0": 2, "s1": 5}  # these requests sample their stop token at this output index
     coordinator, streams = cell(mode=mode, decode_slots=4, token_budget=16), Streams()
     requests = [req(f"r{i}", prompt_len=3 + 5 * i, max_tokens=1 + 3 * i) for i in range(4)]
     for name, index in stop_at.items():
         stop = frozenset({token(name, index)})
-        requests.append(Request(req_id=name, prompt_ids=[1, 2, 3], max_tokens=20, stop_token_ids=stop))
+        requests.append(
+            Request(req_id=name, prompt_ids=[1, 2, 3], max_tokens=20, stop_token_ids=stop)
+        )
     for request in requests:
         coordinator.admit(request, consumer="c")
     run_overlapped(coordinator, streams)
     for request in requests:
         length = stop_at[request.req_id] + 1 if request.req_id in stop_at else request.max_tokens
-        assert streams.tokens[request.req_id] == expected_tokens(request.req_id, length), request.req_id
+        assert streams.tokens[request.req_id] == expected_tokens(request.req_id, length), (
+            request.req_id
+        )
         assert streams.finish[request.req_id] == ("stop" if request.req_id in stop_at else "length")
         assert request.num_pending == 0
     assert_idle(coordinator)
@@ -383,7 +458,10 @@ def test_preemption_with_a_step_in_flight_loses_and_repeats_no_token(mode):
     run_overlapped(coordinator, streams, steps=6)
     coordinator.admit(req("urgent", max_tokens=4, priority=0), consumer="c")
     run_overlapped(coordinator, streams)
-    assert streams.tokens == {"normal": expected_tokens("normal", 20), "urgent": expected_tokens("urgent", 4)}
+    assert streams.tokens == {
+        "normal": expected_tokens("normal", 20),
+        "urgent": expected_tokens("urgent", 4),
+    }
     assert normal.num_preemptions == 1
     assert_idle(coordinator)
 
@@ -392,25 +470,49 @@ def test_the_timeline_summarizes_phases_and_busy_rate():
     from scheduler.cell.timeline import StepTimeline
 
     timeline = StepTimeline()
-    # a burst of 4 steps counts as 4 steps of a quarter of its call's time each: the median step is one of them
-    for period, forward, tokens, steps in ((0.010, 0.008, 64, 1), (0.020, 0.015, 64, 1), (0.120, 0.108, 256, 4)):
-        timeline.record("decode", period=period, plan=0.001, round_trip=period, worker_step=forward,
-                        forward=forward, apply=0.002, publish=0.0, tokens=tokens, steps=steps)
+    # a burst of 4 steps counts as 4 steps of a quarter of its call's time each: the median step is
+    # one of them
+    for period, forward, tokens, steps in (
+        (0.010, 0.008, 64, 1),
+        (0.020, 0.015, 64, 1),
+        (0.120, 0.108, 256, 4),
+    ):
+        timeline.record(
+            "decode",
+            period=period,
+            plan=0.001,
+            round_trip=period,
+            worker_step=forward,
+            forward=forward,
+            apply=0.002,
+            publish=0.0,
+            tokens=tokens,
+            steps=steps,
+        )
     line = timeline.summary()["decode"]
-    assert line["steps"] == 6 and line["calls"] == 3 and line["steps_per_call"] == pytest.approx(2.0)
-    assert line["period_ms_p50"] == pytest.approx(30.0) and line["forward_ms_p50"] == pytest.approx(27.0)
+    assert (
+        line["steps"] == 6 and line["calls"] == 3 and line["steps_per_call"] == pytest.approx(2.0)
+    )
+    assert line["period_ms_p50"] == pytest.approx(30.0) and line["forward_ms_p50"] == pytest.approx(
+        27.0
+    )
     assert line["outside_forward_fraction"] == pytest.approx(1 - 0.131 / 0.150)
     assert line["tok_s_busy"] == pytest.approx(384 / 0.150)
 
 
 def choices(n, prompt_len=6, max_tokens=5):
     prompt = list(range(1, prompt_len + 1))
-    return [Request(req_id=f"x-{i}", prompt_ids=prompt, max_tokens=max_tokens, fork_of="x-0" if i else None)
-            for i in range(n)]
+    return [
+        Request(
+            req_id=f"x-{i}", prompt_ids=prompt, max_tokens=max_tokens, fork_of="x-0" if i else None
+        )
+        for i in range(n)
+    ]
 
 
 def test_n_choices_share_one_prefill_and_one_handoff():
-    """Later choices wait for choice 0's handoff, go to its decode worker and copy its imported KV there."""
+    """Later choices wait for choice 0's handoff, go to its decode worker and copy its imported KV
+    there."""
     coordinator, streams = cell(decode_slots=4, num_decode_workers=2), Streams()
     for choice in choices(3):
         coordinator.admit(choice, consumer="c")
@@ -418,18 +520,22 @@ def test_n_choices_share_one_prefill_and_one_handoff():
     assert coordinator.prefill[0].sched.num_waiting == 1  # only choice 0 is prefilled
     plans = []
     next_step = coordinator.next_step
-    coordinator.next_step = lambda worker: (lambda step: plans.append((worker, step)) or step)(next_step(worker))
+    coordinator.next_step = lambda worker: (lambda step: plans.append((worker, step)) or step)(
+        next_step(worker)
+    )
     step_all(coordinator, streams)
     assert streams.tokens == {f"x-{i}": expected_tokens(f"x-{i}", 5) for i in range(3)}
     assert coordinator.counts.handoffs == 1 and not coordinator.forks
     copies = [(w.name, c) for w, step in plans if step is not None for c in step[0].copies]
-    assert [c[2] for _, c in copies] == [5, 5] and len({name for name, _ in copies}) == 1  # 6-token prompt
+    # 6-token prompt
+    assert [c[2] for _, c in copies] == [5, 5] and len({name for name, _ in copies}) == 1
     assert_idle(coordinator)
 
 
 @pytest.mark.parametrize("aborted", ["x-0", "x-1"])
 def test_aborting_a_choice_before_the_handoff(aborted):
-    """A waiting choice ends at once; choice 0 ending first sends the others to compute their own prompt."""
+    """A waiting choice ends at once; choice 0 ending first sends the others to compute their own
+    prompt."""
     coordinator, streams = cell(decode_slots=4), Streams()
     for choice in choices(3):
         coordinator.admit(choice, consumer="c")
@@ -446,12 +552,20 @@ def test_aborting_a_choice_before_the_handoff(aborted):
 def test_a_poll_joins_each_requests_successive_outputs_but_never_across_its_end():
     from scheduler.outputs import RequestOutput, coalesce
 
-    outs = [RequestOutput("a", [1], "x"), RequestOutput("b", [7], "p"), RequestOutput("a", [2], "y"),
-            RequestOutput("a", [3], "z", finish_reason="stop", metrics={"e2e_s": 1.0}),
-            RequestOutput("a", [9], "again")]  # the id in use again by a new request after the first ended
+    outs = [
+        RequestOutput("a", [1], "x"),
+        RequestOutput("b", [7], "p"),
+        RequestOutput("a", [2], "y"),
+        RequestOutput("a", [3], "z", finish_reason="stop", metrics={"e2e_s": 1.0}),
+        # the id in use again by a new request after the first ended
+        RequestOutput("a", [9], "again"),
+    ]
     joined = coalesce(outs)
     assert [(o.req_id, o.token_ids, o.text, o.finish_reason) for o in joined] == [
-        ("a", [1, 2, 3], "xyz", "stop"), ("b", [7], "p", None), ("a", [9], "again", None)]
+        ("a", [1, 2, 3], "xyz", "stop"),
+        ("b", [7], "p", None),
+        ("a", [9], "again", None),
+    ]
     assert joined[0].metrics == {"e2e_s": 1.0}
 
 
@@ -472,10 +586,10 @@ def run_woken(coordinator, streams, check=lambda: None):
 
 
 def test_the_prefill_pool_runs_at_most_one_round_ahead_of_the_decode_pool():
-    """An overload queues prompts, not KV: handed-off prompts waiting for a decode slot and prompts still
-    prefilling never outnumber the decode pool's free slots plus the prefill pool's slots (without that
-    bound, all 12 prompts would be prefilled into the object store at once). A prefill worker holding
-    prompts back is woken when a decode slot frees; no stream changes."""
+    """An overload queues prompts, not KV: handed-off prompts waiting for a decode slot and prompts
+    still prefilling never outnumber the decode pool's free slots plus the prefill pool's slots
+    (without that bound, all 12 prompts would be prefilled into the object store at once). A prefill
+    worker holding prompts back is woken when a decode slot frees; no stream changes."""
     coordinator, streams = cell(decode_slots=2, prefill_slots=1), Streams()
     for i in range(12):
         coordinator.admit(req(f"r{i}", max_tokens=15), consumer="c")
@@ -483,7 +597,10 @@ def test_the_prefill_pool_runs_at_most_one_round_ahead_of_the_decode_pool():
 
     def bounded():
         (prefill,), (decode,) = coordinator.prefill, coordinator.decode
-        assert decode.sched.num_waiting + len(prefill.sched.running) <= len(decode.sched.free_slots) + 1
+        assert (
+            decode.sched.num_waiting + len(prefill.sched.running)
+            <= len(decode.sched.free_slots) + 1
+        )
         nonlocal most_waiting
         most_waiting = max(most_waiting, len(coordinator.kv.handoffs))
 
@@ -494,15 +611,20 @@ def test_the_prefill_pool_runs_at_most_one_round_ahead_of_the_decode_pool():
 
 
 def test_an_urgent_prompt_passes_the_bound_to_preempt_at_once():
-    """The backlog is full and every decode slot is held by long, less urgent streams: an urgent prompt
-    still starts on the prefill pool, is handed off and preempts; it does not wait for a stream to end."""
+    """The backlog is full and every decode slot is held by long, less urgent streams: an urgent
+    prompt still starts on the prefill pool, is handed off and preempts; it does not wait for a
+    stream to end."""
     coordinator, streams = cell(decode_slots=2, prefill_slots=1), Streams()
     for i in range(6):
         coordinator.admit(req(f"low{i}", max_tokens=40, priority=1), consumer="c")
     arrived = []
 
     def urgent_after_backlog():
-        if not arrived and len(coordinator.kv.handoffs) == 1 and not coordinator.decode[0].sched.free_slots:
+        if (
+            not arrived
+            and len(coordinator.kv.handoffs) == 1
+            and not coordinator.decode[0].sched.free_slots
+        ):
             coordinator.admit(req("urgent", max_tokens=3, priority=0), consumer="c")
             arrived.append(len(streams.finish))
 
@@ -510,5 +632,6 @@ def test_an_urgent_prompt_passes_the_bound_to_preempt_at_once():
     assert arrived == [0]
     assert list(streams.finish)[0] == "urgent"  # before any of the streams it preempted ends
     assert streams.tokens == {"urgent": expected_tokens("urgent", 3)} | {
-        f"low{i}": expected_tokens(f"low{i}", 40) for i in range(6)}
+        f"low{i}": expected_tokens(f"low{i}", 40) for i in range(6)
+    }
     assert_idle(coordinator)

@@ -1,4 +1,5 @@
-"""What startup built is frozen out of the collector's view while serving, and collectable again after."""
+"""What startup built is frozen out of the collector's view while serving, and collectable again
+after."""
 
 import gc
 

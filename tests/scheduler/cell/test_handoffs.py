@@ -1,8 +1,8 @@
-"""The handoff book: a prompt is bound to its decode worker from its first KV piece, and each piece is
-named to that worker as soon as it exists when the worker is on another node (so it can pull the bytes
-while the prompt still prefills), and imported into a slot reserved for it there when the worker has one
-to spare. Driven without Ray, as tests/scheduler/cell/test_coordinator.py does (whose fake decode worker checks
-every chunk finds its request's rows in its slot)."""
+"""The handoff book: a prompt is bound to its decode worker from its first KV piece, and each piece
+is named to that worker as soon as it exists when the worker is on another node (so it can pull the
+bytes while the prompt still prefills), and imported into a slot reserved for it there when the
+worker has one to spare. Driven without Ray, as tests/scheduler/cell/test_coordinator.py does (whose
+fake decode worker checks every chunk finds its request's rows in its slot)."""
 
 import pytest
 
@@ -23,14 +23,16 @@ from tests.scheduler.cell.test_coordinator import (
 
 
 def run(coordinator, streams, before_step=None):
-    """Step every worker until idle; returns (piece refs by request, refs named to each decode worker,
-    the decode worker that imported each request)."""
+    """Step every worker until idle; returns (piece refs by request, refs named to each decode
+    worker, the decode worker that imported each request)."""
     pieces, named, imported = {}, {}, {}
 
     def observe(worker, imports, result):
         for item in imports:
             imported[item.handoff.req_id] = worker.name
-            assert [p.ref for p in item.handoff.pieces] == pieces[item.handoff.req_id][:len(item.handoff.pieces)]
+            assert [p.ref for p in item.handoff.pieces] == pieces[item.handoff.req_id][
+                : len(item.handoff.pieces)
+            ]
         for piece in result.kv_pieces:
             pieces.setdefault(piece.req_id, []).append(piece.ref)
         for name, refs in coordinator.kv.take_prefetches().items():
@@ -55,7 +57,8 @@ def test_pieces_go_to_the_decode_worker_of_another_node_as_they_are_made_and_pro
     assert imported["p0"] != imported["p1"]  # prefilled side by side: bound to one worker each
     for req_id, refs in pieces.items():
         assert len(refs) == 3
-        assert all(any(ref is r for r in named[imported[req_id]]) for ref in refs)  # each piece named there
+        # each piece named there
+        assert all(any(ref is r for r in named[imported[req_id]]) for ref in refs)
         other = "decode-1" if imported[req_id] == "decode-0" else "decode-0"
         assert not any(ref is r for ref in refs for r in named.get(other, []))
         assert streams.tokens[req_id] == expected_tokens(req_id, 5)
@@ -82,6 +85,7 @@ def test_a_prompt_whose_decode_worker_dies_while_it_prefills_goes_to_a_live_one(
             bound = coordinator.kv.bound["x"]
             coordinator.worker_died(bound)
             bound.status = WorkerStatus.GONE  # and never comes back
+
     pieces, named, imported = run(coordinator, streams, before_step=kill_its_decode_worker)
     live = next(w.name for w in coordinator.decode if w.status is WorkerStatus.UP)
     assert imported == {"x": live} and streams.tokens["x"] == expected_tokens("x", 5)
@@ -98,20 +102,25 @@ def test_abort_while_prefilling_forgets_the_binding_and_every_piece():
         if n == 2:
             assert "x" in coordinator.kv.bound and coordinator.kv.pieces["x"]
             assert coordinator.abort("x")
+
     run(coordinator, streams, before_step=abort_mid_prompt)
     assert streams.finish["x"] == "abort"
     assert_idle(coordinator)
 
 
-def early_and_final_imports(coordinator, streams, before_step=None, lose_first_early=False, seen=None):
-    """Step every worker until idle; returns (and fills `seen`) per request each import into a decode slot
-    as (worker, slot, first piece imported, pieces in the handoff, final)."""
+def early_and_final_imports(
+    coordinator, streams, before_step=None, lose_first_early=False, seen=None
+):
+    """Step every worker until idle; returns (and fills `seen`) per request each import into a
+    decode slot as (worker, slot, first piece imported, pieces in the handoff, final)."""
     seen, lose = {} if seen is None else seen, set()
 
     def observe(worker, imports, result):
         for item in imports:
             h = item.handoff
-            seen.setdefault(h.req_id, []).append((worker.name, item.slot, h.imported, len(h.pieces), item.final))
+            seen.setdefault(h.req_id, []).append(
+                (worker.name, item.slot, h.imported, len(h.pieces), item.final)
+            )
             if lose_first_early and not item.final:
                 lose.discard(h.req_id)  # lost once
         if lose_first_early and not seen:
@@ -124,7 +133,9 @@ def early_and_final_imports(coordinator, streams, before_step=None, lose_first_e
 def steady_and_long(coordinator, streams):
     """A request decoding on each decode worker (so they step) while a 4-chunk prompt prefills."""
     for worker in coordinator.decode:
-        coordinator.admit(req(f"steady{worker.index or ''}", prompt_len=4, max_tokens=30), consumer="c")
+        coordinator.admit(
+            req(f"steady{worker.index or ''}", prompt_len=4, max_tokens=30), consumer="c"
+        )
     step_all(coordinator, streams, steps=3)
     coordinator.admit(req("long", prompt_len=16), consumer="c")
 
@@ -134,9 +145,11 @@ def test_pieces_are_imported_into_a_reserved_slot_as_the_prompt_prefills():
     steady_and_long(coordinator, streams)
     imports = early_and_final_imports(coordinator, streams)["long"]
     early, final = [i for i in imports if not i[4]], [i for i in imports if i[4]]
-    assert len(early) >= 2 and len(final) == 1  # pieces went in while it prefilled; the last one at handoff
+    # pieces went in while it prefilled; the last one at handoff
+    assert len(early) >= 2 and len(final) == 1
     slot = {i[1] for i in imports}
-    assert len(slot) == 1 and len({i[0] for i in imports}) == 1  # one slot of one worker, reserved throughout
+    # one slot of one worker, reserved throughout
+    assert len(slot) == 1 and len({i[0] for i in imports}) == 1
     firsts = [i[2] for i in imports]
     assert firsts == sorted(set(firsts)) and firsts[0] == 0  # each piece once, in order
     assert final[0][2] == final[0][3] - 1  # only the last piece is left for the handoff
@@ -149,7 +162,8 @@ def test_no_slot_is_reserved_when_none_is_to_spare():
     coordinator, streams = cell(decode_slots=1), Streams()
     steady_and_long(coordinator, streams)
     imports = early_and_final_imports(coordinator, streams)["long"]
-    assert [i[2:] for i in imports] == [(0, 4, True)]  # every piece at the handoff, once the slot is free
+    # every piece at the handoff, once the slot is free
+    assert [i[2:] for i in imports] == [(0, 4, True)]
     assert coordinator.counts.early_imports == 0
     assert streams.tokens["long"] == expected_tokens("long", 5)
     assert streams.tokens["steady"] == expected_tokens("steady", 30)
@@ -162,23 +176,30 @@ def test_a_reserved_slot_counts_once_in_the_prefill_pools_room():
     prefill, decode = coordinator.prefill[0], coordinator.decode[0]
     step_all(coordinator, Streams(), steps=1)
     assert decode.sched.reserved and len(decode.sched.free_slots) == 1
-    assert prefill_room(prefill, coordinator.prefill, coordinator.decode, 1) == 2  # 2 decode slots + 1 - x
+    # 2 decode slots + 1 - x
+    assert prefill_room(prefill, coordinator.prefill, coordinator.decode, 1) == 2
 
 
 @pytest.mark.parametrize("when", ["prefilling", "handed off"])
 def test_a_decode_worker_that_dies_loses_what_was_imported_into_its_slots(when):
-    """Restarted with a prompt's pieces in a reserved slot, or gone with a handed-off prompt waiting there:
-    either way every piece is imported again where it goes (the ledger checks the rows)."""
+    """Restarted with a prompt's pieces in a reserved slot, or gone with a handed-off prompt waiting
+    there: either way every piece is imported again where it goes (the ledger checks the rows)."""
     coordinator, streams = cell(num_decode_workers=2, decode_slots=4), Streams()
     steady_and_long(coordinator, streams)
     killed, imports = [], {}
     original = coordinator.apply
 
-    def apply_then_kill(worker, plan, result):  # right after a step: the handoff is not imported yet
+    # right after a step: the handoff is not imported yet
+    def apply_then_kill(worker, plan, result):
         original(worker, plan, result)
         decode = coordinator.kv.bound.get("long") or next(
-            (w for w in coordinator.decode if "long" in w.sched.requests), None)
-        ready = "long" in coordinator.kv.handoffs if when == "handed off" else coordinator.kv.sent.get("long")
+            (w for w in coordinator.decode if "long" in w.sched.requests), None
+        )
+        ready = (
+            "long" in coordinator.kv.handoffs
+            if when == "handed off"
+            else coordinator.kv.sent.get("long")
+        )
         if not killed and decode is not None and ready:
             coordinator.worker_died(decode)
             killed.append(len(imports.get("long", [])))
@@ -186,10 +207,11 @@ def test_a_decode_worker_that_dies_loses_what_was_imported_into_its_slots(when):
                 coordinator.worker_back(decode, decode.placement)  # restarted, its cache empty
             else:
                 decode.status = WorkerStatus.GONE
+
     coordinator.apply = apply_then_kill
     early_and_final_imports(coordinator, streams, seen=imports)
     assert killed, when
-    after = imports["long"][killed[0]:]
+    after = imports["long"][killed[0] :]
     assert after[0][2] == 0 and after[-1][4]  # from the first piece again
     assert streams.tokens["long"] == expected_tokens("long", 5)
     assert streams.tokens["steady"] == expected_tokens("steady", 30)
@@ -205,9 +227,11 @@ def test_a_prompt_preempted_on_the_prefill_worker_imports_its_pieces_again():
         if n == 2:
             assert coordinator.kv.sent.get("long")  # pieces are in its reserved slot
             coordinator.admit(req("urgent", prompt_len=8, priority=0), consumer="c")
+
     imports = early_and_final_imports(coordinator, streams, before_step=urgent)["long"]
     assert coordinator.prefill[0].sched.num_preemptions == 1
-    assert [i[2] for i in imports].count(0) == 2  # imported from its first piece again after the preemption
+    # imported from its first piece again after the preemption
+    assert [i[2] for i in imports].count(0) == 2
     for req_id in ("long", "urgent"):
         assert streams.tokens[req_id] == expected_tokens(req_id, 5)
     assert_idle(coordinator)
@@ -222,10 +246,12 @@ def test_a_lost_early_import_recomputes_the_prompt():
     assert_idle(coordinator)
 
 
-@pytest.mark.parametrize("decode_slots", [1, 4])  # every piece imported at the handoff; or only the last
+# every piece imported at the handoff; or only the last
+@pytest.mark.parametrize("decode_slots", [1, 4])
 def test_with_a_step_in_flight_each_handoff_is_imported_once(decode_slots):
     """A decode worker's step N+1 is planned before step N's results (which say what N imported) are
-    applied: N+1 must not import N's handoffs again (a second copy of every row, on the token's path)."""
+    applied: N+1 must not import N's handoffs again (a second copy of every row, on the token's
+    path)."""
     coordinator, streams, finals = cell(decode_slots=decode_slots, token_budget=16), Streams(), []
     plan_step = coordinator.next_step
 
@@ -233,6 +259,7 @@ def test_with_a_step_in_flight_each_handoff_is_imported_once(decode_slots):
         step = plan_step(worker)
         finals.extend(i.handoff.req_id for i in (step[1] if step else ()) if i.final)
         return step
+
     coordinator.next_step = recording
     for i in range(3):
         coordinator.admit(req(f"r{i}", prompt_len=9 + 4 * i, max_tokens=6), consumer="c")
@@ -243,9 +270,13 @@ def test_with_a_step_in_flight_each_handoff_is_imported_once(decode_slots):
 
 
 def test_an_import_done_after_its_handoff_was_replaced_leaves_the_new_one():
-    """A request preempted on its decode worker while a step imports its handoff is prefilled again and
-    handed off anew; if that happens before the step's result comes, the result is about the old handoff."""
-    book, decode = HandoffBook(), StepPlan(decode=[Chunk("r", 0, [5], 8, True, 0, SamplingParams())], prefill=[])
+    """A request preempted on its decode worker while a step imports its handoff is prefilled again
+    and handed off anew; if that happens before the step's result comes, the result is about the old
+    handoff."""
+    book, decode = (
+        HandoffBook(),
+        StepPlan(decode=[Chunk("r", 0, [5], 8, True, 0, SamplingParams())], prefill=[]),
+    )
     old, new = (KVHandoff("r", (KVPiece("r", 0, 8, object(), 100, 0.001),), 0) for _ in range(2))
     book.book(old)
     assert [i.handoff for i in book.final_imports(decode)] == [old]
@@ -257,13 +288,15 @@ def test_an_import_done_after_its_handoff_was_replaced_leaves_the_new_one():
 
 
 def test_an_idle_decode_worker_imports_the_pieces_as_the_prompt_prefills():
-    """With nothing to decode, the worker the prompt is bound to gets steps that only import its pieces, so
-    the handoff leaves only the last piece to copy there as well."""
+    """With nothing to decode, the worker the prompt is bound to gets steps that only import its
+    pieces, so the handoff leaves only the last piece to copy there as well."""
     coordinator, streams = cell(decode_slots=4), Streams()
     coordinator.admit(req("long", prompt_len=16), consumer="c")
     imports = early_and_final_imports(coordinator, streams)["long"]
     slot = imports[0][1]
-    assert imports == [("decode-0", slot, i, i + 1, False) for i in range(3)] + [("decode-0", slot, 3, 4, True)]
+    assert imports == [("decode-0", slot, i, i + 1, False) for i in range(3)] + [
+        ("decode-0", slot, 3, 4, True)
+    ]
     assert coordinator.counts.early_imports == 3
     assert streams.tokens["long"] == expected_tokens("long", 5)
     assert_idle(coordinator)
