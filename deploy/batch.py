@@ -9,17 +9,16 @@ import tempfile
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tqdm import tqdm
 
 from deploy.config import EngineConfig, format_validation_errors
 from deploy.driver import open_engine
-from deploy.params import parse_logit_bias, structured_format
-from deploy.prompts import build_request, encode_prompt
+from deploy.params import GenerationParams, check_context_length
+from deploy.prompts import encode_prompt
 from deploy.serving.logprobs import finite
 from scheduler.outputs import Completion
 from scheduler.request import MAX_LOGPROBS, Request, TokenLogprob
-from scheduler.step_planner import StepPlanner
 
 Line = TypeVar("Line", bound=BaseModel)
 
@@ -28,8 +27,9 @@ class BatchInputError(ValueError):
     """A bad input line; the message names the line. Nothing has been written."""
 
 
-class GenerateLine(BaseModel):
-    """One input line. Give exactly one of prompt, messages (chat) or prompt_token_ids."""
+class GenerateLine(GenerationParams):
+    """One input line: the HTTP bodies' generation parameters, and exactly one of prompt, messages
+    (chat) or prompt_token_ids."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -38,26 +38,8 @@ class GenerateLine(BaseModel):
     messages: list[dict[str, Any]] | None = None
     prompt_token_ids: list[int] | None = None
     max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    min_p: float = Field(0.0, ge=0, le=1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)
-    ignore_eos: bool = False
-    priority: int = 0
     arrival_s: float = Field(
         0.0, ge=0, description="Submit this many seconds after the run starts."
-    )
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(1.0, gt=0, le=2)
-    min_tokens: int = Field(
-        0, ge=0, description="No stop (EOS, stop ids or strings) before this many tokens."
-    )
-    logit_bias: dict[str, float] | None = Field(
-        None, description="Token id (as a string) -> bias in [-100, 100]."
     )
     logprobs: int | None = Field(
         None,
@@ -68,18 +50,6 @@ class GenerateLine(BaseModel):
     prompt_logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="The same for the prompt."
     )
-    response_format: dict[str, Any] | None = Field(
-        None, description="OpenAI's: text, json_object or json_schema."
-    )
-    structured_outputs: dict[str, Any] | None = Field(
-        None, description="vLLM's: one of json, regex, choice, grammar or json_object."
-    )
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        parse_logit_bias(value)  # the vocabulary is checked with the tokenizer, in to_requests
-        return value
 
 
 def read_jsonl(path: str | Path, schema: type[Line], key: str) -> list[Line]:
@@ -117,30 +87,17 @@ def to_requests(
     for number, line in enumerate(lines, start=1):
         try:
             prompt_ids = encode_prompt(tokenizer, line.prompt, line.messages, line.prompt_token_ids)
-            request = build_request(
+            check_context_length(len(prompt_ids), line.max_tokens, capacity)
+            request = line.request(
                 str(line.id),
                 prompt_ids,
                 max_tokens=line.max_tokens,
                 eos_token_ids=eos_token_ids,
-                temperature=line.temperature,
-                top_p=line.top_p,
-                top_k=line.top_k,
-                min_p=line.min_p,
-                seed=line.seed,
-                stop=line.stop,
-                stop_token_ids=line.stop_token_ids,
-                ignore_eos=line.ignore_eos,
-                priority=line.priority,
-                presence_penalty=line.presence_penalty,
-                frequency_penalty=line.frequency_penalty,
-                repetition_penalty=line.repetition_penalty,
-                min_tokens=line.min_tokens,
-                logit_bias=parse_logit_bias(line.logit_bias, len(tokenizer)),
+                vocab_size=len(tokenizer),
                 logprobs=line.logprobs,
                 prompt_logprobs=line.prompt_logprobs,
-                structured=structured_format(line.response_format, line.structured_outputs),
+                structured=line.structured(),
             )
-            StepPlanner.check_fits(request, capacity)
         except ValueError as e:
             raise BatchInputError(f"request {line.id!r} (entry {number}): {e}") from None
         requests.append(request)

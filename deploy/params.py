@@ -1,11 +1,14 @@
-"""OpenAI generation parameters that need more than a range check: shared by the batch job and the
-HTTP edge."""
+"""The generation parameters every way in takes (HTTP bodies, batch lines): one pydantic schema,
+the checks a range cannot say, and the conversion to the engine's Request."""
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
-from scheduler.request import MAX_LOGIT_BIAS
+from pydantic import BaseModel, Field, field_validator
+
+from scheduler.request import MAX_LOGIT_BIAS, Request, SamplingParams
 
 
 class ParameterError(ValueError):
@@ -83,3 +86,138 @@ def structured_format(
         raise ParameterError(
             param, f"{param}: {e}" if param == "response_format" else str(e)
         ) from None
+
+
+def check_context_length(num_prompt: int, max_tokens: int, capacity: int) -> None:
+    """Raise ParameterError (code context_length_exceeded, as OpenAI answers) if the prompt and
+    the completion do not fit in the model's context."""
+    if num_prompt + max_tokens > capacity:
+        error = ParameterError(
+            "max_tokens",
+            f"This model's maximum context length is {capacity} tokens. However, you requested "
+            f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for "
+            "the completion).",
+        )
+        error.code = "context_length_exceeded"
+        raise error
+
+
+class GenerationParams(BaseModel):
+    """How to generate, as the HTTP bodies and the batch lines take it: one field per parameter,
+    its range checked here and nowhere else at the edge. `request()` turns it into the engine's
+    Request. A null penalty, min_tokens or stop_token_ids means its default, as OpenAI's clients
+    send them."""
+
+    temperature: float = Field(1.0, ge=0, le=2, description="0 is greedy.")
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="extension: 0 disables")
+    min_p: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description=(
+            "extension (vLLM's): tokens less likely than min_p times the most likely are "
+            "dropped; 0 disables"
+        ),
+    )
+    seed: int | None = Field(None, description="Seeds the draws; random when not given.")
+    stop: str | list[str] | None = Field(
+        None, description="Up to 4 strings; the text stops before any of them."
+    )
+    stop_token_ids: list[int] | None = Field(
+        None, description="extension (vLLM's): token ids that end the reply"
+    )
+    ignore_eos: bool = Field(False, description="pdserve extension: do not stop at EOS")
+    priority: int = Field(0, description="pdserve extension: lower is more urgent")
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(
+        None, gt=0, le=2, description="extension: > 1 discourages repeats"
+    )
+    min_tokens: int | None = Field(
+        None, ge=0, description="extension: no stop (EOS, stop ids or strings) before this many"
+    )
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (as a string) -> bias in [-100, 100]."
+    )
+    response_format: dict[str, Any] | None = Field(
+        None,
+        description=(
+            "{type: text | json_object | json_schema}; checked by the grammar when the request is "
+            "built"
+        ),
+    )
+    structured_outputs: dict[str, Any] | None = Field(
+        None,
+        description=(
+            "extension (vLLM's): exactly one of json (a schema), regex, choice (a list of "
+            "strings), grammar (EBNF or Lark) or json_object; the output follows it"
+        ),
+    )
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        parse_logit_bias(value)  # the vocabulary is checked when the request is built
+        return value
+
+    def structured(self, response_format: dict[str, Any] | None = None) -> str | None:
+        """What constrains the output (`structured_format`), `response_format` standing in for
+        the body's own when given (the Responses API's `text.format`)."""
+        return structured_format(response_format or self.response_format, self.structured_outputs)
+
+    def request(
+        self,
+        req_id: str,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int,
+        eos_token_ids: frozenset[int],
+        vocab_size: int,
+        seed: int | None = None,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        structured: str | None = None,
+        fork_of: str | None = None,
+    ) -> Request:
+        """The engine's Request: the model's EOS a stop token unless ignore_eos, `seed` standing
+        in for the body's (a choice's own), a random seed if neither is given. Raises
+        ParameterError naming the parameter for a value that cannot be served."""
+        min_tokens = self.min_tokens or 0
+        if min_tokens > max_tokens:
+            raise ParameterError(
+                "min_tokens", f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})"
+            )
+        stop_ids = check_token_ids("stop_token_ids", self.stop_token_ids or [], vocab_size)
+        stops = frozenset(stop_ids) | (frozenset() if self.ignore_eos else eos_token_ids)
+        logit_bias = parse_logit_bias(self.logit_bias, vocab_size)
+        if seed is None:
+            seed = self.seed if self.seed is not None else random.getrandbits(62)
+        repetition_penalty = self.repetition_penalty
+        sampling = SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=seed,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
+            min_tokens=min_tokens,
+            suppress_ids=stops if min_tokens else frozenset(),
+            logit_bias=tuple(sorted(logit_bias.items())),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            structured=structured,
+        )
+        stop = self.stop
+        return Request(
+            req_id=req_id,
+            prompt_ids=prompt_ids,
+            max_tokens=max_tokens,
+            sampling=sampling,
+            stop_token_ids=stops,
+            stop_strings=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+            priority=self.priority,
+            fork_of=fork_of,
+        )

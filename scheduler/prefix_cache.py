@@ -105,7 +105,6 @@ class PrefixCache:
         self.saved: dict[str, int] = {}
 
     # ---- per request
-    # ------------------------------------------------------------------------------
     def admit(self, request: Request, slot: int) -> list[tuple[int, int, int]]:
         """A request with an empty cache row takes a slot: load its longest cached prefix into the
         slot and mark those tokens computed (all but the last token at most: one must run to
@@ -160,7 +159,6 @@ class PrefixCache:
         self.saved.pop(req_id, None)
 
     # ---- blocks
-    # -----------------------------------------------------------------------------------
     def match(self, names: list[bytes]) -> list[int]:
         """Pool blocks of the longest cached prefix of `names` (marked used)."""
         found = []

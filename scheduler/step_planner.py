@@ -67,7 +67,7 @@ class StepPlanner:
         # the worker's prefix cache, this many blocks of BLOCK_SIZE tokens; None: no cache
         self.prefix_cache = PrefixCache(prefix_cache_blocks) if prefix_cache_blocks else None
 
-    # ---- admission -------------------------------------------------------------------------------
+    # ---- admission
     def check(self, request: Request) -> None:
         """Raise ValueError if the request can never run here; nothing is changed."""
         if request.req_id in self.requests:
@@ -110,7 +110,6 @@ class StepPlanner:
         bisect.insort(self.waiting, entry, key=lambda e: (e.priority, e.arrival_s, e.order))
 
     # ---- planning
-    # ---------------------------------------------------------------------------------
     def plan(self, max_admit: int | None = None) -> StepPlan:
         """Admit what fits, at most `max_admit` requests (preempting for more urgent ones), then
         plan one step (see the class docstring)."""
@@ -300,7 +299,6 @@ class StepPlanner:
         )
 
     # ---- results
-    # ----------------------------------------------------------------------------------
     def update(
         self,
         plan: StepPlan,
@@ -394,7 +392,6 @@ class StepPlanner:
         return self.finish(req_id, FinishReason.ABORT)
 
     # ---- introspection
-    # ----------------------------------------------------------------------------
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.running

@@ -19,8 +19,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from deploy.engine_client import unwrap
-from deploy.params import ParameterError, check_token_ids, parse_logit_bias, structured_format
-from deploy.prompts import build_request, encode_prompt
+from deploy.params import (
+    ParameterError,
+    check_context_length,
+    check_token_ids,
+    structured_format,
+)
+from deploy.prompts import encode_prompt
 from deploy.serving.logprobs import TokenTexts
 from deploy.serving.replies import Job, Replier, Started, aclose, merge_streams
 from deploy.serving.responses.reply import ResponseReplier
@@ -108,7 +113,6 @@ class OpenAIServer:
         }
 
     # ---- request building
-    # -------------------------------------------------------------------------
     def _build(
         self,
         body: _SamplingBody,
@@ -128,40 +132,21 @@ class OpenAIServer:
         resp_id = f"{prefix}-{uuid.uuid4().hex}"
         n = body.num_choices
         seed = body.seed if body.seed is not None else random.getrandbits(62)
+        vocab_size = len(self.model.tokenizer)
         try:
-            logit_bias = parse_logit_bias(body.logit_bias, len(self.model.tokenizer))
-            stop_ids = check_token_ids(
-                "stop_token_ids", body.stop_token_ids or [], len(self.model.tokenizer)
-            )
-            structured = structured_format(
-                response_format or body.response_format, body.structured_outputs
-            )
+            structured = body.structured(response_format)
             requests = []
             for p, prompt_ids in enumerate(prompts):
                 limit = self._max_tokens(prompt_ids, max_tokens, _name(p, len(prompts)))
                 first = f"{resp_id}-{p * n}"
                 requests += [
-                    build_request(
+                    body.request(
                         f"{resp_id}-{p * n + i}",
                         prompt_ids,
                         max_tokens=limit,
                         eos_token_ids=self.model.eos_token_ids,
-                        temperature=body.temperature,
-                        top_p=body.top_p,
-                        top_k=body.top_k,
-                        min_p=body.min_p,
+                        vocab_size=vocab_size,
                         seed=seed + i,
-                        stop=body.stop,
-                        stop_token_ids=stop_ids,
-                        ignore_eos=body.ignore_eos,
-                        priority=body.priority,
-                        presence_penalty=body.presence_penalty or 0.0,
-                        frequency_penalty=body.frequency_penalty or 0.0,
-                        repetition_penalty=1.0
-                        if body.repetition_penalty is None
-                        else body.repetition_penalty,
-                        min_tokens=body.min_tokens or 0,
-                        logit_bias=logit_bias,
                         logprobs=logprobs,
                         prompt_logprobs=prompt_logprobs,
                         structured=structured,
@@ -183,16 +168,10 @@ class OpenAIServer:
             raise APIError(400, f"{which}The prompt is empty.", param="prompt")
         if max_tokens is None:
             max_tokens = max(1, self.model.capacity - num_prompt)
-        if num_prompt + max_tokens > self.model.capacity:
-            raise APIError(
-                400,
-                f"{which}This model's maximum context length is {self.model.capacity} tokens. "
-                f"However, you requested {num_prompt + max_tokens} tokens ({num_prompt} in the "
-                "prompt, "
-                f"{max_tokens} for the completion).",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
+        try:
+            check_context_length(num_prompt, max_tokens, self.model.capacity)
+        except ParameterError as e:
+            raise APIError(400, f"{which}{e}", param=e.param, code=e.code) from None
         return max_tokens
 
     def completion_job(self, body: CompletionBody) -> Job:
@@ -348,7 +327,6 @@ class OpenAIServer:
             ) from None
 
     # ---- tokenizer endpoints
-    # ----------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model.name:
             raise APIError(
@@ -380,7 +358,6 @@ class OpenAIServer:
         return {"prompt": self.model.tokenizer.decode(body.tokens)}
 
     # ---- running
-    # ----------------------------------------------------------------------------------
     async def _start(self, request: Request) -> Started:
         """Submit and wait for the first output, so admission errors still get a proper status."""
         stream = self.client.generate(request)

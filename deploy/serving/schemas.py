@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from deploy.config import format_validation_errors
-from deploy.params import ParameterError, parse_logit_bias
+from deploy.params import GenerationParams, ParameterError
 from scheduler.request import MAX_LOGPROBS
 
 MAX_N = 16  # most choices one request may ask for (`n`)
@@ -62,7 +62,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-class _SamplingBody(BaseModel):
+class _SamplingBody(GenerationParams):
     """Fields both endpoints share. A field pdserve does not know is refused (as OpenAI itself
     answers "Unrecognized request argument"), and so is a known one it does not implement
     (`UNSUPPORTED`): nothing that could change the output is ever silently ignored."""
@@ -71,61 +71,11 @@ class _SamplingBody(BaseModel):
 
     model: str | None = Field(None, description="The served model's name; optional, as in vLLM.")
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0, description="extension: 0 disables")
-    min_p: float = Field(
-        0.0,
-        ge=0,
-        le=1,
-        description="extension (vLLM's): tokens less likely than min_p times "
-        "the most likely are dropped; 0 disables",
-    )
-    stop_token_ids: list[int] | None = Field(
-        None, description="extension (vLLM's): token ids that end the reply"
-    )
-    seed: int | None = None
-    stop: str | list[str] | None = Field(
-        None, description="Up to 4 strings; the text stops before any of them."
-    )
     stream: bool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = Field(False, description="pdserve extension: do not stop at EOS")
-    priority: int = Field(0, description="pdserve extension: lower is more urgent")
     n: int | None = Field(
         None, ge=1, le=MAX_N, description=f"Choices to generate (at most {MAX_N})."
     )
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(
-        None, gt=0, le=2, description="extension: > 1 discourages repeats"
-    )
-    min_tokens: int | None = Field(
-        None, ge=0, description="extension: no stop before this many tokens"
-    )
-    logit_bias: dict[str, float] | None = Field(
-        None, description="Token id -> bias in [-100, 100]."
-    )
-    response_format: dict[str, Any] | None = Field(
-        None,
-        description=(
-            "{type: text | json_object | json_schema}; checked by the grammar when the request is "
-            "built"
-        ),
-    )
-    structured_outputs: dict[str, Any] | None = Field(
-        None,
-        description=(
-            "extension (vLLM's): exactly one of json (a schema), regex, choice (a list of "
-            "strings), grammar (EBNF or Lark) or json_object; the output follows it"
-        ),
-    )
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        parse_logit_bias(value)  # the vocabulary is checked when the request is built
-        return value
 
     @property
     def num_choices(self) -> int:

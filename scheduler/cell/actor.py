@@ -85,7 +85,6 @@ class CellActor:
         self.closed = False  # draining: new requests are refused with CellClosed
 
     # ---- lifecycle
-    # --------------------------------------------------------------------------------
     async def ready(self) -> dict[str, Any]:
         """Wait until every worker has loaded the model; start the loops. Returns where workers
         run."""
@@ -125,7 +124,6 @@ class CellActor:
         return len(self.coordinator.consumers)
 
     # ---- consumers
-    # --------------------------------------------------------------------------------
     async def submit(self, request: Request, consumer: str) -> str:
         """Queue a request whose outputs go to `consumer`'s polls; returns this scheduler's instance
         id. Raises ValueError (nothing queued) for a request that cannot run, QueueFullError when
@@ -200,7 +198,6 @@ class CellActor:
                     self.mail.pop(consumer, None)
 
     # ---- stepping
-    # ---------------------------------------------------------------------------------
     def _wake(self, worker: WorkerState) -> None:
         self.wakeups[worker.name].set()
 
@@ -357,7 +354,6 @@ class CellActor:
         await asyncio.Event().wait()
 
     # ---- introspection
-    # ----------------------------------------------------------------------------
     async def worker_handles(self) -> dict[str, Any]:
         """The worker actors by name (prefill-0, decode-1, ...), e.g. for a fault-injection test."""
         return dict(self.handles)

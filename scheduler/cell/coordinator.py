@@ -96,7 +96,6 @@ class Coordinator:
         self.counts = CellCounts()
 
     # ---- requests
-    # ---------------------------------------------------------------------------------
     def admit(self, request: Request, consumer: str = "") -> None:
         """Queue a new request. Raises ValueError (nothing queued) for one that cannot run, and
         QueueFullError when `max_waiting` requests already wait."""
@@ -236,7 +235,6 @@ class Coordinator:
                     self.wake(worker)
 
     # ---- stepping
-    # ---------------------------------------------------------------------------------
     def next_step(self, worker: WorkerState) -> tuple[StepPlan, list[KVImport]] | None:
         """Plan the worker's next step and the handoffs it imports first (None: no work). A prefill
         worker starts at most `prefill_room` prompts; one preempted on a decode worker is recomputed
@@ -349,7 +347,6 @@ class Coordinator:
         self._route(request)
 
     # ---- faults
-    # -----------------------------------------------------------------------------------
     def fail_worker_requests(self, worker: WorkerState, message: str) -> None:
         """End every request of a worker with an error (a bug applying its step: say so on each
         stream)."""
@@ -401,7 +398,6 @@ class Coordinator:
             self.wake(target)
 
     # ---- introspection
-    # ----------------------------------------------------------------------------
     def pool_exhausted(self) -> bool:
         """A pool has no worker left: the cell cannot serve."""
         return any(

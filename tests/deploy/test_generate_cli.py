@@ -119,7 +119,7 @@ def test_generate_writes_results_equal_to_transformers_generate(checkpoint, tmp_
         ({"id": "x", "prompt": "hi", "colour": "red"}, "colour"),
         ({"id": "a", "prompt": "hi"}, "repeats line 1"),
         ({"id": "x"}, "exactly one of prompt"),
-        ({"id": "x", "prompt": "hi", "max_tokens": 5000}, "over the context limit"),
+        ({"id": "x", "prompt": "hi", "max_tokens": 5000}, "maximum context length"),
     ],
 )
 def test_bad_lines_fail_naming_the_line_and_write_nothing(

@@ -11,7 +11,8 @@ from deploy.cli import main
 from deploy.config import EngineConfig, ReplyConfig
 from deploy.driver import open_engine
 from deploy.openai_batch import is_openai_batch, read_batch, run_openai_batch
-from deploy.prompts import build_request, encode_prompt
+from deploy.params import GenerationParams
+from deploy.prompts import encode_prompt
 
 MESSAGES = [{"role": "user", "content": "paris is in"}]
 LINES = [
@@ -70,8 +71,12 @@ def write_jsonl(path, rows):
 def local(checkpoint, max_tokens, **prompt):
     with open_engine(EngineConfig(model=checkpoint, max_model_len=256)) as engine:
         ids = encode_prompt(engine.tokenizer, **prompt)
-        request = build_request(
-            "x", ids, max_tokens=max_tokens, eos_token_ids=engine.eos_token_ids, temperature=0
+        request = GenerationParams(temperature=0).request(
+            "x",
+            ids,
+            max_tokens=max_tokens,
+            eos_token_ids=engine.eos_token_ids,
+            vocab_size=len(engine.tokenizer),
         )
         return engine.run([request])["x"]
 

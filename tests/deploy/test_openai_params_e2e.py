@@ -12,7 +12,8 @@ import torch
 
 from deploy.config import EngineConfig
 from deploy.driver import open_engine
-from deploy.prompts import build_request, encode_prompt
+from deploy.params import GenerationParams
+from deploy.prompts import encode_prompt
 from tests.factories import served_app, tiny_hf_model
 
 pytestmark = pytest.mark.slow
@@ -37,8 +38,12 @@ def local(checkpoint, max_tokens, prompt=None, messages=None, **params):
     """The local engine's completion for the same prompt and parameters."""
     with open_engine(EngineConfig(model=checkpoint, max_model_len=256)) as engine:
         ids = encode_prompt(engine.tokenizer, prompt=prompt, messages=messages)
-        request = build_request(
-            "x", ids, max_tokens=max_tokens, eos_token_ids=engine.eos_token_ids, **params
+        request = GenerationParams(**params).request(
+            "x",
+            ids,
+            max_tokens=max_tokens,
+            eos_token_ids=engine.eos_token_ids,
+            vocab_size=len(engine.tokenizer),
         )
         return engine.run([request])["x"], ids
 
@@ -202,7 +207,7 @@ def test_penalties_bias_and_min_tokens_equal_the_local_engine(client, tiny_check
         temperature=0,
         presence_penalty=1.2,
         frequency_penalty=0.7,
-        logit_bias={42: 6.0, 7: -100.0},
+        logit_bias={"42": 6.0, "7": -100.0},
         repetition_penalty=1.3,
         min_tokens=10,
     )

@@ -11,7 +11,8 @@ from ray import serve
 
 from deploy.config import EngineConfig
 from deploy.driver import open_engine
-from deploy.prompts import build_request, encode_prompt
+from deploy.params import GenerationParams
+from deploy.prompts import encode_prompt
 from deploy.serving.app import OpenAIIngress, build_app
 from tests.factories import served_app
 
@@ -42,8 +43,12 @@ def local_text(checkpoint, prompt=None, messages=None, max_tokens=12, prompt_tok
         ids = encode_prompt(
             engine.tokenizer, prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids
         )
-        request = build_request(
-            "x", ids, max_tokens=max_tokens, eos_token_ids=engine.eos_token_ids, temperature=0
+        request = GenerationParams(temperature=0).request(
+            "x",
+            ids,
+            max_tokens=max_tokens,
+            eos_token_ids=engine.eos_token_ids,
+            vocab_size=len(engine.tokenizer),
         )
         done = engine.run([request])["x"]
     return done.text, done.prompt_tokens, len(done.token_ids), done.finish_reason

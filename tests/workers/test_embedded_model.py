@@ -4,7 +4,8 @@ import pytest
 
 from deploy.config import EngineConfig
 from deploy.driver import open_engine
-from deploy.prompts import build_request, encode_prompt
+from deploy.params import GenerationParams
+from deploy.prompts import encode_prompt
 from workers.loader import load_model
 
 
@@ -16,12 +17,12 @@ def loaded():
 def test_embedded_model_knows_the_capital_of_france(loaded):
     questions = ["What is the capital of France?", "What is 2 + 2?"]
     requests = [
-        build_request(
+        GenerationParams(temperature=0).request(
             str(i),
             encode_prompt(loaded.tokenizer, messages=[{"role": "user", "content": q}]),
             max_tokens=40,
             eos_token_ids=loaded.eos_token_ids,
-            temperature=0,
+            vocab_size=len(loaded.tokenizer),
         )
         for i, q in enumerate(questions)
     ]
@@ -82,13 +83,13 @@ def test_json_replies_parse_and_follow_their_schema(loaded):
         messages = [
             {"role": "user", "content": f"Describe {who} as JSON with a name, an age and a mood."}
         ]
-        return build_request(
+        return GenerationParams(**params).request(
             req_id,
             encode_prompt(loaded.tokenizer, messages=messages),
             max_tokens=120,
             eos_token_ids=loaded.eos_token_ids,
+            vocab_size=len(loaded.tokenizer),
             structured=structured,
-            **params,
         )
 
     requests = [ask(f"s{i}", who, schema, temperature=0) for i, who in enumerate(PEOPLE)]
