@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test serve lint bench clean
+.PHONY: install test test-fast serve lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,7 +19,11 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
+
+# the developers' tier: pure scheduler, tiny-model workers, scripted serving; no Ray, no Serve
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not ray" --durations=10
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -16,14 +16,29 @@ os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="session")
 def decode_kernel():
     """Build the CPU kernels (decode attention, packed matmuls, fused elementwise ops) once, up
-    front (about 40 s on a fresh machine), instead of inside whichever test, worker actor or Serve
-    replica first needs them."""
+    front (about 40 s on a fresh machine), before any worker actor or Serve replica needs them: a
+    build inside one would count against its start-up. In-process tests build them on first use."""
     from workers.kernels import load_kernels
 
     return load_kernels()
+
+
+@pytest.fixture(autouse=True)
+def kernels_before_actors(request):
+    """Tests of the slow and ray tiers start actors, replicas or jobs: the kernels come first."""
+    if request.node.get_closest_marker("slow") or request.node.get_closest_marker("ray"):
+        request.getfixturevalue("decode_kernel")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that start Ray (through `ray_session`) are in the `ray` tier: `make test-fast`
+    leaves them out."""
+    for item in items:
+        if "ray_session" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)
 
 
 @pytest.fixture(scope="session")
