@@ -33,9 +33,19 @@ PAGES = [
     "docs/METRICS.md",
     "docs/DEPLOYMENT.md",
     "docs/BENCHMARKING.md",
+    "docs/BENCHMARKS.md",
 ]
-# Flags of other tools that the pages' prose names (pip, ray): not pdserve's to check.
-FOREIGN_FLAGS = {"--no-deps", "--working-dir", "--address", "--head", "--generate"}
+# Flags of other tools that the pages' prose names (pip, ray, vLLM): not pdserve's to check.
+FOREIGN_FLAGS = {
+    "--no-deps",
+    "--working-dir",
+    "--address",
+    "--head",
+    "--generate",
+    "--gpu-memory-utilization",
+}
+# The project's packages: `python -m` of anything else (a server, a tool) is not ours to check.
+PACKAGES = ("scheduler", "workers", "deploy", "tests")
 # What the pages name that lives in the repository: its packages' paths and its root files.
 REPO_PATH = re.compile(
     r"(?<![\w./~-])"
@@ -208,6 +218,8 @@ def pdserve_problems(argv: list[str], where: str) -> list[str]:
 def module_problems(argv: list[str], where: str) -> list[str]:
     """`python -m module ...`: the module exists and takes the flags used."""
     module = argv[argv.index("-m") + 1]
+    if module.split(".")[0] not in PACKAGES:
+        return []
     if importlib.util.find_spec(module) is None:
         return [f"{where}: `python -m {module}`: no such module"]
     flags = [a.split("=")[0] for a in argv[argv.index("-m") + 2 :] if a.startswith("--")]
@@ -332,7 +344,7 @@ def test_prose_names_what_exists(page):
         where = f"{page}:{number}"
         problems += path_problems(row, where)
         for module in PYTHON_M.findall(row):
-            if importlib.util.find_spec(module) is None:
+            if module.split(".")[0] in PACKAGES and importlib.util.find_spec(module) is None:
                 problems.append(f"{where}: `python -m {module}`: no such module")
         for span in SPAN.findall(row):
             words = span.split()

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_check(checkpoint: str, scenario: str) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.deploy.cells_check", checkpoint, scenario],
+        [sys.executable, "-m", "tests.deploy.cells_scenario", checkpoint, scenario],
         cwd=ROOT,
         capture_output=True,
         text=True,

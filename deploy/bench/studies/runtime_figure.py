@@ -1,8 +1,8 @@
 """Draws docs/bench-runtime.png: pdserve against vLLM's CPU backend, from the runs in BENCHMARKS.md.
 
-The figures are the `output_tok_s` lines of the runs listed in docs/BENCHMARKS.md ("Second pass" and
-"Through the Serve app"), measured on the 2-core development machine on 2026-11-30; where a setting
-was run twice, both runs are drawn. Run: `.venv/bin/python -m deploy.bench.studies.runtime_figure`.
+The figures are the `output_tok_s` lines of the runs listed in docs/BENCHMARKS.md ("Against vLLM's
+CPU backend"), measured on the 2-core development machine on 2026-11-30; where a setting was run
+twice, both runs are drawn. Run: `.venv/bin/python -m deploy.bench.studies.runtime_figure`.
 """
 
 from pathlib import Path
