@@ -72,6 +72,8 @@ def add_engine_args(
             metavar="{true,false}" if kind is _truth else None,
             help=f"{field.description} (default: {default})",
         )
+    if "slots" in cls.model_fields:  # vLLM's name of the same knob
+        parser.add_argument("--max-num-seqs", dest="slots", type=int, help="the same as --slots")
 
 
 def config_from_args(

@@ -6,11 +6,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from deploy.prompts import read_chat_template
 from scheduler.cell.state import MODES_ON_RAY, CellConfig
-from scheduler.prefix_cache import BLOCK_SIZE
 from workers.catalog import DEFAULT_MODEL, MAX_DEFAULT_CONTEXT
 
 Mode = Literal["local", "colocated", "disaggregated"]
@@ -40,13 +46,26 @@ class EngineConfig(BaseModel):
         "the same Ray workers; disaggregated: separate prefill and decode worker pools.",
     )
     slots: int = Field(
-        16, ge=1, description="Decode slots per worker: requests that can run at once."
+        16,
+        ge=1,
+        validation_alias=AliasChoices("slots", "max_num_seqs"),
+        description="Requests one worker runs at once (vLLM's --max-num-seqs, which is the same "
+        "flag here).",
     )
     max_model_len: int | None = Field(
         None,
         ge=2,
-        description="Tokens per slot (prompt + output); default: "
+        description="Tokens per request (prompt + output); default: "
         f"the model's context, capped at {MAX_DEFAULT_CONTEXT}.",
+    )
+    kv_cache_memory: str | int | None = Field(
+        None,
+        description="KV cache per worker: bytes, or a size such as 2GiB or 512MiB; its blocks are "
+        "shared by every request the worker holds. Default: room for `slots` (`prefill_slots` on "
+        "a prefill worker) requests of max_model_len, plus prefix_cache_tokens.",
+    )
+    block_size: int = Field(
+        16, ge=1, le=1024, description="Tokens per KV block (the unit of the cache and of sharing)."
     )
     token_budget: int = Field(
         256, ge=1, description="Tokens computed per step: decode tokens first, then prompt chunks."
@@ -74,7 +93,7 @@ class EngineConfig(BaseModel):
     prefill_slots: int = Field(
         16,
         ge=1,
-        description="Cache rows per prefill worker: prompts it can hold "
+        description="Prompts one prefill worker can hold "
         "partly prefilled at once. Short prompts need many (a step takes up to "
         "token_budget tokens of them); long ones are bounded by the token budget.",
     )
@@ -105,8 +124,9 @@ class EngineConfig(BaseModel):
     prefix_cache_tokens: int = Field(
         16384,
         ge=0,
-        description="Prefix cache per worker that prefills: KV of "
-        "this many prompt tokens (blocks of 16) kept for reuse; 0 turns it off.",
+        description="Prefix caching: full KV blocks stay named by their tokens and are shared by "
+        "later requests with the same prefix; 0 turns it off. Without kv_cache_memory, the "
+        "cache holds this many tokens beyond the requests' own.",
     )
     cache_routing: bool = Field(
         True,
@@ -136,6 +156,13 @@ class EngineConfig(BaseModel):
             )
         return self
 
+    @field_validator("kv_cache_memory")
+    @classmethod
+    def _memory_size(cls, value: str | int | None) -> str | int | None:
+        if value is not None:
+            parse_size(value)  # raises ValueError naming the value
+        return value
+
     @field_validator("chat_template")
     @classmethod
     def _template_text(cls, value: str | None) -> str | None:
@@ -160,8 +187,31 @@ class EngineConfig(BaseModel):
             )
         return self.max_model_len
 
-    def cell_config(self, capacity: int) -> CellConfig:
-        """The scheduler cell of a Ray mode, with slots of `capacity` tokens."""
+    def num_blocks(self, capacity: int, slots: int, bytes_per_token: int) -> int:
+        """KV blocks of one worker running `slots` requests of at most `capacity` tokens each, K
+        and V taking `bytes_per_token`: `kv_cache_memory` of them, or by default what `slots`
+        whole contexts and `prefix_cache_tokens` need. Raises ValueError if the blocks cannot hold
+        one request of `capacity` tokens."""
+        if self.kv_cache_memory is None:
+            per_request = -(-capacity // self.block_size)
+            return slots * per_request + self.prefix_cache_tokens // self.block_size
+        size = parse_size(self.kv_cache_memory)
+        blocks = size // (bytes_per_token * self.block_size)
+        if blocks * self.block_size < capacity:
+            raise ValueError(
+                f"kv_cache_memory {self.kv_cache_memory} holds {blocks * self.block_size} tokens "
+                f"({bytes_per_token} bytes each), fewer than one request of max_model_len "
+                f"{capacity} needs: give more memory or lower max_model_len"
+            )
+        return blocks
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.prefix_cache_tokens > 0
+
+    def cell_config(self, capacity: int, bytes_per_token: int) -> CellConfig:
+        """The scheduler cell of a Ray mode, with requests of at most `capacity` tokens whose KV
+        takes `bytes_per_token`."""
         return CellConfig(
             mode=self.mode,
             num_decode_workers=self.decode_workers,
@@ -175,14 +225,37 @@ class EngineConfig(BaseModel):
             max_preemptions=self.max_preemptions,
             max_recomputes=self.max_recomputes,
             local_prefill_max_tokens=self.local_prefill_max_tokens,
-            prefix_cache_blocks=self.prefix_blocks,
+            decode_blocks=self.num_blocks(capacity, self.slots, bytes_per_token),
+            prefill_blocks=self.num_blocks(capacity, self.prefill_slots, bytes_per_token),
+            block_size=self.block_size,
+            prefix_caching=self.prefix_caching,
             cache_routing=self.cache_routing,
             max_burst_ms=self.max_burst_ms,
         )
 
-    @property
-    def prefix_blocks(self) -> int:
-        return self.prefix_cache_tokens // BLOCK_SIZE
+
+def parse_size(value: str | int) -> int:
+    """Bytes of a size: an integer, or a number with a unit (KiB, MiB, GiB, TiB; KB, MB, GB, TB;
+    B). Raises ValueError naming the value."""
+    if isinstance(value, int):
+        size = value
+    else:
+        units = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+        units |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+        units |= {"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+        text = value.strip().lower().replace(" ", "")
+        number = text.rstrip("kmgtib")
+        unit = text[len(number) :]
+        try:
+            size = int(float(number) * units[unit])
+        except (KeyError, ValueError):
+            raise ValueError(
+                f"kv_cache_memory {value!r} is not a size: give bytes or a number with a unit, "
+                "such as 2GiB or 512MiB"
+            ) from None
+    if size <= 0:
+        raise ValueError(f"kv_cache_memory must be positive, got {value!r}")
+    return size
 
 
 def format_validation_errors(

@@ -15,8 +15,8 @@ from typing import Any
 
 from deploy.config import EngineConfig
 from deploy.prompts import use_chat_template
+from scheduler.block_pool import combined_stats
 from scheduler.outputs import Completion
-from scheduler.prefix_cache import combined_stats
 from scheduler.request import Request
 from scheduler.step_planner import StepPlanner
 from workers.arrivals import ArrivalSchedule, run_at_arrivals
@@ -76,12 +76,12 @@ class InProcessEngine(Engine):
         self.capacity = config.context_len(loaded.max_context)
         self.tokenizer = use_chat_template(loaded.tokenizer, config.chat_template)
         self.eos_token_ids = loaded.eos_token_ids
+        spec = loaded.model.spec
+        element = loaded.model.model.embed_tokens.weight.element_size()
+        per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * element
+        num_blocks = config.num_blocks(self.capacity, config.slots, per_token)
         runner = ModelRunner(
-            loaded.model,
-            num_slots=config.slots,
-            capacity=self.capacity,
-            tokenizer=loaded.tokenizer,
-            prefix_blocks=config.prefix_blocks,
+            loaded.model, num_blocks, block_size=config.block_size, tokenizer=loaded.tokenizer
         )
         scheduler = StepPlanner(
             config.slots,
@@ -90,13 +90,19 @@ class InProcessEngine(Engine):
             config.prefill_chunk,
             config.max_waiting,
             config.max_preemptions,
-            prefix_cache_blocks=config.prefix_blocks,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            prefix_caching=config.prefix_caching,
         )
         log.info(
-            "local engine: %s, %d slots x %d tokens, budget %d, chunk %d, torch threads %d",
+            "local engine: %s, %d requests at once of up to %d tokens, %d KV blocks of %d "
+            "(%d requests of max_model_len), budget %d, chunk %d, torch threads %d",
             loaded.name,
             config.slots,
             self.capacity,
+            num_blocks,
+            config.block_size,
+            num_blocks * config.block_size // self.capacity,
             config.token_budget,
             config.prefill_chunk,
             torch.get_num_threads(),
@@ -127,12 +133,13 @@ class InProcessEngine(Engine):
             "decode_steps": prof["decode_steps"],
             "decode_step_ms": 1000 * prof["decode_step_s"] / max(prof["decode_steps"], 1),
             "decode_model_fraction": prof["decode_model_s"] / max(prof["decode_step_s"], 1e-9),
-        } | combined_stats([cache.stats()] if (cache := self.engine.scheduler.prefix_cache) else [])
+            "peak_running": self.engine.scheduler.peak_running,
+        } | combined_stats([self.engine.scheduler.blocks.stats()])
 
     def reset_profile(self) -> None:
         self.engine.reset_profile()
-        if self.engine.scheduler.prefix_cache is not None:
-            self.engine.scheduler.prefix_cache.reset_counters()
+        self.engine.scheduler.blocks.reset_counters()
+        self.engine.scheduler.peak_running = len(self.engine.scheduler.running)
 
     def close(self) -> None:
         pass  # nothing runs outside this process: the model and cache go with the engine
@@ -184,12 +191,16 @@ class RayEngine(Engine):
 
     def profile(self) -> dict[str, Any]:
         stats = self.stats()
-        caches = [w["prefix_cache"] for w in stats["workers"].values() if "prefix_cache" in w]
-        return {
+        workers = stats["workers"].values()
+        caches = [w["kv_cache"] for w in workers if "kv_cache" in w]
+        timeline = {
             f"{kind}_{key}": value
             for kind, line in stats["timeline"].items()
             for key, value in line.items()
-        } | combined_stats(caches)
+        }
+        # each worker's peak, summed: at most what ran at once
+        peak = sum(w.get("peak_running", 0) for w in workers)
+        return timeline | {"peak_running": peak} | combined_stats(caches)
 
     def reset_profile(self) -> None:
         import ray

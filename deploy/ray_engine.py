@@ -12,7 +12,7 @@ import ray
 from deploy.config import EngineConfig
 from scheduler.cell.actor import CellActor
 from workers.actors import spawn_worker
-from workers.loader import TokenizerInfo, load_tokenizer
+from workers.loader import TokenizerInfo, kv_bytes_per_token, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +38,10 @@ def scheduler_args(config: EngineConfig, info: TokenizerInfo | None = None) -> t
     tokenizer converts a GGUF once, before the workers look for the converted checkpoint."""
     info = info or load_tokenizer(config.model)
     capacity = config.context_len(info.max_context)
+    per_token = kv_bytes_per_token(info, config.dtype, config.device)
     return (
-        config.cell_config(capacity),
-        functools.partial(spawn_worker, config, capacity),
+        config.cell_config(capacity, per_token),
+        functools.partial(spawn_worker, config),
         info.tokenizer,
     )
 

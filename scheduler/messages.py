@@ -48,7 +48,7 @@ class KVHandoff:
     req_id: str
     pieces: tuple[KVPiece, ...]
     prefill_worker: int
-    imported: int = 0  # pieces already in the decode slot (imported while the prompt prefilled)
+    imported: int = 0  # pieces already in its decode blocks (imported while the prompt prefilled)
 
     @property
     def num_tokens(self) -> int:  # positions 0..num_tokens-1 of the request's sequence
@@ -66,10 +66,11 @@ class KVHandoff:
 
 @dataclass(frozen=True)
 class KVImport:
-    """Put a handoff's pieces past `handoff.imported` into a decode slot before this step's forward.
-    Not `final`: the pieces so far of a prompt still prefilling, into the slot reserved for it."""
+    """Put a handoff's pieces past `handoff.imported` into a request's blocks on a decode worker
+    before this step's forward. Not `final`: the pieces so far of a prompt still prefilling, into
+    the blocks reserved for it."""
 
-    slot: int
+    block_table: list[int]
     handoff: KVHandoff
     final: bool = True
 

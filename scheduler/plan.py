@@ -13,10 +13,11 @@ History = tuple[tuple[int, ...], tuple[int, ...]]  # a request's (prompt, output
 
 @dataclass(slots=True)
 class Chunk:
-    """Tokens of one request to compute in this step, at consecutive positions of its cache row."""
+    """Tokens of one request to compute in this step, at consecutive positions of its sequence."""
 
     req_id: str
-    slot: int  # the request's cache row on the worker that runs the chunk
+    # its KV blocks on the worker that runs the chunk: position p is in block_table[p // block size]
+    block_table: list[int]
     token_ids: list[int]  # the tokens to compute now (one for a decode step)
     start_pos: int  # position of token_ids[0] in the request's sequence
     sample: bool  # the last token's logits choose the request's next output token
@@ -48,16 +49,13 @@ class StepPlan:
     preempted: list[str] = field(default_factory=list)
     # left this worker since its last plan: drop their state
     released: list[str] = field(default_factory=list)
-    # (source slot, destination slot, positions): KV rows to copy before the forward (n > 1: a
-    # choice takes its sibling's prompt instead of computing it again)
-    copies: list[tuple[int, int, int]] = field(default_factory=list)
-    # prefix cache: (pool block, slot, first position) to load before the forward, and (slot, first
-    # position, pool block) to save after it
-    loads: list[tuple[int, int, int]] = field(default_factory=list)
-    saves: list[tuple[int, int, int]] = field(default_factory=list)
-    # prefill workers: (req_id, slot, first position, end) of KV rows to send out after the forward,
-    # as each chunk is computed, so a finished prompt's handoff has only its last piece left to send
-    exports: list[tuple[str, int, int, int]] = field(default_factory=list)
+    # (source block, destination block): blocks to copy before the forward (n > 1: a choice takes
+    # its sibling's partly filled last prompt block; the full ones it shares)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    # prefill workers: (req_id, block table, first position, end) of KV to send out after the
+    # forward, as each chunk is computed, so a finished prompt's handoff has only its last piece
+    # left to send
+    exports: list[tuple[str, list[int], int, int]] = field(default_factory=list)
 
     @property
     def chunks(self) -> list[Chunk]:
@@ -69,7 +67,7 @@ class StepPlan:
 
     @property
     def empty(self) -> bool:
-        return not (self.decode or self.prefill or self.copies or self.loads or self.saves)
+        return not (self.decode or self.prefill or self.copies)
 
 
 class StepUpdate(NamedTuple):

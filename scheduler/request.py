@@ -150,9 +150,11 @@ class Request:
 
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0  # tokens in its cache row, counting those of a step still in flight
+    num_computed: int = 0  # tokens in its KV blocks, counting those of a step still in flight
     num_pending: int = 0  # tokens sampled by a step in flight: planned for, not yet known
-    slot: int | None = None
+    slot: int | None = None  # its seat among the worker's `max_num_seqs` running requests
+    # the KV blocks of its positions 0, B, 2B, ... on the worker that holds it
+    block_table: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None
     text: str = ""  # detokenized output, cut before a stop string; filled by the engine
@@ -171,8 +173,8 @@ class Request:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     # prompt tokens 1.. (echo), as computed
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
-    # prefix cache: its full blocks' names
-    block_names: list[bytes] = field(default_factory=list, repr=False)
+    # prefix cache: its full blocks' names, per block size
+    block_names: dict[int, list[bytes]] = field(default_factory=dict, repr=False)
     # a continuation (see `continuation`): characters of its text the client already has
     text_sent: int = 0
 
@@ -236,6 +238,7 @@ class Request:
         self.error = error
         self.num_pending = 0  # whatever a step in flight samples for it is dropped
         self.slot = None
+        self.block_table = []
         self.finish_s = time.perf_counter()
 
     def reset_cache(self) -> None:
@@ -244,6 +247,7 @@ class Request:
         self.num_computed = 0
         self.num_pending = 0
         self.slot = None
+        self.block_table = []
         self.status = RequestStatus.WAITING
         self.num_exported = 0
 

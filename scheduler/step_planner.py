@@ -1,5 +1,4 @@
-"""Decode-first, token-budgeted, chunked-prefill scheduling policy over a fixed set of cache
-slots."""
+"""Decode-first, token-budgeted, chunked-prefill scheduling policy over one worker's KV blocks."""
 
 from __future__ import annotations
 
@@ -8,20 +7,27 @@ import itertools
 import time
 from collections.abc import Iterable
 
+from scheduler.block_pool import BLOCK_SIZE, BlockPool
+from scheduler.block_tables import BlockTables
 from scheduler.plan import Chunk, StepPlan, StepUpdate, WaitingEntry
-from scheduler.prefix_cache import PrefixCache
 from scheduler.request import FinishReason, Request, RequestStatus, TokenLogprob
 from scheduler.worker_copy import WorkerCopy
 
 
 class StepPlanner:
-    """Plans steps for one worker's slot cache and consumes the tokens the worker sampled.
+    """Plans steps for one worker's KV blocks and consumes the tokens the worker sampled.
 
-    Each `plan()`: admit waiting requests (most urgent priority, then oldest) while slots are free;
-    give every decoding request one token; spend what is left of `token_budget` on chunks of at most
-    `prefill_chunk` tokens for requests still computing their prompt (`_prefill_order`). `update()`
-    takes the sampled tokens, applies stop conditions and returns the finished requests (their slots
-    are free)."""
+    Each `plan()`: admit waiting requests (most urgent priority, then oldest) while one of the
+    `num_slots` seats (vLLM's max_num_seqs) and the blocks of their first chunk are free; give every
+    decoding request one token (a new block each `block_size` tokens; when none is left, the least
+    urgent request is preempted and recomputed later); spend what is left of `token_budget` on
+    chunks of at most `prefill_chunk` tokens for requests still computing their prompt
+    (`_prefill_order`). `update()` takes the sampled tokens, applies stop conditions and returns the
+    finished requests (their seats and blocks are free).
+
+    With `prefix_caching`, every full block whose tokens are known is named by its hash chain as
+    soon as it is planned: a new request whose prompt starts with named blocks points its table at
+    them instead of computing them (prompt blocks and generated ones alike)."""
 
     def __init__(
         self,
@@ -32,7 +38,9 @@ class StepPlanner:
         max_waiting: int | None = None,
         max_preemptions: int = 2,
         decodes: bool = True,
-        prefix_cache_blocks: int = 0,
+        num_blocks: int | None = None,
+        block_size: int = BLOCK_SIZE,
+        prefix_caching: bool = False,
     ) -> None:
         limits = {
             "num_slots": (num_slots, 1),
@@ -50,22 +58,32 @@ class StepPlanner:
         self.decodes = decodes
         self.num_preemptions = 0  # evictions so far
         self.num_recomputed_tokens = 0  # cached tokens those evictions threw away
+        self.peak_running = 0  # the most requests running at once (reset with the counters)
         self.num_slots = num_slots
         self.capacity = capacity
         self.token_budget = token_budget
         self.prefill_chunk = prefill_chunk
         self.max_waiting = max_waiting
         self.free_slots: list[int] = list(range(num_slots))
-        # prompts prefilling elsewhere -> the slot their KV is imported into
-        self.reserved: dict[str, int] = {}
+        # prompts prefilling elsewhere -> the seat and the blocks their KV is imported into
+        self.reserved: dict[str, tuple[int, list[int]]] = {}
         self.waiting: list[WaitingEntry] = []  # sorted by admission key
         self.running: list[Request] = []  # most urgent, then oldest (re-sorted by every plan)
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         # what the worker holds per request: each chunk sends only what it lacks
         self.worker_copy = WorkerCopy()
         self._order = itertools.count()
-        # the worker's prefix cache, this many blocks of BLOCK_SIZE tokens; None: no cache
-        self.prefix_cache = PrefixCache(prefix_cache_blocks) if prefix_cache_blocks else None
+        if num_blocks is None:  # room for every seat's whole context, as a slot cache has
+            num_blocks = num_slots * -(-capacity // block_size)
+        if num_blocks * block_size < capacity:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {block_size} tokens "
+                f"({num_blocks * block_size} tokens): fewer than one request of max_model_len "
+                f"{capacity} needs; give it more memory or lower max_model_len"
+            )
+        self.blocks = BlockPool(num_blocks, block_size)
+        self.prefix_caching = prefix_caching
+        self.tables = BlockTables(self.blocks, prefix_caching)
 
     # ---- admission
     def check(self, request: Request) -> None:
@@ -114,8 +132,7 @@ class StepPlanner:
         """Admit what fits, at most `max_admit` requests (preempting for more urgent ones), then
         plan one step (see the class docstring)."""
         preempted: list[str] = []
-        copies: list[tuple[int, int, int]] = []
-        loads: list[tuple[int, int, int]] = []
+        copies: list[tuple[int, int]] = []
         index = 0
         admit = len(self.waiting) if max_admit is None else max_admit
         while index < len(self.waiting) and admit > 0:
@@ -125,48 +142,60 @@ class StepPlanner:
                 sibling is not None
                 and (sibling.slot is None or sibling.num_computed < len(request.prompt_ids) - 1)
                 or sibling is None
-                and self.prefix_cache is not None
-                and self.prefix_cache.should_wait(request, self.running)
+                and self.prefix_caching
+                and self.tables.should_wait(request, self.running)
             ):
                 # its prefix is being computed here: copying it soon beats computing it again
                 index += 1
                 continue
-            reserved = self.reserved.pop(request.req_id, None)
-            if reserved is None and not self.free_slots:
+            reserved = self.reserved.get(request.req_id)
+            room = True
+            while reserved is None and not (
+                self.free_slots
+                and self.tables.to_admit(request, self.prefill_chunk) <= self.blocks.num_free
+            ):
                 victim = self.victim(request)
-                if victim is None:
+                room = victim is not None
+                if not room:
                     break
                 self._preempt(victim)
                 preempted.append(victim.req_id)
+            if not room:
+                break
             self.waiting.pop(index)
             admit -= 1
             if request.scheduled_s is None:
                 request.scheduled_s = time.perf_counter()
-            request.slot = self.free_slots.pop(0) if reserved is None else reserved
+            if reserved is None:
+                request.slot = self.free_slots.pop(0)
+            else:
+                request.slot, request.block_table = self.reserved.pop(request.req_id)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            # all but the last prompt token: that one
             if sibling is not None and sibling.slot is not None:
-                # samples this choice's first token
-                request.num_computed = len(request.prompt_ids) - 1
-                copies.append((sibling.slot, request.slot, request.num_computed))
+                copies += self.tables.share_prompt(sibling, request)
             elif (
-                self.prefix_cache is not None
+                self.prefix_caching
                 and not request.num_computed
                 and not request.wants_prompt_logprobs
             ):
-                loads += self.prefix_cache.admit(request, request.slot)
+                self.tables.match_prefix(request)
+            # a handed-off prompt: blocks for the KV it imports
+            self.tables.grow(request, request.num_computed)
         # prompt chunks: most urgent, then oldest
         self.running.sort(key=lambda r: (r.priority, r.arrival_s))
+        self.peak_running = max(self.peak_running, len(self.running))
 
         budget = self.token_budget
         decode: list[Chunk] = []
-        for request in self.running:
+        for request in list(self.running):
             if (
                 budget
                 and self.decodes
+                and request.status is RequestStatus.RUNNING
                 and request.is_decoding
                 and request.num_outputs_planned < request.max_tokens
+                and self._grow_or_preempt(request, request.num_computed + 1, preempted)
             ):
                 decode.append(self._chunk(request, 1))
                 budget -= 1
@@ -177,23 +206,43 @@ class StepPlanner:
             # a prefill worker computes whatever is uncomputed (a recompute's last known token too),
             # but never a token still being sampled: that request leaves with its handoff
             waits = request.is_decoding if self.decodes else request.num_pending > 0
-            if not waits and request.num_uncomputed > 0:
-                length = min(request.num_uncomputed, self.prefill_chunk, budget)
-                prefill.append(self._chunk(request, length))
-                budget -= length
+            running = request.status is RequestStatus.RUNNING  # (not preempted in this plan)
+            if running and not waits and request.num_uncomputed > 0:
+                wanted = min(request.num_uncomputed, self.prefill_chunk, budget)
+                length = self.tables.fit(request, wanted)
+                # every running prompt holds blocks and none can grow: the least urgent other one
+                # gives its blocks back (and is recomputed later), or nothing would ever run
+                while not length and not decode and not prefill and len(self.running) > 1:
+                    victim = max(
+                        (r for r in self.running if r is not request),
+                        key=lambda r: (r.priority, r.arrival_s),
+                    )
+                    self._preempt(victim)
+                    preempted.append(victim.req_id)
+                    length = self.tables.fit(request, wanted)
+                if length:
+                    prefill.append(self._chunk(request, length))
+                    budget -= length
         exports = []
         # planned is as good as computed: the next plan may follow at once
         for chunk in decode + prefill:
             request = self.requests[chunk.req_id]
             request.num_computed += chunk.num_tokens
             request.num_pending += chunk.sample
-            # rows loaded from the pool or a sibling go out with the first piece
+            # blocks matched in the cache or shared with a sibling go out with the first piece
             if not self.decodes:
                 exports.append(
-                    (chunk.req_id, chunk.slot, request.num_exported, request.num_computed)
+                    (
+                        chunk.req_id,
+                        list(request.block_table),
+                        request.num_exported,
+                        request.num_computed,
+                    )
                 )
                 request.num_exported = request.num_computed
-        saves = self.prefix_cache.save(self.running) if self.prefix_cache is not None else []
+        if self.prefix_caching:
+            for request in self.running:
+                self.tables.name_full_blocks(request)
         # an empty plan is not sent
         released = self.worker_copy.take_released() if decode or prefill else []
         return StepPlan(
@@ -202,8 +251,6 @@ class StepPlanner:
             preempted=preempted,
             released=released,
             copies=copies,
-            loads=loads,
-            saves=saves,
             exports=exports,
         )
 
@@ -232,17 +279,26 @@ class StepPlanner:
         sibling = self.requests.get(request.fork_of)
         return sibling if sibling is not None and sibling.prompt_ids == request.prompt_ids else None
 
-    def reserve(self, req_id: str) -> bool:
-        """Keep a free slot for a prompt prefilling on another worker (its KV is imported into it
-        piece by piece, and it takes the slot when it is handed off here), if more slots are free
-        than requests wait."""
-        if req_id not in self.reserved and len(self.free_slots) > len(self.waiting):
-            self.reserved[req_id] = self.free_slots.pop()
+    def reserve(self, req_id: str, num_tokens: int) -> bool:
+        """Keep a seat and the blocks of `num_tokens` positions for a prompt prefilling on another
+        worker (its KV is imported into them piece by piece, and it takes them when it is handed off
+        here), if more seats are free than requests wait and the blocks leave the watermark."""
+        needed = self.blocks.blocks_for(num_tokens)
+        if (
+            req_id not in self.reserved
+            and len(self.free_slots) > len(self.waiting)
+            and needed + self.tables.watermark <= self.blocks.num_free
+        ):
+            blocks = self.blocks.allocate(needed)
+            assert blocks is not None
+            self.reserved[req_id] = (self.free_slots.pop(), blocks)
         return req_id in self.reserved
 
     def unreserve(self, req_id: str) -> None:
-        if (slot := self.reserved.pop(req_id, None)) is not None:
+        if (reserved := self.reserved.pop(req_id, None)) is not None:
+            slot, blocks = reserved
             bisect.insort(self.free_slots, slot)
+            self.blocks.release(blocks)
 
     def can_preempt_for_waiting(self) -> bool:
         """A waiting request could evict a running one: the most urgent one can whenever any can."""
@@ -264,8 +320,20 @@ class StepPlanner:
             key=lambda r: (r.priority, r.max_tokens - r.num_outputs_planned + r.num_uncomputed),
         )
 
+    def _grow_or_preempt(self, request: Request, num_tokens: int, preempted: list[str]) -> bool:
+        """`_grow`, preempting the least urgent running requests while the pool is short; False if
+        `request` itself was the least urgent (it is preempted then)."""
+        while not self.tables.grow(request, num_tokens):
+            victim = max(self.running, key=lambda r: (r.priority, r.arrival_s))
+            self._preempt(victim)
+            preempted.append(victim.req_id)
+            if victim is request:
+                return False
+        return True
+
     def _preempt(self, request: Request) -> None:
-        """Free its slot now; it waits again and, readmitted, recomputes prompt + output so far."""
+        """Free its seat and blocks now; it waits again and, readmitted, recomputes prompt + output
+        so far (what of it is still cached, it finds there)."""
         self._release_slot(request)
         self.num_preemptions += 1
         self.num_recomputed_tokens += request.num_computed
@@ -273,12 +341,10 @@ class StepPlanner:
         request.num_preemptions += 1
         # what the worker sampled for it in flight is void: resend
         self.worker_copy.forget(request.req_id)
-        if self.prefix_cache is not None:
-            self.prefix_cache.forget(request.req_id)
         self._enqueue(request)
 
     def _chunk(self, request: Request, length: int) -> Chunk:
-        assert request.slot is not None, f"{request.req_id} is running without a slot"
+        assert request.slot is not None, f"{request.req_id} is running without a seat"
         start = request.num_computed
         sample = start + length == request.num_tokens + request.num_pending
         params, history = self.worker_copy.send(request, sample)
@@ -288,7 +354,7 @@ class StepPlanner:
             targets = tuple(request.prompt_ids[start + 1 : min(start + length + 1, num_prompt)])
         return Chunk(
             req_id=request.req_id,
-            slot=request.slot,
+            block_table=list(request.block_table),
             token_ids=request.token_ids(start, start + length),
             start_pos=start,
             sample=sample,
@@ -371,8 +437,6 @@ class StepPlanner:
         if request is None:
             return None
         self.worker_copy.forget(req_id)
-        if self.prefix_cache is not None:
-            self.prefix_cache.forget(req_id)
         if request.status is RequestStatus.WAITING:
             self.waiting = [e for e in self.waiting if e.request is not request]
         else:
@@ -383,9 +447,9 @@ class StepPlanner:
 
     def _release_slot(self, request: Request) -> None:
         self.running.remove(request)
-        assert request.slot is not None, f"{request.req_id} is running without a slot"
-        # lowest slots first keeps decode rows in a short span
+        assert request.slot is not None, f"{request.req_id} is running without a seat"
         bisect.insort(self.free_slots, request.slot)
+        self.tables.release(request)
 
     def abort(self, req_id: str) -> Request | None:
         """Cancel a request in any state; its slot is free at once."""

@@ -112,6 +112,42 @@ def tiny_model(kind: str = "llama"):  # type: ignore[no-untyped-def]
     return from_hf_model(tiny_hf_model(kind))
 
 
+def slot_blocks(slot: int, num_slots: int, capacity: int, block_size: int = 16) -> list[int]:
+    """A block table standing for a slot of `capacity` positions: its blocks interleaved with the
+    other slots' (block k of slot s is s + k * num_slots), so no table is contiguous."""
+    return [slot + k * num_slots for k in range(-(-capacity // block_size))]
+
+
+def local_engine(  # type: ignore[no-untyped-def]
+    model,
+    num_slots: int,
+    capacity: int,
+    *,
+    num_blocks: int | None = None,
+    block_size: int = 16,
+    prefix_caching: bool = False,
+    tokenizer=None,
+    **planner: Any,
+):
+    """The in-process engine on `model`: a planner of `num_slots` requests at once of up to
+    `capacity` tokens over `num_blocks` KV blocks (default: every slot's whole context), and a
+    runner whose cache holds them."""
+    from scheduler.step_planner import StepPlanner
+    from workers.engine import LocalEngine
+    from workers.runner import ModelRunner
+
+    scheduler = StepPlanner(
+        num_slots,
+        capacity,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        prefix_caching=prefix_caching,
+        **planner,
+    )
+    runner = ModelRunner(model, scheduler.blocks.num_blocks, block_size=block_size)
+    return LocalEngine(runner, scheduler, tokenizer)
+
+
 def prompt_ids(length: int, seed: int) -> list[int]:
     import torch
 

@@ -24,7 +24,8 @@ _PULL_TIMEOUT_S = 60.0
 
 
 class _ModelWorker:
-    """Loads the model and a slot cache; `torch` uses as many threads as the actor has CPUs."""
+    """Loads the model and a paged KV cache; `torch` uses as many threads as the actor has
+    CPUs."""
 
     def __init__(
         self,
@@ -32,20 +33,15 @@ class _ModelWorker:
         model: str,
         dtype: str,
         device: str,
-        num_slots: int,
-        capacity: int,
+        num_blocks: int,
+        block_size: int,
         num_threads: int,
-        prefix_blocks: int = 0,
     ) -> None:
         torch.set_num_threads(max(1, num_threads))
         self.index = index
         loaded = load_model(model, dtype, resolve_device(device))
         self.runner = ModelRunner(
-            loaded.model,
-            num_slots=num_slots,
-            capacity=capacity,
-            tokenizer=loaded.tokenizer,
-            prefix_blocks=prefix_blocks,
+            loaded.model, num_blocks, block_size=block_size, tokenizer=loaded.tokenizer
         )
         freeze_startup_objects()
 
@@ -77,7 +73,7 @@ class PrefillWorker(_ModelWorker):
         if plan.exports:
             export_start = time.perf_counter()
             rows = self.runner.cache.export_spans(
-                [(slot, first, end) for _, slot, first, end in plan.exports]
+                [(table, first, end) for _, table, first, end in plan.exports]
             )
             ref = ray.put(rows)
             per_token = rows.nbytes // max(1, rows.shape[3])
@@ -99,7 +95,7 @@ class PrefillWorker(_ModelWorker):
 
 
 class DecodeWorker(_ModelWorker):
-    """Imports handed-off KV rows into its slots and runs decode steps (and short or colocated
+    """Imports handed-off KV into its blocks and runs decode steps (and short or colocated
     prompts). A call may carry several plans (a decode burst): each step is fed the tokens the one
     before sampled."""
 
@@ -138,7 +134,7 @@ class DecodeWorker(_ModelWorker):
                 warnings.simplefilter("ignore", UserWarning)
                 for piece, rows in zip(todo, pieces, strict=True):
                     rows = rows[:, :, :, piece.offset : piece.offset + piece.num_tokens]
-                    self.runner.cache.import_rows(item.slot, rows, piece.start)
+                    self.runner.cache.import_rows(item.block_table, rows, piece.start)
             if item.final:
                 import_s[item.handoff.req_id] = time.perf_counter() - t0
         lost = set(failed)
@@ -169,16 +165,14 @@ def _pull(refs: list[Any]) -> None:
         ray.get(refs, timeout=_PULL_TIMEOUT_S)
 
 
-def spawn_worker(
-    config: Any, capacity: int, kind: str, index: int, num_slots: int, prefix_blocks: int = 0
-) -> Any:
+def spawn_worker(config: Any, kind: str, index: int, num_blocks: int, block_size: int) -> Any:
     """Start one worker actor of a pool (`kind` "prefill" or "decode"); returns its handle at once.
 
     `config` is deploy's EngineConfig (model, dtype, device, resources, restarts, CPUs per worker).
-    The scheduler actor calls this (through `functools.partial(spawn_worker, config, capacity)`), so
-    it owns its workers. A worker takes one GPU where the cluster has GPUs, else
-    `num_cpus_per_worker` CPUs and as many torch threads; Ray restarts it `max_worker_restarts`
-    times.
+    The scheduler actor calls this (through `functools.partial(spawn_worker, config)`), with the
+    number of KV blocks it plans for this worker, so it owns its workers. A worker takes one GPU
+    where the cluster has GPUs, else `num_cpus_per_worker` CPUs and as many torch threads; Ray
+    restarts it `max_worker_restarts` times.
     """
     gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
     cls = PrefillWorker if kind == "prefill" else DecodeWorker
@@ -198,9 +192,8 @@ def spawn_worker(
             config.model,
             config.dtype,
             config.device,
-            num_slots,
-            capacity,
+            num_blocks,
+            block_size,
             max(1, int(config.num_cpus_per_worker)),
-            prefix_blocks,
         )
     )

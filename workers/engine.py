@@ -24,12 +24,12 @@ class LocalEngine:
     """
 
     def __init__(self, runner: ModelRunner, scheduler: StepPlanner, tokenizer: Any = None) -> None:
-        if (
-            scheduler.capacity > runner.cache.capacity
-            or scheduler.num_slots > runner.cache.num_slots
-        ):
+        pool = scheduler.blocks
+        cache = runner.cache
+        if pool.num_blocks > cache.num_blocks or pool.block_size != cache.block_size:
             raise ValueError(
-                "the scheduler plans more slots or positions than the runner's cache holds"
+                f"the scheduler plans {pool.num_blocks} blocks of {pool.block_size} tokens, the "
+                f"runner's cache holds {cache.num_blocks} of {cache.block_size}"
             )
         self.runner = runner
         self.scheduler = scheduler

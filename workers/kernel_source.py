@@ -1,7 +1,13 @@
-"""C++ source of the ragged decode-attention kernel, and the helpers the other kernel sources
-share."""
+"""C++ source of the ragged decode-attention kernel over the paged KV cache, and the helpers the
+other kernel sources share."""
 
-# Built by `workers.kernels` with `elementwise_source` and `gemm_source` appended. Two paths:
+# Built by `workers.kernels` with `elementwise_source` and `gemm_source` appended. The cache is a
+# pool of blocks of BS tokens, [NB, KVH, BS, D] per layer, and a row's keys are the blocks its block
+# table names, in order: the loops over keys walk the table a block at a time (a block's BS keys
+# are contiguous, D apart) rather than gathering a row's keys into a copy, which would double the
+# memory traffic of a memory-bound loop. Scores, max, exp and sums run over t = 0..len-1 in the
+# same order whatever the block size or where the blocks lie, so a row's result is bit for bit the
+# one of its keys laid out contiguously. Two paths:
 # AVX-512 intrinsics where the build machine has them (-march=native) and the head dim is 16, 32, 64
 # or 128, and plain loops otherwise (other CPUs, other head dims). Both keep scores and sums in fp32
 # whatever the cache dtype.
@@ -47,23 +53,54 @@ static inline float exp_nonpositive(float x) {
     return p * __builtin_bit_cast(float, (int32_t(n) + 127) << 23);
 }
 
-// One (row, KV head): its G query rows over keys 0..len-1. q, out: [G, D]; k, v: [len.., D];
-// scores: G * len.
+// Where one (row, KV head)'s keys and values lie: key t at
+// `k + table[t / BS] * stride + (t % BS) * D`, k (and v) pointing at the KV head's part of block 0
+// and stride the size of a block (KVH BS D).
+struct Pages {
+    const int64_t* table;  // the row's block table: ceil(len / BS) entries are read
+    int64_t stride, BS;
+};
+
+// f(t, row) for t = 0..len-1 in order, row the D elements of key (or value) t of `base`: the table
+// is read once per block, and within a block the rows follow each other D apart.
+template <typename T, typename F>
+static inline __attribute__((always_inline)) void for_each_row(const T* base, const Pages& pages,
+                                                                 int64_t len, int64_t D, F&& f) {
+    const int64_t bytes = D * int64_t(sizeof(T));
+    for (int64_t t0 = 0, blk = 0; t0 < len; t0 += pages.BS, ++blk) {
+        const T* block = base + pages.table[blk] * pages.stride;  // [BS, D]
+        // Each row also prefetches its twin in the next block: the blocks lie anywhere in the pool,
+        // and the hardware prefetcher loses the stream at every jump (about twice the time on
+        // shuffled blocks without this). Prefetches change no arithmetic.
+        const T* next = t0 + pages.BS < len ? base + pages.table[blk + 1] * pages.stride : nullptr;
+        const int64_t end = std::min(len, t0 + pages.BS);
+        for (int64_t t = t0; t < end; ++t) {
+            if (next) {
+                const char* twin = reinterpret_cast<const char*>(next + (t - t0) * D);  // [D]
+                for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(twin + i);
+            }
+            f(t, block + (t - t0) * D);
+        }
+    }
+}
+
+// One (row, KV head): its G query rows over keys 0..len-1. q, out: [G, D]; k, v: paged as `pages`
+// says; scores: G * len.
 template <typename T>
-static void attend_scalar(const T* q, const T* k, const T* v, int64_t len, int64_t G, int64_t D,
-                          float scale, float* scores, T* out) {
+static void attend_scalar(const T* q, const T* k, const T* v, const Pages& pages, int64_t len,
+                          int64_t G, int64_t D, float scale, float* scores, T* out) {
     std::vector<float> qf(G * D), acc(G * D, 0.f), row(D), inv(G);
     for (int64_t i = 0; i < G * D; ++i) qf[i] = load(q, i) * scale;
-    for (int64_t t = 0; t < len; ++t) {
+    for_each_row(k, pages, len, D, [&](int64_t t, const T* key) {
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) row[d] = load(k, t * D + d);
+        for (int64_t d = 0; d < D; ++d) row[d] = load(key, d);
         for (int64_t g = 0; g < G; ++g) {
             float s = 0.f;
 #pragma omp simd reduction(+ : s)
             for (int64_t d = 0; d < D; ++d) s += qf[g * D + d] * row[d];
             scores[g * len + t] = s;
         }
-    }
+    });
     for (int64_t g = 0; g < G; ++g) {
         float* sg = scores + g * len;
         float mx = -INFINITY, sum = 0.f;
@@ -73,15 +110,15 @@ static void attend_scalar(const T* q, const T* k, const T* v, int64_t len, int64
         for (int64_t t = 0; t < len; ++t) { sg[t] = exp_nonpositive(sg[t] - mx); sum += sg[t]; }
         inv[g] = 1.f / sum;
     }
-    for (int64_t t = 0; t < len; ++t) {
+    for_each_row(v, pages, len, D, [&](int64_t t, const T* value) {
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) row[d] = load(v, t * D + d);
+        for (int64_t d = 0; d < D; ++d) row[d] = load(value, d);
         for (int64_t g = 0; g < G; ++g) {
             const float p = scores[g * len + t];
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) acc[g * D + d] += p * row[d];
         }
-    }
+    });
     for (int64_t i = 0; i < G * D; ++i) store(out, i, acc[i] * inv[i / D]);
 }
 
@@ -125,8 +162,8 @@ static inline __mmask16 tail(int64_t t, int64_t len) {
 // accumulators in registers (GB * NV <= 16 of the 32), so each key and value row is loaded once per
 // group of GB.
 template <typename T, int NV>
-static void attend_avx512(const T* q, const T* k, const T* v, int64_t len, int64_t G, float scale,
-                          float* scores, T* out) {
+static void attend_avx512(const T* q, const T* k, const T* v, const Pages& pages, int64_t len,
+                          int64_t G, float scale, float* scores, T* out) {
     constexpr int D = 16 * NV, GB = NV <= 2 ? 8 : 16 / NV;
     for (int64_t g0 = 0; g0 < G; g0 += GB) {
         const int ng = int(std::min<int64_t>(GB, G - g0));
@@ -139,16 +176,16 @@ static void attend_avx512(const T* q, const T* k, const T* v, int64_t len, int64
                            : _mm512_setzero_ps();
                 acc[g][i] = _mm512_setzero_ps();
             }
-        for (int64_t t = 0; t < len; ++t) {
+        for_each_row(k, pages, len, D, [&](int64_t t, const T* key) {
             __m512 kr[NV];
-            for (int i = 0; i < NV; ++i) kr[i] = load16(k + t * D + 16 * i);
+            for (int i = 0; i < NV; ++i) kr[i] = load16(key + 16 * i);
             for (int g = 0; g < GB; ++g) {
                 if (g >= ng) break;
                 __m512 s = _mm512_mul_ps(qv[g][0], kr[0]);
                 for (int i = 1; i < NV; ++i) s = _mm512_fmadd_ps(qv[g][i], kr[i], s);
                 scores[g * len + t] = _mm512_reduce_add_ps(s);
             }
-        }
+        });
         for (int g = 0; g < ng; ++g) {
             float* sg = scores + g * len;
             __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
@@ -164,15 +201,15 @@ static void attend_avx512(const T* q, const T* k, const T* v, int64_t len, int64
             }
             inv[g] = 1.f / _mm512_reduce_add_ps(sum);
         }
-        for (int64_t t = 0; t < len; ++t) {
+        for_each_row(v, pages, len, D, [&](int64_t t, const T* value) {
             __m512 vr[NV];
-            for (int i = 0; i < NV; ++i) vr[i] = load16(v + t * D + 16 * i);
+            for (int i = 0; i < NV; ++i) vr[i] = load16(value + 16 * i);
             for (int g = 0; g < GB; ++g) {
                 if (g >= ng) break;
                 const __m512 p = _mm512_set1_ps(scores[g * len + t]);
                 for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_fmadd_ps(p, vr[i], acc[g][i]);
             }
-        }
+        });
         for (int g = 0; g < ng; ++g)
             for (int i = 0; i < NV; ++i)
                 store16(out + (g0 + g) * D + 16 * i,
@@ -182,60 +219,79 @@ static void attend_avx512(const T* q, const T* k, const T* v, int64_t len, int64
 #endif
 
 template <typename T>
-static void attend(const T* q, const T* k, const T* v, int64_t len, int64_t G, int64_t D,
-                   float scale, float* scores, T* out) {
+static void attend(const T* q, const T* k, const T* v, const Pages& pages, int64_t len, int64_t G,
+                   int64_t D, float scale, float* scores, T* out) {
 #if defined(__AVX512F__)
     switch (D) {
-        case 16: return attend_avx512<T, 1>(q, k, v, len, G, scale, scores, out);
-        case 32: return attend_avx512<T, 2>(q, k, v, len, G, scale, scores, out);
-        case 64: return attend_avx512<T, 4>(q, k, v, len, G, scale, scores, out);
-        case 128: return attend_avx512<T, 8>(q, k, v, len, G, scale, scores, out);
+        case 16: return attend_avx512<T, 1>(q, k, v, pages, len, G, scale, scores, out);
+        case 32: return attend_avx512<T, 2>(q, k, v, pages, len, G, scale, scores, out);
+        case 64: return attend_avx512<T, 4>(q, k, v, pages, len, G, scale, scores, out);
+        case 128: return attend_avx512<T, 8>(q, k, v, pages, len, G, scale, scores, out);
     }
 #endif
-    attend_scalar(q, k, v, len, G, D, scale, scores, out);
+    attend_scalar(q, k, v, pages, len, G, D, scale, scores, out);
 }
 
-// q, out: [B, KVH, G, D]; k, v: [S, KVH, C, D] contiguous; slots, lengths: [B] int64. Each thread
-// takes the next (row, KV head) pair, longest rows first, so threads finish together however ragged
-// the rows.
+// q, out: [B, KVH, G, D]; k, v: [NB, KVH, BS, D] contiguous; tables: [B, MAXB]; lengths: [B]. Each
+// thread takes the next (row, KV head) pair, longest rows first, so threads finish together however
+// ragged the rows.
 template <typename T>
-static void run(const T* q, const T* k, const T* v, const int64_t* slots, const int64_t* lengths,
-                T* out, int64_t B, int64_t KVH, int64_t G, int64_t C, int64_t D, float scale) {
+static void run(const T* q, const T* k, const T* v, const int64_t* tables, const int64_t* lengths,
+                T* out, int64_t B, int64_t KVH, int64_t G, int64_t D, int64_t BS, int64_t MAXB,
+                float scale) {
     std::vector<int64_t> order(B * KVH);
     std::iota(order.begin(), order.end(), 0);
     std::stable_sort(order.begin(), order.end(),
                      [&](int64_t a, int64_t b) { return lengths[a / KVH] > lengths[b / KVH]; });
+    const int64_t longest = B ? *std::max_element(lengths, lengths + B) : 0;
     std::atomic<int64_t> next{0};
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-        std::vector<float> scores(std::max<int64_t>(G, 8) * C);
+        std::vector<float> scores(std::max<int64_t>(G, 8) * longest);
         for (int64_t i = next++; i < B * KVH; i = next++) {
             const int64_t item = order[i], b = item / KVH, h = item % KVH;
-            const int64_t base = (slots[b] * KVH + h) * C * D;
-            attend(q + item * G * D, k + base, v + base, lengths[b], G, D, scale, scores.data(),
-                   out + item * G * D);
+            const Pages pages{tables + b * MAXB, KVH * BS * D, BS};
+            attend(q + item * G * D, k + h * BS * D, v + h * BS * D, pages, lengths[b], G, D, scale,
+                   scores.data(), out + item * G * D);
         }
     });
 }
 
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                               torch::Tensor slots, torch::Tensor lengths, double scale) {
+                               torch::Tensor block_tables, torch::Tensor lengths, double scale) {
     TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
                 "contiguous tensors expected");
     TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
                 "one dtype expected");
-    auto out = torch::empty_like(q);
-    const int64_t B = q.size(0), KVH = q.size(1), G = q.size(2), D = q.size(3), C = k.size(2);
-    const int64_t* s = slots.data_ptr<int64_t>();
+    TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.sizes() == v.sizes() &&
+                    k.size(1) == q.size(1) && k.size(3) == q.size(3),
+                "q [B, KVH, G, D], k and v [NB, KVH, BS, D] expected");
+    const int64_t B = q.size(0), KVH = q.size(1), G = q.size(2), D = q.size(3);
+    const int64_t NB = k.size(0), BS = k.size(2);
+    TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B &&
+                    block_tables.is_contiguous() && lengths.numel() == B && lengths.is_contiguous(),
+                "block_tables [B, MAXB] and lengths [B] contiguous expected");
+    const int64_t MAXB = block_tables.size(1);
+    const int64_t* tables = block_tables.data_ptr<int64_t>();
     const int64_t* l = lengths.data_ptr<int64_t>();
+    // B * MAXB integers against a loop over every key: a bad table fails here, not as a stray read
+    for (int64_t b = 0; b < B; ++b) {
+        TORCH_CHECK(l[b] >= 0 && l[b] <= MAXB * BS, "length ", l[b], " of row ", b,
+                    " does not fit its block table");
+        for (int64_t i = 0; i * BS < l[b]; ++i)
+            TORCH_CHECK(tables[b * MAXB + i] >= 0 && tables[b * MAXB + i] < NB, "block ",
+                        tables[b * MAXB + i], " of row ", b, " outside the pool of ", NB);
+    }
+    auto out = torch::empty_like(q);
     if (q.scalar_type() == torch::kFloat) {
-        run<float>(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), s, l,
-                   out.data_ptr<float>(), B, KVH, G, C, D, float(scale));
+        run<float>(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), tables, l,
+                   out.data_ptr<float>(), B, KVH, G, D, BS, MAXB, float(scale));
     } else {
         TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "float32 or bfloat16 expected");
         auto bits = [](const torch::Tensor& t) {
             return reinterpret_cast<uint16_t*>(t.data_ptr());
         };
-        run<uint16_t>(bits(q), bits(k), bits(v), s, l, bits(out), B, KVH, G, C, D, float(scale));
+        run<uint16_t>(bits(q), bits(k), bits(v), tables, l, bits(out), B, KVH, G, D, BS, MAXB,
+                      float(scale));
     }
     return out;
 }

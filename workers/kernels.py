@@ -99,18 +99,66 @@ def decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    slots: torch.Tensor,
+    block_tables: torch.Tensor,
     lengths: torch.Tensor,
 ) -> torch.Tensor | None:
     """Attention of `query [B, KVH, G, D]` (a decode row's query heads grouped by KV head) over keys
-    0..lengths[b]-1 of cache row slots[b] in `k_cache`/`v_cache [S, KVH, C, D]`. Returns `[B, KVH,
-    G, D]`, or None when the kernel does not apply (not CPU, another dtype, no compiler)."""
+    0..lengths[b]-1 of the paged cache `k_cache`/`v_cache [NB, KVH, BS, D]`: key t of row b is at
+    offset t % BS of block block_tables[b, t // BS] (`block_tables [B, MAXB]` int64; entries past
+    ceil(lengths[b] / BS) are padding, never read). Returns `[B, KVH, G, D]`, bit for bit what the
+    row's keys laid out contiguously give, or None when the kernel does not apply (not CPU, another
+    dtype, no compiler): `paged_decode_attention_torch` does the work then."""
     module = _module_for(query)
     if module is None:
         return None
     return module.decode_attention(
-        query.contiguous(), k_cache, v_cache, slots, lengths, query.shape[-1] ** -0.5
+        query.contiguous(),
+        k_cache,
+        v_cache,
+        block_tables.contiguous(),
+        lengths.contiguous(),
+        query.shape[-1] ** -0.5,
     )  # [B, KVH, G, D]
+
+
+def paged_decode_attention_torch(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lengths: torch.Tensor,
+) -> torch.Tensor:
+    """`decode_attention` in torch ops, on any device: gathers every row's MAXB blocks and masks
+    keys t >= lengths[b], one SDPA call for the batch. It reads (and copies) MAXB * BS keys per row
+    however short the row, and sums in SDPA's order: close to the kernel, not bit for bit.
+    `query [B, KVH, G, D]` -> `[B, KVH, G, D]`, contiguous."""
+    batch, kv_heads, _, dim = query.shape
+    block_size = k_cache.shape[2]
+    device = query.device
+    block_tables = block_tables.to(device)
+    lengths = lengths.to(device)
+    max_blocks = block_tables.shape[1]
+    # padding entries may hold any value (-1, NB): point them at block 0 so the gather stays in
+    # bounds (an out-of-range index is a device assert on CUDA); the mask hides what they bring
+    used = torch.arange(max_blocks, device=device) * block_size < lengths[:, None]  # [B, MAXB]
+    tables = torch.where(used, block_tables, torch.zeros_like(block_tables))  # [B, MAXB]
+    span = max_blocks * block_size
+    visible = torch.arange(span, device=device) < lengths[:, None]  # [B, MAXB BS]
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        rows = cache[tables]  # [B, MAXB, KVH, BS, D]
+        rows = rows.transpose(1, 2).reshape(batch, kv_heads, span, dim)  # [B, KVH, MAXB BS, D]
+        # Past a row's length lies whatever the pool holds (never-written memory may be NaN), and
+        # the mask alone does not hide it: NaN + -inf is NaN in a score, 0 * NaN in the output.
+        # The gather made a copy: zero it there.
+        rows.masked_fill_(~visible[:, None, :, None], 0)  # [B, KVH, MAXB BS, D]
+        return rows.to(query.dtype)  # [B, KVH, MAXB BS, D]
+
+    attn = F.scaled_dot_product_attention(
+        query, gather(k_cache), gather(v_cache), attn_mask=visible[:, None, None]
+    )  # [B, KVH, G, D]
+    # CUDA's SDPA may hand back a strided view; callers view the result as [B, H, D]
+    return attn.contiguous()  # [B, KVH, G, D]
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: Any) -> torch.Tensor:

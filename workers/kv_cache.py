@@ -1,5 +1,5 @@
-"""Static slot KV cache: one row per active request, allocated once, exported and imported by
-row."""
+"""The paged KV cache: one pool of fixed-size blocks per worker, read and written through block
+tables, exported and imported by position."""
 
 from __future__ import annotations
 
@@ -7,35 +7,30 @@ import numpy as np
 import torch
 
 
-class SlotKVCache:
-    """K and V as `[layers, slots, kv_heads, capacity, head_dim]` tensors, and a prefix-cache pool
-    of `num_blocks` blocks of `block_size` positions, `[layers, blocks, kv_heads, block_size,
-    head_dim]`.
+class PagedKVCache:
+    """K and V as `[layers, num_blocks, kv_heads, block_size, head_dim]` tensors: one pool of
+    blocks, a request's positions in the blocks of its table (position p in block
+    `block_table[p // block_size]` at offset `p % block_size`).
 
-    A slot holds one request's keys and values at their positions; a position is visible to a query
-    only if the query is at or after it, so a slot reused by a new request needs no clearing.
+    Which block holds what is decided by the scheduler (`scheduler/block_pool.py`); the cache only
+    reads and writes the blocks it is told. A position is visible to a query only if the query is at
+    or after it, so a block reused by a new request needs no clearing.
     """
 
     def __init__(
         self,
         num_layers: int,
-        num_slots: int,
+        num_blocks: int,
         num_kv_heads: int,
-        capacity: int,
+        block_size: int,
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        num_blocks: int = 0,
-        block_size: int = 16,
     ) -> None:
-        shape = (num_layers, num_slots, num_kv_heads, capacity, head_dim)
+        shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        pool = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
-        self.pool_k = torch.zeros(pool, dtype=dtype, device=device)
-        self.pool_v = torch.zeros(pool, dtype=dtype, device=device)
-        self.num_slots = num_slots
-        self.capacity = capacity
+        self.num_blocks = num_blocks
         self.block_size = block_size
 
     @staticmethod
@@ -43,70 +38,69 @@ class SlotKVCache:
         num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
         """K and V bytes one token occupies across all layers."""
-        return (
-            2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-        )
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * num_kv_heads * head_dim * element
 
     @property
     def total_bytes(self) -> int:
-        return 2 * (self.k.numel() + self.pool_k.numel()) * self.k.element_size()
+        return 2 * self.k.numel() * self.k.element_size()
 
-    def load_block(self, block: int, slot: int, start: int) -> None:
-        """A pool block into a slot's positions start..start+block_size-1."""
-        end = start + self.block_size
-        self.k[:, slot, :, start:end] = self.pool_k[:, block]
-        self.v[:, slot, :, start:end] = self.pool_v[:, block]
+    def locate(self, block_table: list[int], start: int, end: int) -> tuple[list[int], list[int]]:
+        """The (block, offset) of each position start..end-1 of a request with `block_table`."""
+        size = self.block_size
+        blocks = [block_table[p // size] for p in range(start, end)]
+        offsets = [p % size for p in range(start, end)]
+        return blocks, offsets
 
-    def save_block(self, slot: int, start: int, block: int) -> None:
-        """A slot's positions start..start+block_size-1 into a pool block."""
-        end = start + self.block_size
-        self.pool_k[:, block] = self.k[:, slot, :, start:end]
-        self.pool_v[:, block] = self.v[:, slot, :, start:end]
+    def copy_block(self, src: int, dst: int) -> None:
+        """Block `src` into block `dst` (a fork's copy of its sibling's partly filled block)."""
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
 
-    def export_rows(self, slot: int, start: int, end: int) -> np.ndarray:
-        """Copy positions start..end-1 of a slot out as `[layers, 2, kv_heads, end - start,
-        head_dim]`."""
-        return self.export_spans([(slot, start, end)])
-
-    def export_spans(self, spans: list[tuple[int, int, int]]) -> np.ndarray:
-        """Copy each (slot, start, end) span out, one after another along the token axis of one
-        `[layers, 2, kv_heads, tokens, head_dim]` array (one copy, one object for the store however
-        many requests a step exported).
+    def export_spans(self, spans: list[tuple[list[int], int, int]]) -> np.ndarray:
+        """Copy each (block table, start, end) span out, one after another along the token axis of
+        one `[layers, 2, kv_heads, tokens, head_dim]` array (one copy, one object for the store
+        however many requests a step exported).
 
         A numpy array, so Ray's object store can hand it to another process without pickling; bf16
         rows travel as their raw 16-bit words.
         """
-        total = sum(end - start for _, start, end in spans)
-        layers, _, heads, _, dim = self.k.shape
-        rows = torch.empty((layers, 2, heads, total, dim), dtype=self.k.dtype, device=self.k.device)
-        at = 0
-        for slot, start, end in spans:
-            rows[:, 0, :, at : at + end - start] = self.k[:, slot, :, start:end]
-            rows[:, 1, :, at : at + end - start] = self.v[:, slot, :, start:end]
-            at += end - start
+        blocks: list[int] = []
+        offsets: list[int] = []
+        for table, start, end in spans:
+            span_blocks, span_offsets = self.locate(table, start, end)
+            blocks += span_blocks
+            offsets += span_offsets
+        index_b = torch.tensor(blocks, device=self.k.device)  # [tokens]
+        index_o = torch.tensor(offsets, device=self.k.device)  # [tokens]
+        keys = self.k[:, index_b, :, index_o]  # [tokens, layers, kv_heads, head_dim]
+        values = self.v[:, index_b, :, index_o]  # [tokens, layers, kv_heads, head_dim]
+        rows = torch.stack((keys, values), dim=2)  # [tokens, layers, 2, kv_heads, head_dim]
+        rows = rows.permute(1, 2, 3, 0, 4).contiguous()  # [layers, 2, kv_heads, tokens, head_dim]
         if rows.dtype == torch.bfloat16:  # numpy has no bfloat16: ship the raw 16-bit words
             rows = rows.view(torch.int16)
         return rows.cpu().numpy()
 
-    def copy_rows(self, src: int, dst: int, length: int) -> None:
-        """Positions 0..length-1 of slot `src` into slot `dst` (a fork sharing its sibling's
-        prompt)."""
-        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
-        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
-
-    def import_rows(self, slot: int, rows: np.ndarray, start: int = 0) -> int:
-        """Write exported rows into a slot at positions start..start+length-1; return the length."""
+    def import_rows(self, block_table: list[int], rows: np.ndarray, start: int = 0) -> int:
+        """Write exported rows into a request's blocks at positions start..start+length-1; return
+        the length."""
         tensor = torch.from_numpy(np.asarray(rows))
         if self.k.dtype == torch.bfloat16:
             tensor = tensor.view(torch.bfloat16)
         tensor = tensor.to(self.k.device)  # [layers, 2, kv_heads, length, head_dim]
         length = tensor.shape[3]
-        if start + length > self.capacity:
+        if start + length > len(block_table) * self.block_size:
             raise ValueError(
-                f"rows {start}..{start + length - 1} do not fit a slot of capacity {self.capacity}"
+                f"rows {start}..{start + length - 1} do not fit a table of {len(block_table)} "
+                f"blocks of {self.block_size}"
             )
-        self.k[:, slot, :, start : start + length] = tensor[:, 0]
-        self.v[:, slot, :, start : start + length] = tensor[:, 1]
+        blocks, offsets = self.locate(block_table, start, start + length)
+        index_b = torch.tensor(blocks, device=self.k.device)  # [length]
+        index_o = torch.tensor(offsets, device=self.k.device)  # [length]
+        rows_k = tensor[:, 0].permute(2, 0, 1, 3)  # [length, layers, kv_heads, head_dim]
+        rows_v = tensor[:, 1].permute(2, 0, 1, 3)  # [length, layers, kv_heads, head_dim]
+        self.k[:, index_b, :, index_o] = rows_k
+        self.v[:, index_b, :, index_o] = rows_v
         return length
 
 
@@ -123,28 +117,20 @@ def available_bytes(device: torch.device) -> int | None:
 
 
 def check_fits(
-    num_slots: int,
-    capacity: int,
     num_blocks: int,
     block_size: int,
     per_token: int,
     device: torch.device,
     packed_weights: int = 0,
 ) -> None:
-    """Raise MemoryError, with the numbers, if the slots, the prefix-cache pool and the CPU kernels'
-    packed weight copies (`packed_weights` bytes, made at the first forward) do not fit in
-    memory."""
-    slots = num_slots * capacity * per_token
+    """Raise MemoryError, with the numbers, if the KV blocks and the CPU kernels' packed weight
+    copies (`packed_weights` bytes, made at the first forward) do not fit in memory."""
     pool = num_blocks * block_size * per_token
     free = available_bytes(device)
-    if free is not None and slots + pool + packed_weights > free:
+    if free is not None and pool + packed_weights > free:
         raise MemoryError(
-            f"the KV cache needs {(slots + pool) / 2**30:.2f} GiB ({num_slots} slots x {capacity} "
-            "tokens = "
-            f"{slots / 2**30:.2f} GiB, prefix cache {num_blocks * block_size} tokens = "
-            f"{pool / 2**30:.2f} GiB, "
-            f"{per_token} bytes per token) and the packed weights {packed_weights / 2**30:.2f} "
-            "GiB, but "
-            f"{device} has {free / 2**30:.2f} GiB available: lower slots, max_model_len or "
-            "prefix_cache_tokens"
+            f"the KV cache needs {pool / 2**30:.2f} GiB ({num_blocks} blocks of {block_size} "
+            f"tokens, {per_token} bytes per token) and the packed weights "
+            f"{packed_weights / 2**30:.2f} GiB, but {device} has {free / 2**30:.2f} GiB "
+            "available: lower kv_cache_memory (or slots and max_model_len)"
         )

@@ -299,12 +299,28 @@ def eos_token_ids(config: Any, generation_config: Any, tokenizer: Any) -> frozen
 
 @dataclass
 class TokenizerInfo:
-    """What the serving front needs without the weights: the tokenizer, EOS ids and context
-    length."""
+    """What the serving front needs without the weights: the tokenizer, EOS ids, context length,
+    and the K and V values one token keeps (every layer's, to size KV caches)."""
 
     tokenizer: Any
     eos_token_ids: frozenset[int]
     max_context: int
+    kv_values_per_token: int = 0
+
+
+def kv_values_per_token(config: Any) -> int:
+    """K and V values one token keeps in the cache, across every layer of a HF config."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim
+
+
+def kv_bytes_per_token(info: TokenizerInfo, dtype: str, device: str) -> int:
+    """Bytes of K and V one token takes in a cache of `dtype` on `device` (as the workers will
+    resolve "auto": on the host that calls this, so give --dtype where workers have GPUs and it has
+    none)."""
+    torch_dtype = resolve_dtype(dtype, resolve_device(device))
+    return info.kv_values_per_token * torch.empty((), dtype=torch_dtype).element_size()
 
 
 def load_tokenizer(name: str = DEFAULT_MODEL) -> TokenizerInfo:
@@ -318,7 +334,10 @@ def load_tokenizer(name: str = DEFAULT_MODEL) -> TokenizerInfo:
     except OSError:
         generation = None
     return TokenizerInfo(
-        tokenizer, eos_token_ids(config, generation, tokenizer), model_context(config)
+        tokenizer,
+        eos_token_ids(config, generation, tokenizer),
+        model_context(config),
+        kv_values_per_token(config),
     )
 
 

@@ -1,4 +1,4 @@
-"""Llama / Qwen2 / Qwen3 decoder in torch, run on flat token batches against a slot KV cache."""
+"""Llama / Qwen2 / Qwen3 decoder in torch, run on flat token batches against a paged KV cache."""
 
 from __future__ import annotations
 
@@ -9,8 +9,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.kernels import add_rms_norm, decode_attention, linear, rope_and_cache, silu_mul
-from workers.kv_cache import SlotKVCache
+from workers.kernels import (
+    add_rms_norm,
+    decode_attention,
+    linear,
+    paged_decode_attention_torch,
+    rope_and_cache,
+    silu_mul,
+)
+from workers.kv_cache import PagedKVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite")
 
@@ -39,9 +46,9 @@ class ModelSpec:
 
 
 class PrefillSpan(NamedTuple):
-    """Where one prompt chunk sits in a flat batch and in its cache row."""
+    """Where one prompt chunk sits in a flat batch and in the KV blocks."""
 
-    slot: int  # its cache row
+    block_table: torch.Tensor  # [blocks] the request's blocks up to the chunk's last position
     first: int  # flat index of its first token
     num_tokens: int
     start_pos: int  # position of its first token in the request's sequence
@@ -52,89 +59,63 @@ class BatchLayout:
     """Where each token of a flat batch belongs: decode tokens first, then prompt chunks.
 
     Tensors live on the model's device and are built once per step, so the 30-odd layers only index
-    them. Decode tokens attend in one call per layer: the ragged kernel of `workers.kernels` on CPU,
-    or one SDPA call over their slot span (`decode_span`, `decode_rows`, `decode_mask`) elsewhere.
+    them. Decode tokens attend in one call per layer over their block tables: the ragged kernel of
+    `workers.kernels` on CPU, or one SDPA call over the gathered blocks elsewhere.
     """
 
     positions: torch.Tensor  # [num_tokens] position of each token in its sequence
-    slots: torch.Tensor  # [num_tokens] cache row of each token
+    blocks: torch.Tensor  # [num_tokens] the KV block of each token's position
+    offsets: torch.Tensor  # [num_tokens] its offset in that block
     num_decode: int  # the first num_decode tokens are single decode tokens
-    decode_context: int  # max(position) + 1 over decode tokens: keys to read for them
+    decode_tables: torch.Tensor  # [num_decode, max blocks] each decode row's blocks (padded)
     decode_lengths: torch.Tensor  # [num_decode] keys each decode token reads: its position + 1
-    decode_span: tuple[int, int]  # (min slot, max slot + 1) over decode tokens
-    # [num_decode] each decode token's row in the span; None: row i is token i
-    decode_rows: torch.Tensor | None
-    # [span, 1, 1, decode_context] keys each span row sees; rows not
-    decode_mask: torch.Tensor | None
-    # decoding see key 0 only (a dummy query whose output is dropped)
     prefill: list[PrefillSpan]  # one per prompt chunk
     # per chunk: [T, start + T] visible keys, None when start is 0
     prefill_masks: list[torch.Tensor | None]
 
     @classmethod
     def pack(
-        cls, rows: list[tuple[int, list[int], int]], num_decode: int, device: torch.device | str
+        cls,
+        rows: list[tuple[list[int], list[int], int]],
+        num_decode: int,
+        block_size: int,
+        device: torch.device | str,
     ) -> tuple[torch.Tensor, BatchLayout]:
-        """Flatten `rows` of (slot, token_ids, start_pos), the first `num_decode` single decode
-        tokens, into one batch: its input ids `[N]` and its layout."""
+        """Flatten `rows` of (block table, token_ids, start_pos), the first `num_decode` single
+        decode tokens, into one batch: its input ids `[N]` and its layout."""
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        blocks: list[int] = []
         prefill: list[PrefillSpan] = []
-        for i, (slot, tokens, start) in enumerate(rows):
+        masks: list[torch.Tensor | None] = []
+        for i, (table, tokens, start) in enumerate(rows):
+            end = start + len(tokens)
             if i >= num_decode:
-                prefill.append(PrefillSpan(slot, len(ids), len(tokens), start))
+                used = torch.tensor(table[: -(-end // block_size)], device=device)  # [blocks]
+                prefill.append(PrefillSpan(used, len(ids), len(tokens), start))
+                query_pos = torch.arange(start, end, device=device)  # [T]
+                key_pos = torch.arange(end, device=device)  # [ctx]
+                masks.append(key_pos[None, :] <= query_pos[:, None] if start else None)
             ids += tokens
-            positions += range(start, start + len(tokens))
-            slots += [slot] * len(tokens)
-        return torch.tensor(ids, device=device), cls.build(
-            positions, slots, num_decode, prefill, device
-        )
-
-    @classmethod
-    def build(
-        cls,
-        positions: list[int],
-        slots: list[int],
-        num_decode: int,
-        prefill: list[PrefillSpan],
-        device: torch.device | str,
-    ) -> BatchLayout:
-        decode_slots = slots[:num_decode]
-        decode_pos = positions[:num_decode]
-        lo = min(decode_slots, default=0)
-        hi = max(decode_slots, default=-1) + 1
-        context = max(decode_pos, default=-1) + 1
-        rows = None
-        mask = None
-        if num_decode:
-            last = [0] * (hi - lo)  # [span] last visible position of each span row
-            for slot, pos in zip(decode_slots, decode_pos, strict=True):
-                last[slot - lo] = pos
-            key_pos = torch.arange(context, device=device)  # [ctx]
-            # [span, 1, 1, ctx]
-            mask = (key_pos <= torch.tensor(last, device=device)[:, None])[:, None, None, :]
-            if decode_slots != list(range(lo, hi)):
-                rows = torch.tensor([s - lo for s in decode_slots], device=device)  # [B]
-        masks = []
-        for _, _, length, start in prefill:
-            query_pos = torch.arange(start, start + length, device=device)  # [T]
-            key_pos = torch.arange(start + length, device=device)  # [ctx]
-            masks.append(key_pos[None, :] <= query_pos[:, None] if start else None)  # [T, ctx]
-        return cls(
-            positions=torch.tensor(positions, device=device),
-            slots=torch.tensor(slots, device=device),
+            positions += range(start, end)
+            blocks += [table[p // block_size] for p in range(start, end)]
+        decode_rows = rows[:num_decode]
+        width = max((len(table) for table, _, _ in decode_rows), default=0)
+        tables = [table + [0] * (width - len(table)) for table, _, _ in decode_rows]
+        position = torch.tensor(positions, dtype=torch.long, device=device)  # [N]
+        layout = cls(
+            positions=position,
+            blocks=torch.tensor(blocks, dtype=torch.long, device=device),
+            offsets=position % block_size,
             num_decode=num_decode,
-            decode_context=context,
-            decode_lengths=torch.tensor(
-                [p + 1 for p in decode_pos], dtype=torch.long, device=device
+            decode_tables=torch.tensor(tables, dtype=torch.long, device=device).view(
+                num_decode, width
             ),
-            decode_span=(lo, hi),
-            decode_rows=rows,
-            decode_mask=mask,
+            decode_lengths=position[:num_decode] + 1,
             prefill=prefill,
             prefill_masks=masks,
         )
+        return torch.tensor(ids, device=device), layout
 
 
 class RMSNorm(nn.Module):
@@ -170,23 +151,13 @@ def fuse_linears(linears: list[nn.Linear], name: str) -> torch.Tensor | None:
     return fused
 
 
-def _span_decode_attention(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: BatchLayout
-) -> torch.Tensor:
-    """Decode attention as one SDPA call over the slot span lo..hi-1, a view of the cache (gathering
-    the rows would copy every key): the call reads each row up to the longest decode context, but
-    one call per layer costs far less than one per row (on CPU every call is a thread-pool fork and
-    join). `query [B, KVH, G, D]` -> `[B, KVH, G, D]`."""
-    lo, hi = layout.decode_span
-    ctx = layout.decode_context
-    if layout.decode_rows is not None:
-        span_query = query.new_zeros(hi - lo, *query.shape[1:])  # [span, KVH, G, D]
-        span_query[layout.decode_rows] = query
-        query = span_query
-    attn = F.scaled_dot_product_attention(
-        query, k_cache[lo:hi, :, :ctx], v_cache[lo:hi, :, :ctx], attn_mask=layout.decode_mask
-    )  # [span, KVH, G, D]
-    return attn if layout.decode_rows is None else attn[layout.decode_rows]  # [B, KVH, G, D]
+def _gather(cache: torch.Tensor, table: torch.Tensor, context: int) -> torch.Tensor:
+    """Positions 0..context-1 of one request from a layer's blocks `[blocks, KVH, block_size, D]`,
+    as `[1, KVH, context, D]`."""
+    blocks = cache[table]  # [n, KVH, block_size, D]
+    n, kv_heads, size, dim = blocks.shape
+    joined = blocks.transpose(0, 1).reshape(kv_heads, n * size, dim)  # [KVH, n * block_size, D]
+    return joined[None, :, :context]  # [1, KVH, ctx, D]
 
 
 class Attention(nn.Module):
@@ -222,7 +193,7 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         layout: BatchLayout,
-        cache: SlotKVCache,
+        cache: PagedKVCache,
     ) -> torch.Tensor:
         n = x.shape[0]
         heads = self.num_heads
@@ -235,9 +206,9 @@ class Attention(nn.Module):
             # [N, KVH, D]
             qkv[:, heads : heads + kv_heads] = self.k_norm(qkv[:, heads : heads + kv_heads])
         k_cache = cache.k[self.layer_idx]
-        v_cache = cache.v[self.layer_idx]  # [S, KVH, C, D]
+        v_cache = cache.v[self.layer_idx]  # [blocks, KVH, block_size, D]
         # [N, H, D]
-        q = rope_and_cache(qkv, cos, sin, heads, k_cache, v_cache, layout.slots, layout.positions)
+        q = rope_and_cache(qkv, cos, sin, heads, k_cache, v_cache, layout.blocks, layout.offsets)
 
         out = torch.empty(n, heads, dim, dtype=q.dtype, device=q.device)  # [N, H, D]
         if layout.num_decode:
@@ -245,22 +216,23 @@ class Attention(nn.Module):
             # at the same position): no KV head is repeated for GQA.
             b = layout.num_decode
             grouped = q[:b].reshape(b, kv_heads, heads // kv_heads, dim)  # [B, KVH, G, D]
-            attn = decode_attention(
-                grouped, k_cache, v_cache, layout.slots[:b], layout.decode_lengths
-            )
-            if attn is None:
-                attn = _span_decode_attention(grouped, k_cache, v_cache, layout)  # [B, KVH, G, D]
-            out[:b] = attn.view(b, heads, dim)
-        for (slot, first, length, start), mask in zip(
+            tables = layout.decode_tables
+            lengths = layout.decode_lengths
+            attn = decode_attention(grouped, k_cache, v_cache, tables, lengths)
+            if attn is None:  # [B, KVH, G, D]
+                attn = paged_decode_attention_torch(grouped, k_cache, v_cache, tables, lengths)
+            out[:b] = attn.reshape(b, heads, dim)
+        for (table, first, length, start), mask in zip(
             layout.prefill, layout.prefill_masks, strict=True
         ):
-            keys = k_cache[slot, :, : start + length][None]  # [1, KVH, ctx, D]
-            values = v_cache[slot, :, : start + length][None]  # [1, KVH, ctx, D]
+            context = start + length
+            keys = _gather(k_cache, table, context)  # [1, KVH, ctx, D]
+            values = _gather(v_cache, table, context)  # [1, KVH, ctx, D]
             query = q[first : first + length].transpose(0, 1)[None]  # [1, H, T, D]
             attn = F.scaled_dot_product_attention(
                 query, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True
             )  # [1, H, T, D]
-            out[first : first + length] = attn[0].transpose(0, 1)  # [T, H, D]
+            out[first : first + length] = attn[0].transpose(0, 1)  # [T, H, D]: copies any layout
         return linear(out.view(n, heads * dim), self.o_proj.weight, self.o_proj.bias)  # [N, hidden]
 
 
@@ -347,7 +319,7 @@ class DecoderLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         layout: BatchLayout,
-        cache: SlotKVCache,
+        cache: PagedKVCache,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Compute the tokens, write their K/V into the cache, return logits at `logits_indices`."""

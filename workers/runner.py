@@ -1,4 +1,5 @@
-"""Executes step plans on a model and its slot cache: one flat forward per step, then sampling."""
+"""Executes step plans on a model and its paged KV cache: one flat forward per step, then
+sampling."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ from typing import Any
 
 import torch
 
+from scheduler.block_pool import BLOCK_SIZE
 from scheduler.messages import Samples
 from scheduler.plan import Chunk, StepPlan
-from scheduler.prefix_cache import BLOCK_SIZE
 from scheduler.request import PENDING
 from workers.kernels import load_kernels
-from workers.kv_cache import SlotKVCache, check_fits
+from workers.kv_cache import PagedKVCache, check_fits
 from workers.model import BatchLayout, DecoderLM
 from workers.request_state import RequestStates
 from workers.sampling import sample, token_logprobs
@@ -23,22 +24,22 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """Owns a model and a slot KV cache sized `num_slots × capacity`, and runs plans on them."""
+    """Owns a model and a paged KV cache of `num_blocks` blocks of `block_size` tokens, and runs
+    plans on them."""
 
     def __init__(
         self,
         model: DecoderLM,
-        num_slots: int,
-        capacity: int,
+        num_blocks: int,
+        block_size: int = BLOCK_SIZE,
         tokenizer: Any = None,
-        prefix_blocks: int = 0,
     ) -> None:
         self.model = model.eval()
         weight = model.model.embed_tokens.weight
         self.device = weight.device
         self.dtype = weight.dtype
         spec = model.spec
-        per_token = SlotKVCache.bytes_per_token(
+        per_token = PagedKVCache.bytes_per_token(
             spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype
         )
         # build the CPU kernels (once per machine) now, not inside a step; their matmul packs a copy
@@ -50,17 +51,15 @@ class ModelRunner:
             if kernels is None
             else sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 2)
         )
-        check_fits(num_slots, capacity, prefix_blocks, BLOCK_SIZE, per_token, self.device, packed)
-        self.cache = SlotKVCache(
+        check_fits(num_blocks, block_size, per_token, self.device, packed)
+        self.cache = PagedKVCache(
             spec.num_layers,
-            num_slots,
+            num_blocks,
             spec.num_kv_heads,
-            capacity,
+            block_size,
             spec.head_dim,
             dtype=self.dtype,
             device=self.device,
-            num_blocks=prefix_blocks,
-            block_size=BLOCK_SIZE,
         )
         self.last_forward_s = 0.0  # seconds inside the model in the last execute(), for profiling
         # what the last execute() sampled: fed in for PENDING tokens
@@ -70,13 +69,12 @@ class ModelRunner:
         )
         self.states = RequestStates(grammars)  # per request: what penalties count, its grammar
         log.info(
-            "KV cache: %d slots x %d tokens, prefix cache %d tokens, %d bytes per token, %.1f MiB "
-            "in all",
-            num_slots,
-            capacity,
-            prefix_blocks * BLOCK_SIZE,
+            "KV cache: %d blocks of %d tokens (%d tokens), %d bytes per token, %.2f GiB",
+            num_blocks,
+            block_size,
+            num_blocks * block_size,
             per_token,
-            self.cache.total_bytes / 2**20,
+            self.cache.total_bytes / 2**30,
         )
 
     def execute(self, plan: StepPlan) -> Samples:
@@ -89,20 +87,20 @@ class ModelRunner:
         """
         self.states.drop(plan.released)
         self.states.remember(plan.chunks)
-        for src, dst, length in plan.copies:
-            self.cache.copy_rows(src, dst, length)
-        for block, slot, start in plan.loads:
-            self.cache.load_block(block, slot, start)
+        for src, dst in plan.copies:
+            self.cache.copy_block(src, dst)
         decode = [(c, ids) for c in plan.decode if (ids := self._fed(c)) is not None]
         fed = decode + [(c, ids) for c in plan.prefill if (ids := self._fed(c)) is not None]
         if not fed:  # (a step that only imports KV, or whose chunks' caches were lost here)
-            self._save_blocks(plan)
             self.last_sampled = {}
             self.last_forward_s = 0.0
             return Samples()
         chunks = [c for c, _ in fed]
         input_ids, layout = BatchLayout.pack(
-            [(c.slot, ids, c.start_pos) for c, ids in fed], len(decode), self.device
+            [(c.block_table, ids, c.start_pos) for c, ids in fed],
+            len(decode),
+            self.cache.block_size,
+            self.device,
         )
         # flat index of each chunk
         starts = list(itertools.accumulate((c.num_tokens for c in chunks), initial=0))
@@ -122,7 +120,6 @@ class ModelRunner:
             torch.tensor(logits_indices, dtype=torch.long, device=self.device),
         )
         self.last_forward_s = time.perf_counter() - forward_start
-        self._save_blocks(plan)
         samples = Samples()
         if sampling:
             samples.tokens = self._sample(logits[: len(sampling)], sampling, samples)
@@ -136,10 +133,6 @@ class ModelRunner:
             )
         self.last_sampled = samples.tokens
         return samples
-
-    def _save_blocks(self, plan: StepPlan) -> None:
-        for slot, start, block in plan.saves:
-            self.cache.save_block(slot, start, block)
 
     def _sample(
         self, logits: torch.Tensor, chunks: list[Chunk], samples: Samples

@@ -74,25 +74,27 @@ class DecodeTally:
     executes."""
 
     bytes_per_token: int  # K + V bytes of one position, all layers
-    # decode attention reads span x max context (accelerators), else each row's own length
+    block_size: int
+    # decode attention gathers every row's blocks up to the longest table (accelerators), else it
+    # reads each row's own length
     batched: bool
     steps: int = 0
     tokens: int = 0
-    span_rows: int = 0  # sum over steps of the decode span (cache rows attended)
+    padded: int = 0  # sum over steps of the positions the gathered tables hold per row
     context: int = 0  # sum over steps of the decode context (positions attended per row)
     kv_bytes: int = 0
 
     def record(self, plan: StepPlan) -> None:
         if not plan.decode or plan.prefill:
             return  # the engine's profile times decode-only steps; count the same ones
-        slots = [c.slot for c in plan.decode]
-        span = max(slots) - min(slots) + 1
+        padded = max(len(c.block_table) for c in plan.decode) * self.block_size
         context = max(c.start_pos for c in plan.decode) + 1
         self.steps += 1
         self.tokens += len(plan.decode)
-        self.span_rows += span
+        self.padded += padded
         self.context += context
-        positions = span * context if self.batched else sum(c.start_pos + 1 for c in plan.decode)
+        rows = len(plan.decode)
+        positions = rows * padded if self.batched else sum(c.start_pos + 1 for c in plan.decode)
         self.kv_bytes += positions * self.bytes_per_token
 
 
@@ -114,15 +116,16 @@ def bench_engine(
     numbers."""
     from deploy.driver import InProcessEngine
     from workers.kernels import load_kernels
-    from workers.kv_cache import SlotKVCache
+    from workers.kv_cache import PagedKVCache
 
     engine = InProcessEngine(config, loaded).engine
     spec = loaded.model.spec
     tally = DecodeTally(
-        SlotKVCache.bytes_per_token(
+        PagedKVCache.bytes_per_token(
             spec.num_layers, spec.num_kv_heads, spec.head_dim, engine.runner.dtype
         ),
-        # each row up to its own length only with the CPU kernel; else the padded slot span
+        engine.runner.cache.block_size,
+        # each row up to its own length only with the CPU kernel; else the padded tables
         batched=engine.runner.device.type != "cpu" or load_kernels() is None,
     )
     execute = engine.runner.execute
@@ -174,7 +177,7 @@ def bench_engine(
         "decode_model_ms": 1000 * prof["decode_model_s"] / steps,
         "decode_tok_s": tally.tokens / max(prof["decode_step_s"], 1e-12),
         "mean_decode_batch": mean_tokens,
-        "mean_decode_span": tally.span_rows / steps,
+        "mean_decode_padded_positions": tally.padded / steps,
         "mean_decode_context": tally.context / steps,
         "weight_bytes_per_step": weights,
         "kv_bytes_per_step": kv,

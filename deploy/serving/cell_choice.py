@@ -19,7 +19,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 
-from scheduler.prefix_cache import block_names
+from scheduler.block_pool import block_names
 from scheduler.request import Request
 
 # app name -> the running Cell replicas' ids, as Serve last said

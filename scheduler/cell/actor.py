@@ -1,7 +1,7 @@
 """The scheduler's Ray actor: a thin shell of loops and remote calls around the pure `Coordinator`.
 
 Nothing in `scheduler/` imports this module. Its workers come from an injected `spawn_worker(kind,
-index, num_slots, prefix_blocks) -> actor handle` (deploy passes `workers.actors.spawn_worker`; the
+index, num_blocks, block_size) -> actor handle` (deploy passes `workers.actors.spawn_worker`; the
 stub-worker benchmark passes stubs), so the imports point one way: deploy -> workers -> scheduler.
 
 Consumers (the batch driver, each ingress replica) `submit` requests under a consumer id and `poll`:
@@ -63,7 +63,9 @@ class CellActor:
         self.config = config
         self.consumer_timeout_s = consumer_timeout_s
         self.handles = {
-            w.name: spawn_worker(w.kind, w.index, w.sched.num_slots, _blocks(w.sched))
+            w.name: spawn_worker(
+                w.kind, w.index, w.sched.blocks.num_blocks, w.sched.blocks.block_size
+            )
             for w in self.coordinator.workers
         }
         self.wakeups = {w.name: asyncio.Event() for w in self.coordinator.workers}
@@ -367,12 +369,8 @@ class CellActor:
         warm-up)."""
         self.timeline.reset()
         for worker in self.coordinator.workers:
-            if worker.sched.prefix_cache is not None:
-                worker.sched.prefix_cache.reset_counters()
-
-
-def _blocks(sched: Any) -> int:
-    return sched.prefix_cache.num_blocks if sched.prefix_cache is not None else 0
+            worker.sched.blocks.reset_counters()
+            worker.sched.peak_running = len(worker.sched.running)
 
 
 def _tokens(plans: list[Any]) -> int:

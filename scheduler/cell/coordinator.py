@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from scheduler.block_pool import routing_cost
 from scheduler.cell.forks import WaitingForks, sibling_worker
 from scheduler.cell.handoffs import HandoffBook
 from scheduler.cell.metrics import CellMetrics, RecordingBackend
@@ -26,7 +27,6 @@ from scheduler.cell.state import (
 from scheduler.messages import KVHandoff, KVImport, StepResult
 from scheduler.outputs import OutputProcessor, RequestOutput
 from scheduler.plan import StepPlan
-from scheduler.prefix_cache import routing_cost
 from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.step_planner import QueueFullError, StepPlanner
 
@@ -60,7 +60,7 @@ class Coordinator:
         self.metrics = CellMetrics(config.mode, metrics_backend or RecordingBackend())
         self.wake = wake
 
-        def pool(kind: str, count: int, slots: int, cached: bool) -> list[WorkerState]:
+        def pool(kind: str, count: int, slots: int, num_blocks: int | None) -> list[WorkerState]:
             return [
                 WorkerState(
                     kind,
@@ -72,22 +72,42 @@ class Coordinator:
                         config.prefill_chunk,
                         max_preemptions=config.max_preemptions,
                         decodes=kind == "decode",
-                        prefix_cache_blocks=config.prefix_cache_blocks if cached else 0,
+                        num_blocks=num_blocks,
+                        block_size=config.block_size,
+                        prefix_caching=config.prefix_caching,
                     ),
                 )
                 for i in range(count)
             ]
 
-        decode_prefills = config.mode == "colocated" or config.local_prefill_max_tokens > 0
         self.decode = pool(
-            "decode", config.num_decode_workers, config.decode_slots, decode_prefills
+            "decode", config.num_decode_workers, config.decode_slots, config.decode_blocks
         )
         self.prefill = (
             []
             if config.mode == "colocated"
-            else pool("prefill", config.num_prefill_workers, config.prefill_slots, True)
+            else pool(
+                "prefill",
+                config.num_prefill_workers,
+                config.prefill_slots,
+                config.prefill_blocks,
+            )
         )
         self.workers = self.prefill + self.decode
+        for pool in (self.prefill, self.decode):
+            if pool:
+                blocks = pool[0].sched.blocks
+                tokens = blocks.num_blocks * blocks.block_size
+                log.info(
+                    "%s workers: %d KV blocks of %d tokens each (%d tokens): %d requests of "
+                    "max_model_len %d at once",
+                    pool[0].kind,
+                    blocks.num_blocks,
+                    blocks.block_size,
+                    tokens,
+                    tokens // config.capacity,
+                    config.capacity,
+                )
         self.kv = HandoffBook()  # KV pieces and handoffs in flight: the only refs held to them
         self.forks = WaitingForks()
         self.placements: dict[str, RequestPlacement] = {}
@@ -185,16 +205,12 @@ class Coordinator:
         uncached tokens), then the least loaded; else (or without prefix caches) the least
         loaded."""
         live = [w for w in pool if w.status is WorkerStatus.UP]
-        if (
-            not self.config.cache_routing
-            or len(live) < 2
-            or not all(w.sched.prefix_cache for w in live)
-        ):
+        if not self.config.cache_routing or len(live) < 2 or not self.config.prefix_caching:
             return WorkerState.least_loaded(pool)
         return min(
             live,
             key=lambda w: (
-                routing_cost(request, w.sched.prefix_cache, w.sched.requests.values()),
+                routing_cost(request, w.sched.blocks, w.sched.requests.values()),
                 w.load(),
             ),
         )
@@ -271,7 +287,10 @@ class Coordinator:
             if (
                 request is not None
                 and request.status is RequestStatus.RUNNING
-                and (target := self.kv.add_piece(piece, worker, self.decode)) is not None
+                and (
+                    target := self.kv.add_piece(piece, request.num_tokens + 1, worker, self.decode)
+                )
+                is not None
             ):
                 self.wake(target)  # idle, it imports the piece now
         handoffs = [
@@ -302,7 +321,7 @@ class Coordinator:
                 plan.num_tokens,
                 len(plan.preempted),
                 result.step_s,
-                sched.prefix_cache.stats() if sched.prefix_cache is not None else None,
+                sched.blocks.stats(),
             )
         computed_by = f"{worker.kind}_worker"  # who computed what, for the request's metrics
         for chunk in plan.chunks:
@@ -360,13 +379,12 @@ class Coordinator:
         self.counts.worker_failures += 1
         worker.status = WorkerStatus.RESTARTING
         self.kv.worker_lost(worker)
-        if worker.sched.prefix_cache is not None:
-            worker.sched.prefix_cache.clear()  # the restarted worker's pool is empty
         log.warning("%s failed; moving its requests", worker.name)
         for request in list(worker.sched.running):
             worker.sched.evict(request.req_id)
-            self._drop_kv(request.req_id)  # imported or not, its slot is gone
+            self._drop_kv(request.req_id)  # imported or not, its blocks are gone
             self._recompute(request, f"{worker.name} failed")
+        worker.sched.blocks.clear()  # the restarted worker's pool is empty
         self._move_waiting(worker)
 
     def worker_back(self, worker: WorkerState, placement: dict[str, Any]) -> None:

@@ -37,15 +37,15 @@ class HandoffBook:
         self.sent: dict[str, int] = {}
 
     def add_piece(
-        self, piece: KVPiece, prefill: WorkerState, decode: list[WorkerState]
+        self, piece: KVPiece, num_tokens: int, prefill: WorkerState, decode: list[WorkerState]
     ) -> WorkerState | None:
-        """Keep a piece of a prompt still prefilling; name it to its decode worker if that is
-        elsewhere. Returns that worker when the piece is to be imported into a slot reserved
-        there."""
+        """Keep a piece of a prompt still prefilling (of `num_tokens` once handed off: the prompt
+        and its first output); name it to its decode worker if that is elsewhere. Returns that
+        worker when the piece is to be imported into blocks reserved there."""
         self.pieces.setdefault(piece.req_id, []).append(piece)
         target = self.target(piece.req_id, decode)
         if target is not None and target.status is WorkerStatus.UP:
-            target.sched.reserve(piece.req_id)
+            target.sched.reserve(piece.req_id, num_tokens)
         if target is not None and target.placement.get("node_id") != prefill.placement.get(
             "node_id"
         ):
@@ -96,7 +96,7 @@ class HandoffBook:
         """The handoffs of the plan's decode chunks that no step has been sent to import yet: with a
         step in flight ahead, the one after it must not import them again."""
         imports = [
-            KVImport(c.slot, self.handoffs[c.req_id])
+            KVImport(c.block_table, self.handoffs[c.req_id])
             for c in plan.decode
             if c.req_id in self.handoffs and c.req_id not in self.importing
         ]
@@ -113,14 +113,14 @@ class HandoffBook:
         return self.handoffs.pop(req_id)
 
     def early_imports(self, worker: WorkerState) -> list[KVImport]:
-        """The pieces not yet sent of the prompts with a slot reserved on this decode worker."""
+        """The pieces not yet sent of the prompts with blocks reserved on this decode worker."""
         imports = []
-        for req_id, slot in worker.sched.reserved.items():
+        for req_id, (_, blocks) in worker.sched.reserved.items():
             pieces = self.pieces.get(req_id, [])
             sent = self.sent.get(req_id, 0)
             if self.bound.get(req_id) is worker and len(pieces) > sent:
                 imports.append(
-                    KVImport(slot, KVHandoff(req_id, tuple(pieces), -1, sent), final=False)
+                    KVImport(blocks, KVHandoff(req_id, tuple(pieces), -1, sent), final=False)
                 )
                 self.sent[req_id] = len(pieces)
         return imports

@@ -44,7 +44,14 @@ class CellMetrics:
             ("mode", "state"),
         )
         self.slots_used = backend.Gauge(
-            "pdserve_slots_in_use", "Cache slots (rows) in use per worker.", worker_tags
+            "pdserve_slots_in_use",
+            "Requests running per worker (of its max_num_seqs).",
+            worker_tags,
+        )
+        self.kv_usage = backend.Gauge(
+            "pdserve_kv_cache_usage",
+            "KV blocks in use per worker, a fraction of its blocks (vLLM's kv_cache_usage_perc).",
+            worker_tags,
         )
         self.step_tokens = backend.Histogram(
             "pdserve_step_tokens", "Tokens computed per step.", _TOKENS, worker_tags
@@ -74,7 +81,7 @@ class CellMetrics:
         )
         self.prefix_blocks_used = backend.Gauge(
             "pdserve_prefix_cache_blocks_used",
-            "Prefix-cache blocks in use (of `blocks` in /stats) per worker.",
+            "KV blocks named by their tokens (cached, in use or not) per worker.",
             worker_tags,
         )
 
@@ -86,12 +93,13 @@ class CellMetrics:
         num_tokens: int,
         num_preempted: int,
         step_s: float,
-        prefix_cache: dict[str, float] | None = None,
+        kv_cache: dict[str, float] | None = None,
     ) -> None:
         tags = self.tags | {"worker": worker}
-        if prefix_cache is not None:
-            self.prefix_hit_rate.set(prefix_cache["hit_rate"], tags=tags)
-            self.prefix_blocks_used.set(prefix_cache["blocks_used"], tags=tags)
+        if kv_cache is not None:
+            self.prefix_hit_rate.set(kv_cache["hit_rate"], tags=tags)
+            self.prefix_blocks_used.set(kv_cache["blocks_cached"], tags=tags)
+            self.kv_usage.set(kv_cache["usage"], tags=tags)
         self.step_tokens.observe(num_tokens, tags=tags)
         self.step_seconds.observe(step_s, tags=self.tags | {"kind": kind})
         self.slots_used.set(slots_used, tags=tags)

@@ -22,15 +22,20 @@ class CellConfig:
     num_prefill_workers: int  # ignored when colocated
     decode_slots: int  # requests decoding at once per decode worker
     prefill_slots: int  # prompts prefilling at once per prefill worker
-    capacity: int  # tokens a slot holds (prompt + output)
+    capacity: int  # tokens a request may have (prompt + output): max_model_len
     token_budget: int = 256
     prefill_chunk: int = 128
     max_waiting: int | None = None  # past this many waiting requests, new ones are refused
     max_preemptions: int = 2
     max_recomputes: int = 3  # cache losses a request survives before it ends with an error
     local_prefill_max_tokens: int = 0  # shorter prompts are prefilled on the decode worker
-    # per worker that prefills (prefill pool; decode pool when it prefills)
-    prefix_cache_blocks: int = 0
+    # KV blocks of one decode (or colocated) worker, of one prefill worker; None: room for every
+    # slot's whole context
+    decode_blocks: int | None = None
+    prefill_blocks: int | None = None
+    block_size: int = 16
+    # full blocks stay named and are shared by later requests with the same prefix
+    prefix_caching: bool = False
     # send a prompt where its prefix is cached (weighed against queued work)
     cache_routing: bool = True
     # decode steps one worker call may carry, in time (scheduler/cell/bursts.py); 0: one
@@ -70,24 +75,19 @@ class WorkerState:
         return f"{self.kind}-{self.index}"
 
     @property
-    def prefills(self) -> bool:
-        return self.kind == "prefill" or self.sched.prefix_cache is not None
-
-    @property
     def slots_used(self) -> int:
         return self.sched.num_slots - len(self.sched.free_slots)
 
     def stats(self) -> dict[str, Any]:
-        """What /stats shows of this worker: up or not, slots, queue, and its prefix cache if it has
-        one."""
+        """What /stats shows of this worker: up or not, seats, queue, and its KV blocks."""
         line: dict[str, Any] = {
             "alive": self.status is WorkerStatus.UP,
             "slots_used": self.slots_used,
             "running": len(self.sched.running),
+            "peak_running": self.sched.peak_running,
             "waiting": self.sched.num_waiting,
         }
-        if self.sched.prefix_cache is not None:
-            line["prefix_cache"] = self.sched.prefix_cache.stats()
+        line["kv_cache"] = self.sched.blocks.stats()
         return line
 
     def load(self) -> tuple[int, int]:

@@ -15,8 +15,9 @@ amplify). (With the rotary frequencies rounded to bf16, as before they were kept
 import pytest
 import torch
 
+from tests.factories import slot_blocks
 from workers import kernels
-from workers.kv_cache import SlotKVCache
+from workers.kv_cache import PagedKVCache
 from workers.loader import _alias_gguf, _gguf_cache_dir, from_hf_model, load_model
 from workers.model import BatchLayout
 
@@ -43,8 +44,9 @@ def _ids(tokenizer, question: str) -> list[int]:
 
 def _step(model, cache, rows: list[tuple[int, list[int], int]], num_decode: int) -> torch.Tensor:
     """rows: (slot, token_ids, start); the first num_decode are decode tokens. Logits of every
-    token."""
-    input_ids, layout = BatchLayout.pack(rows, num_decode, "cpu")
+    token. Slot s stands for the interleaved block table `slot_blocks(s, 4, 256)`."""
+    tables = [(slot_blocks(slot, 4, 256), ids, start) for slot, ids, start in rows]
+    input_ids, layout = BatchLayout.pack(tables, num_decode, 16, "cpu")
     return model(input_ids, layout, cache, torch.arange(len(input_ids)))  # [N, vocab]
 
 
@@ -61,8 +63,8 @@ def test_bf16_teacher_forced_logprobs_match_transformers_bf16(models, kernel, mo
         seq = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0].tolist()
         ref = torch.log_softmax(hf(torch.tensor([seq])).logits[0].float(), dim=-1)  # [T, vocab]
     spec = ours.spec
-    cache = SlotKVCache(
-        spec.num_layers, 4, spec.num_kv_heads, 256, spec.head_dim, dtype=torch.bfloat16
+    cache = PagedKVCache(
+        spec.num_layers, 4 * 256 // 16, spec.num_kv_heads, 16, spec.head_dim, dtype=torch.bfloat16
     )
     # the prompt in chunks of 16 on slot 2, the other prompt beside its first chunk on slot 0; then
     # both decode in the same steps, ours teacher-forced with the reference sequence

@@ -4,20 +4,20 @@ import pytest
 import torch
 
 from scheduler.request import FinishReason, SamplingParams
-from scheduler.step_planner import StepPlanner
-from tests.factories import VOCAB, make_requests, tiny_hf_model, tiny_model
-from workers.engine import LocalEngine
-from workers.runner import ModelRunner
+from tests.factories import VOCAB, local_engine, make_requests, tiny_hf_model, tiny_model
 
 CAPACITY = 256
 
 
 def make_engine(kind="llama", num_slots=3, token_budget=16, prefill_chunk=8, tokenizer=None):
-    runner = ModelRunner(tiny_model(kind), num_slots=num_slots, capacity=CAPACITY)
-    scheduler = StepPlanner(
-        num_slots, CAPACITY, token_budget=token_budget, prefill_chunk=prefill_chunk
+    return local_engine(
+        tiny_model(kind),
+        num_slots,
+        CAPACITY,
+        token_budget=token_budget,
+        prefill_chunk=prefill_chunk,
+        tokenizer=tokenizer,
     )
-    return LocalEngine(runner, scheduler, tokenizer)
 
 
 def solo(kind, request, **kw):

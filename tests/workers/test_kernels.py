@@ -1,5 +1,7 @@
 """The compiled CPU kernels against the torch ops they replace: ragged tails, biases, empty batches,
-bf16 rounding."""
+bf16 rounding, paged decode attention over shuffled and shared blocks."""
+
+import math
 
 import pytest
 import torch
@@ -7,16 +9,25 @@ import torch.nn.functional as F
 
 from tests.factories import prompt_ids, tiny_model
 from workers import kernels
-from workers.kv_cache import SlotKVCache
+from workers.kv_cache import PagedKVCache
 from workers.model import BatchLayout, RMSNorm
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def compiled():
     if kernels.load_kernels() is None:
         pytest.skip("no C++ compiler here: the kernels cannot be built")
 
 
+# bf16: the same fp32 sums in another order, rounded once to bf16: at most an ulp of bf16 apart
+TOLERANCE = {
+    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+    torch.bfloat16: {"atol": 0.05, "rtol": 0.01},
+}
+BLOCK = 16  # tokens per KV block
+
+
+@pytest.mark.usefixtures("compiled")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [0, 1, 5, 7, 13, 50])
 @pytest.mark.parametrize(
@@ -31,10 +42,7 @@ def test_packed_linear_matches_f_linear_and_repacks_after_a_write(
     x = torch.randn(rows, in_features, generator=g).to(dtype)  # [M, K]
     weight = torch.randn(out_features, in_features, generator=g).to(dtype)  # [N, K]
     b = torch.randn(out_features, generator=g).to(dtype) if bias else None  # [N]
-    # bf16: the same fp32 sums in another order, rounded once to bf16: at most an ulp of bf16 apart
-    tolerance = (
-        {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.01}
-    )
+    tolerance = TOLERANCE[dtype]
     with torch.inference_mode():
         torch.testing.assert_close(
             kernels.linear(x, weight, b), F.linear(x, weight, b), **tolerance
@@ -49,6 +57,7 @@ def test_packed_linear_matches_f_linear_and_repacks_after_a_write(
         )
 
 
+@pytest.mark.usefixtures("compiled")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_elementwise_kernels_match_the_eager_ops(dtype, monkeypatch):
     """bf16 rounds after every op as torch does, so it matches bit for bit; fp32 within a few
@@ -82,6 +91,7 @@ def test_fused_elementwise_kernels_match_the_eager_ops(dtype, monkeypatch):
         torch.testing.assert_close(got, want, atol=0 if exact else 1e-5, rtol=0 if exact else 1e-5)
 
 
+@pytest.mark.usefixtures("compiled")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_decode_rows_logits_do_not_depend_on_its_batch(dtype):
     """Each kernel computes a row alone, in an order that does not depend on the number of rows (the
@@ -93,14 +103,145 @@ def test_a_decode_rows_logits_do_not_depend_on_its_batch(dtype):
         )
     model = tiny_model("llama").to(dtype)
     spec = model.spec
-    cache = SlotKVCache(spec.num_layers, 6, spec.num_kv_heads, 128, spec.head_dim, dtype=dtype)
-    prompts = [prompt_ids(10 + 9 * slot, seed=slot) for slot in range(6)]
-    for slot, prompt in enumerate(prompts):
-        ids, layout = BatchLayout.pack([(slot, prompt[:-1], 0)], 0, "cpu")
+    cache = PagedKVCache(spec.num_layers, 32, spec.num_kv_heads, BLOCK, spec.head_dim, dtype=dtype)
+    prompts = [prompt_ids(10 + 9 * i, seed=i) for i in range(6)]
+    # each request's blocks (1 to 4 of them: ragged tables) taken from a shuffled pool
+    free = torch.randperm(32, generator=torch.Generator().manual_seed(0)).tolist()
+    tables = []
+    for prompt in prompts:
+        tables.append([free.pop() for _ in range(-(-len(prompt) // BLOCK))])
+        ids, layout = BatchLayout.pack([(tables[-1], prompt[:-1], 0)], 0, BLOCK, "cpu")
         model(ids, layout, cache, torch.tensor([0]))
-    rows = [(slot, [prompt[-1]], len(prompt) - 1) for slot, prompt in enumerate(prompts)]
-    ids, layout = BatchLayout.pack(rows, len(rows), "cpu")
+    rows = [
+        (table, [prompt[-1]], len(prompt) - 1)
+        for table, prompt in zip(tables, prompts, strict=True)
+    ]
+    ids, layout = BatchLayout.pack(rows, len(rows), BLOCK, "cpu")
     batched = model(ids, layout, cache, torch.arange(len(rows)))  # [6, vocab]
     for i, row in enumerate(rows):
-        ids, layout = BatchLayout.pack([row], 1, "cpu")
+        ids, layout = BatchLayout.pack([row], 1, BLOCK, "cpu")
         assert torch.equal(model(ids, layout, cache, torch.tensor([0]))[0], batched[i])
+
+
+# ragged rows: mid-block, exactly one and two blocks, a single key, three blocks and a bit
+LENGTHS = [37, 32, 1, 50, 16]
+# (row, its first n blocks) shared with row 0's, as prefix caching shares a common prompt
+SHARED = {1: 2, 4: 1}
+
+
+class PagedCase:
+    """Random q and per-row contiguous keys and values, and the same keys in three caches: a pool of
+    shuffled blocks (row 1 and row 4 reuse row 0's first blocks, two spare blocks, padding entries
+    out of range), a pool with each row's blocks its own and in order, and one block per row of
+    capacity max(LENGTHS) (the slot layout). Whatever a cache holds past a row's length is NaN, so a
+    read of it shows."""
+
+    def __init__(self, dtype: torch.dtype, heads_per_kv: int, dim: int) -> None:
+        g = torch.Generator().manual_seed(dim * 10 + heads_per_kv)
+        rows, kv_heads, longest = len(LENGTHS), 2, max(LENGTHS)
+        self.lengths = torch.tensor(LENGTHS)  # [B]
+        self.query = torch.randn(rows, kv_heads, heads_per_kv, dim, generator=g).to(dtype)
+        keys = torch.randn(2, rows, kv_heads, longest, dim, generator=g).to(dtype)  # K, V
+        for row, blocks in SHARED.items():
+            keys[:, row, :, : blocks * BLOCK] = keys[:, 0, :, : blocks * BLOCK]
+        for row, length in enumerate(LENGTHS):
+            keys[:, row, :, length:] = math.nan
+        self.keys = keys  # [2, B, KVH, L, D]: K and V, each row's contiguous
+
+        # slot layout: [S, KVH, C, D] per cache, table [B, 1]
+        self.slot = (keys[0], keys[1], torch.arange(rows)[:, None])
+
+        max_blocks = -(-longest // BLOCK) + 1  # a column of padding at least
+        padded = keys.new_full((2, rows, kv_heads, max_blocks * BLOCK, dim), math.nan)
+        padded[:, :, :, :longest] = keys
+        blocks = padded.view(2, rows, kv_heads, max_blocks, BLOCK, dim).transpose(2, 3)
+        # identity layout: row b's block i is block b * max_blocks + i: [B MAXB, KVH, BS, D]
+        own = blocks.reshape(2, rows * max_blocks, kv_heads, BLOCK, dim)
+        self.identity = (
+            own[0].contiguous(),
+            own[1].contiguous(),
+            torch.arange(rows * max_blocks).view(rows, max_blocks),
+        )
+
+        # shuffled layout: every (row, block) in use gets a block of a shuffled pool, except the
+        # shared ones, which point at row 0's
+        used = [(row, i) for row, n in enumerate(LENGTHS) for i in range(-(-n // BLOCK))]
+        owned = [(row, i) for row, i in used if i >= SHARED.get(row, 0)]
+        pool_size = len(owned) + 2
+        place = dict(zip(owned, torch.randperm(pool_size, generator=g).tolist(), strict=False))
+        for row, n in SHARED.items():
+            place.update({(row, i): place[(0, i)] for i in range(n)})
+        pool = keys.new_full((2, pool_size, kv_heads, BLOCK, dim), math.nan)
+        # padding entries: out of range, below (even rows) and above (odd rows); never read
+        padding = torch.where(torch.arange(rows) % 2 == 0, -1, pool_size + 7)  # [B]
+        tables = padding[:, None].repeat(1, max_blocks)  # [B, MAXB]
+        for (row, i), block in place.items():
+            pool[:, block] = blocks[:, row, i]
+            tables[row, i] = block
+        self.shuffled = (pool[0], pool[1], tables)  # [NB, KVH, BS, D] x2, [B, MAXB]
+
+    def reference(self) -> torch.Tensor:
+        """Softmax attention in float64 over each row's keys: `[B, KVH, G, D]`."""
+        out = []
+        for row, length in enumerate(LENGTHS):
+            q = self.query[row].double()  # [KVH, G, D]
+            k, v = self.keys[:, row, :, :length].double()  # [KVH, len, D] each
+            weights = torch.softmax(q @ k.transpose(1, 2) * q.shape[-1] ** -0.5, dim=-1)
+            out.append(weights @ v)  # [KVH, G, D]
+        return torch.stack(out)  # [B, KVH, G, D]
+
+
+def paged_cases():
+    for dtype in (torch.float32, torch.bfloat16):
+        for dim in (16, 64, 128, 24):  # 24: not an AVX-512 width, the scalar loops
+            for heads_per_kv in (1, 3):
+                yield pytest.param(dtype, heads_per_kv, dim, id=f"{dtype}-G{heads_per_kv}-D{dim}")
+
+
+@pytest.mark.usefixtures("compiled")
+@pytest.mark.parametrize(("dtype", "heads_per_kv", "dim"), paged_cases())
+def test_paged_decode_attention_is_bit_for_bit_the_contiguous_one(dtype, heads_per_kv, dim):
+    """Where a row's blocks lie, which rows share them and the block size change nothing: the sums
+    run over t in the same order. And a row's result does not depend on the rest of its batch."""
+    case = PagedCase(dtype, heads_per_kv, dim)
+    q, lengths = case.query, case.lengths
+    shuffled = kernels.decode_attention(q, *case.shuffled, lengths)  # [B, KVH, G, D]
+    assert torch.equal(shuffled, kernels.decode_attention(q, *case.identity, lengths))
+    assert torch.equal(shuffled, kernels.decode_attention(q, *case.slot, lengths))
+    k_pool, v_pool, tables = case.shuffled
+    for row in range(len(LENGTHS)):
+        solo = kernels.decode_attention(
+            q[row : row + 1], k_pool, v_pool, tables[row : row + 1], lengths[row : row + 1]
+        )  # [1, KVH, G, D]
+        assert torch.equal(solo[0], shuffled[row])
+
+
+@pytest.mark.usefixtures("compiled")
+@pytest.mark.parametrize(("dtype", "heads_per_kv", "dim"), paged_cases())
+def test_paged_decode_attention_matches_a_float64_softmax(dtype, heads_per_kv, dim):
+    case = PagedCase(dtype, heads_per_kv, dim)
+    got = kernels.decode_attention(case.query, *case.shuffled, case.lengths)  # [B, KVH, G, D]
+    torch.testing.assert_close(got, case.reference().to(dtype), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize(("dtype", "heads_per_kv", "dim"), paged_cases())
+def test_paged_decode_attention_in_torch_ops_matches_a_float64_softmax(dtype, heads_per_kv, dim):
+    """The fallback where the kernel does not apply (no compiler, CUDA): no compiler needed here."""
+    case = PagedCase(dtype, heads_per_kv, dim)
+    # [B, KVH, G, D]
+    got = kernels.paged_decode_attention_torch(case.query, *case.shuffled, case.lengths)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, case.reference().to(dtype), **TOLERANCE[dtype])
+
+
+def test_the_kernel_path_returns_none_where_it_does_not_apply(monkeypatch):
+    """Another dtype (or device, or no compiler): None, and the caller runs the torch ops."""
+    case = PagedCase(torch.float32, 1, 16)
+    query = case.query.double()  # [B, KVH, G, D]
+    k_pool, v_pool, tables = case.shuffled
+    assert (
+        kernels.decode_attention(query, k_pool.double(), v_pool.double(), tables, case.lengths)
+        is None
+    )
+    monkeypatch.setattr(kernels, "load_kernels", lambda: None)
+    assert kernels.decode_attention(case.query, *case.shuffled, case.lengths) is None

@@ -5,15 +5,17 @@ import numpy as np
 import pytest
 import torch
 
-from tests.factories import VOCAB, prompt_ids, tiny_hf_model, tiny_model
+from tests.factories import VOCAB, prompt_ids, slot_blocks, tiny_hf_model, tiny_model
 from workers import kernels
-from workers.kv_cache import SlotKVCache
+from workers.kv_cache import PagedKVCache
 from workers.model import BatchLayout
 
 
 def _run(model, cache, rows, decode_first: int):
-    """rows: (slot, token_ids, start_pos); the first `decode_first` are single decode tokens."""
-    input_ids, layout = BatchLayout.pack(rows, decode_first, "cpu")
+    """rows: (slot, token_ids, start_pos); the first `decode_first` are single decode tokens. Slot
+    s stands for the interleaved block table `slot_blocks(s, 4, 128)`."""
+    tables = [(slot_blocks(slot, 4, 128), ids, start) for slot, ids, start in rows]
+    input_ids, layout = BatchLayout.pack(tables, decode_first, 16, "cpu")
     return model(input_ids, layout, cache, torch.arange(len(input_ids)))  # [N, vocab]
 
 
@@ -34,7 +36,7 @@ def test_logits_match_transformers_for_chunks_and_batched_decode(
         pytest.skip("no C++ compiler here: the kernel cannot be built")
     hf, model = tiny_hf_model(kind), tiny_model(kind)
     spec = model.spec
-    cache = SlotKVCache(spec.num_layers, 4, spec.num_kv_heads, 128, spec.head_dim)
+    cache = PagedKVCache(spec.num_layers, 4 * 128 // 16, spec.num_kv_heads, 16, spec.head_dim)
     seq_a, seq_b = prompt_ids(40, seed=1), prompt_ids(23, seed=2)
     with torch.no_grad():
         ref_a, ref_b = hf(torch.tensor([seq_a])).logits[0], hf(torch.tensor([seq_b])).logits[0]
@@ -58,17 +60,27 @@ def test_logits_match_transformers_for_chunks_and_batched_decode(
     assert out.shape == (2, VOCAB)
 
 
+def paged(spec):
+    """A cache of 32 blocks of 16: four interleaved slots of 128 positions (`slot_blocks`)."""
+    return PagedKVCache(spec.num_layers, 4 * 128 // 16, spec.num_kv_heads, 16, spec.head_dim)
+
+
+def table(slot):
+    return slot_blocks(slot, 4, 128)
+
+
 def test_cache_rows_round_trip_through_export_and_import_piece_by_piece():
     model = tiny_model("llama")
     spec = model.spec
-    src = SlotKVCache(spec.num_layers, 2, spec.num_kv_heads, 64, spec.head_dim)
-    dst = SlotKVCache(spec.num_layers, 3, spec.num_kv_heads, 64, spec.head_dim)
+    src = paged(spec)
+    dst = paged(spec)
     seq = prompt_ids(30, seed=3)
     _run(model, src, [(1, seq[:29], 0)], 0)
     # as a prefill worker sends them out
-    pieces = [src.export_rows(1, 0, 16), src.export_rows(1, 16, 29)]
+    pieces = [src.export_spans([(table(1), 0, 16)]), src.export_spans([(table(1), 16, 29)])]
     assert pieces[1].shape == (spec.num_layers, 2, spec.num_kv_heads, 13, spec.head_dim)
-    assert dst.import_rows(2, pieces[0]) == 16 and dst.import_rows(2, pieces[1], 16) == 13
+    assert dst.import_rows(table(2), pieces[0]) == 16
+    assert dst.import_rows(table(2), pieces[1], 16) == 13
     a = _run(model, src, [(1, [seq[29]], 29)], 1)
     b = _run(model, dst, [(2, [seq[29]], 29)], 1)
     torch.testing.assert_close(a, b, atol=0, rtol=0)
@@ -79,16 +91,31 @@ def test_one_steps_rows_of_several_requests_travel_as_one_array():
     each request's piece is its span of it, at its offset."""
     model = tiny_model("llama")
     spec = model.spec
-    src = SlotKVCache(spec.num_layers, 2, spec.num_kv_heads, 64, spec.head_dim)
+    src = paged(spec)
     seqs = [prompt_ids(20, seed=4), prompt_ids(12, seed=5)]
     _run(model, src, [(0, seqs[0][:19], 0), (1, seqs[1][:11], 0)], 0)
-    rows = src.export_spans([(0, 0, 19), (1, 3, 11)])
+    rows = src.export_spans([(table(0), 0, 19), (table(1), 3, 11)])
     assert rows.shape == (spec.num_layers, 2, spec.num_kv_heads, 19 + 8, spec.head_dim)
-    np.testing.assert_array_equal(rows[:, :, :, 19:], src.export_rows(1, 3, 11))
-    dst = SlotKVCache(spec.num_layers, 2, spec.num_kv_heads, 64, spec.head_dim)
-    dst.import_rows(1, rows[:, :, :, :19])
+    np.testing.assert_array_equal(rows[:, :, :, 19:], src.export_spans([(table(1), 3, 11)]))
+    dst = paged(spec)
+    dst.import_rows(table(1), rows[:, :, :, :19])
     a = _run(model, src, [(0, [seqs[0][19]], 19)], 1)
     b = _run(model, dst, [(1, [seqs[0][19]], 19)], 1)
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_a_copied_block_reads_as_its_source():
+    """n > 1: a choice's copy of its sibling's partly filled block, then its own tokens, give the
+    logits the sibling's blocks give."""
+    model = tiny_model("llama")
+    cache = paged(model.spec)
+    seq = prompt_ids(21, seed=6)
+    _run(model, cache, [(0, seq[:20], 0)], 0)
+    fork = table(0)[:1] + [table(1)[1]]  # shares block 0, copies block 1 (positions 16..19)
+    cache.copy_block(table(0)[1], fork[1])
+    a = _run(model, cache, [(0, [seq[20]], 20)], 1)
+    ids, layout = BatchLayout.pack([(fork, [seq[20]], 20)], 1, 16, "cpu")
+    b = model(ids, layout, cache, torch.arange(1))
     torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
@@ -143,7 +170,7 @@ def test_sliding_window_checkpoints_are_served_up_to_their_window_where_full_att
     torch.manual_seed(1234)
     hf = AutoModelForCausalLM.from_config(config).eval()
     model = from_hf_model(hf)
-    cache = SlotKVCache(model.spec.num_layers, 1, model.spec.num_kv_heads, 32, model.spec.head_dim)
+    cache = paged(model.spec)
     seq = prompt_ids(17, seed=3)
     with torch.no_grad():
         ref = hf(torch.tensor([seq])).logits[0]
@@ -173,7 +200,7 @@ def test_a_longrope_checkpoint_is_served_up_to_its_original_context_where_its_sh
 
     hf, model = tiny_hf_model("phi3"), tiny_model("phi3")
     assert model_context(tiny_hf_config("phi3")) == 64
-    cache = SlotKVCache(model.spec.num_layers, 1, model.spec.num_kv_heads, 80, model.spec.head_dim)
+    cache = paged(model.spec)
     seq = prompt_ids(65, seed=5)
     with torch.no_grad():
         short, long = hf(torch.tensor([seq[:64]])).logits[0], hf(torch.tensor([seq])).logits[0]

@@ -3,26 +3,24 @@ handle."""
 
 import pytest
 
-from scheduler.prefix_cache import BLOCK_SIZE
+from scheduler.block_pool import BLOCK_SIZE
 from scheduler.request import Request, SamplingParams
-from scheduler.step_planner import StepPlanner
-from tests.factories import VOCAB, prompt_ids, tiny_model
-from workers.engine import LocalEngine
+from tests.factories import VOCAB, local_engine, prompt_ids, tiny_model
 from workers.runner import ModelRunner
 
 CAPACITY = 256
 SYSTEM = prompt_ids(3 * BLOCK_SIZE + 5, 100)  # a shared prefix that ends inside a block
 
 
-def engine(prefix_blocks, num_slots=3):
-    runner = ModelRunner(
-        tiny_model("llama"), num_slots=num_slots, capacity=CAPACITY, prefix_blocks=prefix_blocks
-    )
-    return LocalEngine(
-        runner,
-        StepPlanner(
-            num_slots, CAPACITY, token_budget=24, prefill_chunk=8, prefix_cache_blocks=prefix_blocks
-        ),
+def engine(caching, num_blocks=None, num_slots=3):
+    return local_engine(
+        tiny_model("llama"),
+        num_slots,
+        CAPACITY if num_blocks is None else min(CAPACITY, num_blocks * BLOCK_SIZE),
+        num_blocks=num_blocks,
+        prefix_caching=caching,
+        token_budget=24,
+        prefill_chunk=8,
     )
 
 
@@ -62,23 +60,25 @@ def run_waves(eng, requests, wave=3):
     [SamplingParams(), SamplingParams(temperature=0.8, top_k=40, seed=9)],
     ids=["greedy", "seeded"],
 )
-@pytest.mark.parametrize("blocks", [64, 6], ids=["roomy", "evicting"])
+# 64 blocks: every cached block stays; 8 (the 3 requests of a wave need about 15): evictions and
+# preemptions
+@pytest.mark.parametrize("blocks", [64, 8], ids=["roomy", "evicting"])
 def test_outputs_with_the_cache_equal_outputs_without(sampling, blocks):
     """Shared prefixes ending inside a block, the same prompt twice at once, a prompt entirely
-    cached, and (with 6 blocks) eviction under pressure."""
-    expected = run_waves(engine(0), workload(sampling))
-    cached = engine(blocks)
+    cached, and (with 8 blocks) eviction and preemption under pressure."""
+    expected = run_waves(engine(False), workload(sampling))
+    cached = engine(True, num_blocks=blocks)
     assert run_waves(cached, workload(sampling)) == expected
-    stats = cached.scheduler.prefix_cache.stats()
-    assert stats["hit_tokens"] > 0 and stats["blocks_used"] <= blocks
-    if blocks == 6:
-        assert stats["evictions"] > 0
+    stats = cached.scheduler.blocks.stats()
+    assert stats["hit_tokens"] > 0 and stats["blocks_used"] == 0  # all given back at the end
+    if blocks == 8:
+        assert stats["evictions"] > 0 and cached.scheduler.num_preemptions > 0
 
 
 def test_recompute_after_preemption_uses_the_cache():
     """Two slots, long low-priority requests on a shared prefix, urgent ones arriving mid-output:
-    the evicted ones reload their prefix (and the blocks of their own output) instead of recomputing
-    it."""
+    the evicted ones find their prefix (and the blocks of their own output) cached instead of
+    recomputing it."""
 
     def requests():
         normal = [
@@ -96,8 +96,8 @@ def test_recompute_after_preemption_uses_the_cache():
         ]
         return normal, urgent
 
-    def run(prefix_blocks):
-        eng = engine(prefix_blocks, num_slots=2)
+    def run(caching):
+        eng = engine(caching, num_slots=2)
         normal, urgent = requests()
         for r in normal:
             eng.submit(r)
@@ -110,18 +110,18 @@ def test_recompute_after_preemption_uses_the_cache():
                 break
         return {r.req_id: r.output_ids for r in normal + urgent}, eng
 
-    expected, _ = run(0)
-    got, eng = run(64)
+    expected, _ = run(False)
+    got, eng = run(True)
     assert got == expected
     assert eng.scheduler.num_preemptions > 0
     # the recompute found its prompt and output blocks in the pool: more hits than the prompts alone
     # give
-    assert eng.scheduler.prefix_cache.hit_tokens > 3 * BLOCK_SIZE
+    assert eng.scheduler.blocks.hit_tokens > 3 * BLOCK_SIZE
 
 
 def test_a_pool_that_does_not_fit_fails_at_start_up_with_the_numbers():
     """Asking for more KV than the machine has fails before anything is allocated, saying how
     much."""
-    huge = 10**9 // BLOCK_SIZE  # a billion tokens of prefix cache
-    with pytest.raises(MemoryError, match=r"prefix cache 1000000000 tokens = .* GiB.* available"):
-        ModelRunner(tiny_model("llama"), num_slots=2, capacity=CAPACITY, prefix_blocks=huge)
+    huge = 10**9 // BLOCK_SIZE  # a billion tokens
+    with pytest.raises(MemoryError, match=r"62500000 blocks of 16 tokens.* GiB.* available"):
+        ModelRunner(tiny_model("llama"), huge)

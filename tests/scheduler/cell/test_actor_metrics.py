@@ -43,9 +43,9 @@ def test_ttft_histogram_counts_every_served_request(ray_session, tiny_checkpoint
             r.prompt_ids = list(requests[1].prompt_ids)
         results = engine.run(requests[:3])
         results |= engine.run(requests[3:])
-        prefill_cache = engine.stats()["workers"]["prefill-0"]["prefix_cache"]
+        prefill_cache = engine.stats()["workers"]["prefill-0"]["kv_cache"]
     assert len(results) == 7
-    assert prefill_cache["hit_tokens"] == 4 * 16 and prefill_cache["blocks_used"] >= 1, (
+    assert prefill_cache["hit_tokens"] == 4 * 16 and prefill_cache["blocks_cached"] >= 1, (
         prefill_cache
     )
 

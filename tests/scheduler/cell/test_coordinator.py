@@ -4,10 +4,11 @@ preemption.
 A fake worker answers each plan at once: the token it samples for output index i of a request
 depends only on (request, i), as seeded sampling does, so a recomputed request must continue with
 exactly the tokens it would have had, and every test can check the streams are whole. A fake decode
-worker also keeps a ledger of what each position of each slot holds (imported pieces, copies,
-computed rows) and checks that every chunk it runs finds its request's rows before it: a handoff
-imported into the wrong slot, a piece missing or imported twice from a void attempt fails every test
-that steps.
+worker also keeps a ledger of what each position of each KV block holds (imported pieces, copies,
+computed rows) and checks that every chunk it runs finds its request's rows before it, through its
+block table: a handoff imported into the wrong blocks, a piece missing or imported twice from a void
+attempt, a block shared or reused while another request still reads it fails every test that
+steps.
 """
 
 import functools
@@ -36,7 +37,7 @@ def expected_tokens(req_id: str, max_tokens: int) -> list[int]:
 req = functools.partial(make_request, prompt_len=6, max_tokens=5)
 
 
-# decode worker -> slot -> position -> row
+# decode worker -> block -> offset -> row
 LEDGER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -64,12 +65,11 @@ def cell(mode="disaggregated", **kw):
 
 
 def row(request, position):
-    """What a correct cache holds at a request's position: whose row it is (the choices of one
-    prompt share its rows) and the token there."""
+    """What a correct cache holds at a request's position: the KV of the tokens 0..position of its
+    sequence (so requests and choices that share a prefix share its rows)."""
     num_prompt = len(request.prompt_ids)
-    if position < num_prompt:
-        return request.fork_of or request.req_id, request.prompt_ids[position]
-    return request.req_id, token(request.req_id, position - num_prompt)
+    outputs = [token(request.req_id, i) for i in range(max(0, position + 1 - num_prompt))]
+    return tuple(request.prompt_ids[: position + 1] + outputs)
 
 
 class Rows:
@@ -102,9 +102,7 @@ def fake_step(coordinator, worker, plan, imports, lose_imports=()):
             for r, _, first, end in plan.exports
         ]
         return StepResult(Samples(sampled), kv_pieces=pieces, step_s=0.01, forward_s=0.009)
-    # (rows loaded from a prefix cache's pool are not kept track of)
-    if worker.sched.prefix_cache is None:
-        check_slots(worker, plan, [i for i in imports if i.handoff.req_id not in lost], lost)
+    check_blocks(worker, plan, [i for i in imports if i.handoff.req_id not in lost], lost)
     return StepResult(
         Samples(sampled),
         failed_imports=sorted(lost),
@@ -116,28 +114,32 @@ def fake_step(coordinator, worker, plan, imports, lose_imports=()):
     )
 
 
-def check_slots(worker, plan, imports, lost):
+def check_blocks(worker, plan, imports, lost):
     """Apply a decode step to the worker's ledger: imports, copies, then each chunk (but those of
     the requests whose import was lost: the worker drops them), which must find its request's rows
     at every position before its own."""
-    slots = LEDGER.setdefault(worker, {})
+    blocks = LEDGER.setdefault(worker, {})
+    size = worker.sched.blocks.block_size
+
+    def put(table, position, held):
+        blocks.setdefault(table[position // size], {})[position % size] = held
+
+    def get(table, position):
+        return blocks.get(table[position // size], {}).get(position % size)
+
     for item in imports:
         for piece in item.handoff.pieces[item.handoff.imported :]:
             for i, held in enumerate(piece.ref.rows):
-                slots.setdefault(item.slot, {})[piece.start + i] = held
-    for source, target, length in plan.copies:
-        slots.setdefault(target, {}).update(
-            {p: slots.get(source, {}).get(p) for p in range(length)}
-        )
+                put(item.block_table, piece.start + i, held)
+    for source, target in plan.copies:
+        blocks[target] = dict(blocks.get(source, {}))
     for chunk in (c for c in plan.chunks if c.req_id not in lost):
-        request, held = worker.sched.requests[chunk.req_id], slots.setdefault(chunk.slot, {})
-        wrong = [p for p in range(chunk.start_pos) if held.get(p) != row(request, p)]
-        assert not wrong, (
-            f"{chunk.req_id} in slot {chunk.slot} finds wrong rows at positions {wrong}"
-        )
-        held.update(
-            {p: row(request, p) for p in range(chunk.start_pos, chunk.start_pos + chunk.num_tokens)}
-        )
+        request = worker.sched.requests[chunk.req_id]
+        table = chunk.block_table
+        wrong = [p for p in range(chunk.start_pos) if get(table, p) != row(request, p)]
+        assert not wrong, f"{chunk.req_id} (blocks {table}) finds wrong rows at positions {wrong}"
+        for p in range(chunk.start_pos, chunk.start_pos + chunk.num_tokens):
+            put(table, p, row(request, p))
 
 
 class Streams:
@@ -527,8 +529,8 @@ def test_n_choices_share_one_prefill_and_one_handoff():
     assert streams.tokens == {f"x-{i}": expected_tokens(f"x-{i}", 5) for i in range(3)}
     assert coordinator.counts.handoffs == 1 and not coordinator.forks
     copies = [(w.name, c) for w, step in plans if step is not None for c in step[0].copies]
-    # 6-token prompt
-    assert [c[2] for _, c in copies] == [5, 5] and len({name for name, _ in copies}) == 1
+    # a 6-token prompt: each later choice copies the one partly filled block, on one worker
+    assert len(copies) == 2 and len({name for name, _ in copies}) == 1
     assert_idle(coordinator)
 
 

@@ -112,14 +112,14 @@ def early_and_final_imports(
     coordinator, streams, before_step=None, lose_first_early=False, seen=None
 ):
     """Step every worker until idle; returns (and fills `seen`) per request each import into a
-    decode slot as (worker, slot, first piece imported, pieces in the handoff, final)."""
+    decode worker as (worker, blocks, first piece imported, pieces in the handoff, final)."""
     seen, lose = {} if seen is None else seen, set()
 
     def observe(worker, imports, result):
         for item in imports:
             h = item.handoff
             seen.setdefault(h.req_id, []).append(
-                (worker.name, item.slot, h.imported, len(h.pieces), item.final)
+                (worker.name, tuple(item.block_table), h.imported, len(h.pieces), item.final)
             )
             if lose_first_early and not item.final:
                 lose.discard(h.req_id)  # lost once
