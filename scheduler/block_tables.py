@@ -84,6 +84,15 @@ class BlockTables:
         if request.num_cached is None:
             request.num_cached = request.num_computed
 
+    def match_held(self, request: Request, num_tokens: int) -> int:
+        """A handed-off request starts its table with the cached blocks among its first
+        `num_tokens` positions (computed elsewhere): returns the positions held here, which its
+        import skips."""
+        names = block_names(request, self.pool.block_size)
+        request.block_table = self.pool.match(names[: num_tokens // self.pool.block_size])
+        self.num_named[request.req_id] = len(request.block_table)
+        return len(request.block_table) * self.pool.block_size
+
     def name_full_blocks(self, request: Request) -> None:
         """Name the full blocks of a running request whose tokens are all known (planned counts as
         computed: this worker runs its steps in order)."""

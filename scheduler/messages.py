@@ -73,6 +73,8 @@ class KVImport:
     block_table: list[int]
     handoff: KVHandoff
     final: bool = True
+    # positions 0..held-1 are in the blocks already (the decode worker had them cached): not copied
+    held: int = 0
 
 
 @dataclass

@@ -67,6 +67,9 @@ class StepPlanner:
         self.free_slots: list[int] = list(range(num_slots))
         # prompts prefilling elsewhere -> the seat and the blocks their KV is imported into
         self.reserved: dict[str, tuple[int, list[int]]] = {}
+        # handed-off prompts: their leading positions this worker held already (cached blocks), so
+        # their import skips them
+        self.held: dict[str, int] = {}
         self.waiting: list[WaitingEntry] = []  # sorted by admission key
         self.running: list[Request] = []  # most urgent, then oldest (re-sorted by every plan)
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
@@ -180,6 +183,8 @@ class StepPlanner:
                 and not request.wants_prompt_logprobs
             ):
                 self.tables.match_prefix(request)
+            elif self.prefix_caching and reserved is None:  # a handoff: import what is not here
+                self.held[request.req_id] = self.tables.match_held(request, request.num_computed)
             # a handed-off prompt: blocks for the KV it imports
             self.tables.grow(request, request.num_computed)
         # prompt chunks: most urgent, then oldest
@@ -279,26 +284,33 @@ class StepPlanner:
         sibling = self.requests.get(request.fork_of)
         return sibling if sibling is not None and sibling.prompt_ids == request.prompt_ids else None
 
-    def reserve(self, req_id: str, num_tokens: int) -> bool:
+    def reserve(self, req_id: str, num_tokens: int, names: list[bytes] | None = None) -> bool:
         """Keep a seat and the blocks of `num_tokens` positions for a prompt prefilling on another
         worker (its KV is imported into them piece by piece, and it takes them when it is handed off
-        here), if more seats are free than requests wait and the blocks leave the watermark."""
-        needed = self.blocks.blocks_for(num_tokens)
-        if (
-            req_id not in self.reserved
-            and len(self.free_slots) > len(self.waiting)
-            and needed + self.tables.watermark <= self.blocks.num_free
-        ):
-            blocks = self.blocks.allocate(needed)
-            assert blocks is not None
-            self.reserved[req_id] = (self.free_slots.pop(), blocks)
-        return req_id in self.reserved
+        here), if more seats are free than requests wait and the blocks leave the watermark. The
+        prompt's leading blocks this worker has cached (`names`: its full blocks' names) are taken
+        as they are: their positions are `held` and not imported."""
+        if req_id in self.reserved or len(self.free_slots) <= len(self.waiting):
+            return req_id in self.reserved
+        size = self.blocks.block_size
+        usable = (names or [])[: (num_tokens - 1) // size]
+        matched = self.blocks.match(usable) if self.prefix_caching else []
+        needed = self.blocks.blocks_for(num_tokens) - len(matched)
+        if needed + self.tables.watermark > self.blocks.num_free:
+            self.blocks.release(matched)
+            return False
+        blocks = self.blocks.allocate(needed)
+        assert blocks is not None
+        self.reserved[req_id] = (self.free_slots.pop(), matched + blocks)
+        self.held[req_id] = len(matched) * size
+        return True
 
     def unreserve(self, req_id: str) -> None:
         if (reserved := self.reserved.pop(req_id, None)) is not None:
             slot, blocks = reserved
             bisect.insort(self.free_slots, slot)
             self.blocks.release(blocks)
+            self.held.pop(req_id, None)
 
     def can_preempt_for_waiting(self) -> bool:
         """A waiting request could evict a running one: the most urgent one can whenever any can."""
@@ -410,6 +422,8 @@ class StepPlanner:
                 request.logprobs.append(logprobs[chunk.req_id])
             request.num_pending -= 1
             request.output_ids.append(token)
+            if self.prefix_caching:  # a block planned before this token was known is full now
+                self.tables.name_full_blocks(request)
             request.token_times_s.append(now)
             if request.first_token_s is None:
                 request.first_token_s = now
@@ -450,6 +464,7 @@ class StepPlanner:
         assert request.slot is not None, f"{request.req_id} is running without a seat"
         bisect.insort(self.free_slots, request.slot)
         self.tables.release(request)
+        self.held.pop(request.req_id, None)
 
     def abort(self, req_id: str) -> Request | None:
         """Cancel a request in any state; its slot is free at once."""

@@ -119,8 +119,12 @@ class DecodeWorker(_ModelWorker):
         import_s: dict[str, float] = {}
         for item in imports:
             t0 = time.perf_counter()
-            todo = item.handoff.pieces[item.handoff.imported :]
-            try:  # zero-copy views of the object store's shared memory, copied once into the slot
+            todo = [  # pieces not yet here, but those wholly within what this worker holds
+                piece
+                for piece in item.handoff.pieces[item.handoff.imported :]
+                if piece.start + piece.num_tokens > item.held
+            ]
+            try:  # zero-copy views of the object store's shared memory, copied once into blocks
                 pieces = ray.get([piece.ref for piece in todo])
             except (
                 ray.exceptions.ObjectLostError,
@@ -133,8 +137,11 @@ class DecodeWorker(_ModelWorker):
             with warnings.catch_warnings():  # the shared buffer is read-only; we only read it
                 warnings.simplefilter("ignore", UserWarning)
                 for piece, rows in zip(todo, pieces, strict=True):
-                    rows = rows[:, :, :, piece.offset : piece.offset + piece.num_tokens]
-                    self.runner.cache.import_rows(item.block_table, rows, piece.start)
+                    # the positions before `held` are here already
+                    position = max(piece.start, item.held)
+                    first = piece.offset + position - piece.start
+                    rows = rows[:, :, :, first : piece.offset + piece.num_tokens]
+                    self.runner.cache.import_rows(item.block_table, rows, position)
             if item.final:
                 import_s[item.handoff.req_id] = time.perf_counter() - t0
         lost = set(failed)

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from scheduler.block_pool import routing_cost
+from scheduler.block_pool import block_names, routing_cost
 from scheduler.cell.forks import WaitingForks, sibling_worker
 from scheduler.cell.handoffs import HandoffBook
 from scheduler.cell.metrics import CellMetrics, RecordingBackend
@@ -171,9 +171,16 @@ class Coordinator:
 
     def _route(self, request: Request) -> None:
         """Queue a request whose cache is empty: on the prefill pool, or on a decode worker when the
-        mode is colocated or the tokens to compute are fewer than local_prefill_max_tokens; with the
-        sibling it shares a prompt with (n > 1) when that one is still on the pool."""
+        mode is colocated or the tokens to compute are fewer than local_prefill_max_tokens; on the
+        decode worker that holds all but a block and a chunk of it (a conversation's next turn,
+        whose earlier turns and replies that worker computed and cached); with the sibling it
+        shares a prompt with (n > 1) when that one is still on the pool."""
         local = not self.prefill or request.num_tokens < self.config.local_prefill_max_tokens
+        holder = None if local else self._decode_holding(request)
+        if holder is not None:
+            holder.sched.submit(request)
+            self.wake(holder)
+            return
         if not local and self.forks.park(request, self.prefill):
             return
         pool = self.decode if local else self.prefill
@@ -214,6 +221,29 @@ class Coordinator:
                 w.load(),
             ),
         )
+
+    def _decode_holding(self, request: Request) -> WorkerState | None:
+        """The live decode worker whose cache holds the most of a prompt, if what it lacks is at
+        most a block and a prefill chunk (a conversation's next turn: the new message, and the
+        partly filled block the last reply ended in). Computing that there costs its decodes a
+        chunk or two, where the prefill pool would compute (and hand over) the whole prompt
+        again."""
+        if not self.config.prefix_caching or request.wants_prompt_logprobs:
+            return None
+        best = None
+        most = 0
+        for worker in self.decode:
+            if worker.status is not WorkerStatus.UP:
+                continue
+            pool = worker.sched.blocks
+            cached = pool.cached_tokens(block_names(request, pool.block_size))
+            if cached > most:
+                best = worker
+                most = cached
+        if best is None:
+            return None
+        lacking = request.num_tokens - most
+        return best if lacking <= best.sched.blocks.block_size + self.config.prefill_chunk else None
 
     def _fail(self, request: Request, message: str, unavailable: bool = False) -> None:
         """End a request that no scheduler holds with an error on its own stream (`unavailable`:
@@ -274,7 +304,7 @@ class Coordinator:
         if plan.empty and not early:
             return None
         self.counts.early_imports += len(early)
-        return plan, self.kv.final_imports(plan) + early
+        return plan, self.kv.final_imports(plan, worker.sched.held) + early
 
     def apply(self, worker: WorkerState, plan: StepPlan, result: StepResult) -> None:
         """Consume a step's results: lost imports go back to be recomputed, sampled tokens are
@@ -287,10 +317,7 @@ class Coordinator:
             if (
                 request is not None
                 and request.status is RequestStatus.RUNNING
-                and (
-                    target := self.kv.add_piece(piece, request.num_tokens + 1, worker, self.decode)
-                )
-                is not None
+                and (target := self.kv.add_piece(piece, request, worker, self.decode)) is not None
             ):
                 self.wake(target)  # idle, it imports the piece now
         handoffs = [

@@ -17,9 +17,11 @@ import dataclasses
 from collections import Counter
 from typing import Any
 
+from scheduler.block_pool import block_names
 from scheduler.cell.state import WorkerState, WorkerStatus
 from scheduler.messages import KVHandoff, KVImport, KVPiece
 from scheduler.plan import StepPlan
+from scheduler.request import Request
 
 
 class HandoffBook:
@@ -37,15 +39,17 @@ class HandoffBook:
         self.sent: dict[str, int] = {}
 
     def add_piece(
-        self, piece: KVPiece, num_tokens: int, prefill: WorkerState, decode: list[WorkerState]
+        self, piece: KVPiece, request: Request, prefill: WorkerState, decode: list[WorkerState]
     ) -> WorkerState | None:
-        """Keep a piece of a prompt still prefilling (of `num_tokens` once handed off: the prompt
-        and its first output); name it to its decode worker if that is elsewhere. Returns that
-        worker when the piece is to be imported into blocks reserved there."""
+        """Keep a piece of a prompt still prefilling; name it to its decode worker if that is
+        elsewhere. Returns that worker when the piece is to be imported into blocks reserved there
+        (for the prompt and its first output; those of its leading blocks the worker has cached are
+        taken as they are)."""
         self.pieces.setdefault(piece.req_id, []).append(piece)
         target = self.target(piece.req_id, decode)
         if target is not None and target.status is WorkerStatus.UP:
-            target.sched.reserve(piece.req_id, num_tokens)
+            names = block_names(request, target.sched.blocks.block_size)
+            target.sched.reserve(piece.req_id, request.num_tokens + 1, names)
         if target is not None and target.placement.get("node_id") != prefill.placement.get(
             "node_id"
         ):
@@ -92,11 +96,12 @@ class HandoffBook:
         self.handoffs[handoff.req_id] = handoff
         self.importing.pop(handoff.req_id, None)
 
-    def final_imports(self, plan: StepPlan) -> list[KVImport]:
+    def final_imports(self, plan: StepPlan, held: dict[str, int]) -> list[KVImport]:
         """The handoffs of the plan's decode chunks that no step has been sent to import yet: with a
-        step in flight ahead, the one after it must not import them again."""
+        step in flight ahead, the one after it must not import them again. `held`: the leading
+        positions of each that the decode worker has already."""
         imports = [
-            KVImport(c.block_table, self.handoffs[c.req_id])
+            KVImport(c.block_table, self.handoffs[c.req_id], held=held.get(c.req_id, 0))
             for c in plan.decode
             if c.req_id in self.handoffs and c.req_id not in self.importing
         ]
@@ -119,9 +124,9 @@ class HandoffBook:
             pieces = self.pieces.get(req_id, [])
             sent = self.sent.get(req_id, 0)
             if self.bound.get(req_id) is worker and len(pieces) > sent:
-                imports.append(
-                    KVImport(blocks, KVHandoff(req_id, tuple(pieces), -1, sent), final=False)
-                )
+                handoff = KVHandoff(req_id, tuple(pieces), -1, sent)
+                held = worker.sched.held.get(req_id, 0)
+                imports.append(KVImport(blocks, handoff, final=False, held=held))
                 self.sent[req_id] = len(pieces)
         return imports
 

@@ -282,3 +282,33 @@ def test_prefix_cache_changes_no_output_and_routes_to_the_cache(
     caches = [w["kv_cache"] for w in stats.values()]
     # the 4 later shared prompts: 2 blocks each
     assert sum(c["hit_tokens"] for c in caches) >= 4 * 32
+
+
+def test_a_conversations_later_turns_are_not_computed_again(ray_session, tiny_checkpoint):
+    """Disaggregated, three turns, each prompt the conversation so far plus a few new tokens: turns
+    2 and 3 find everything but the new tokens cached on the decode worker that generated the last
+    reply, are computed there (no prefill, no handoff) and equal local mode's turns."""
+    from tests.factories import prompt_ids
+
+    def turns(engine):
+        history = prompt_ids(40, 7)
+        done = []
+        for turn in range(3):
+            prompt = history + prompt_ids(5, 70 + turn)
+            request = Request(req_id=f"t{turn}", prompt_ids=prompt, max_tokens=12)
+            result = engine.run([request])[request.req_id]
+            done.append(result)
+            history = prompt + result.token_ids
+        return done
+
+    with open_engine(EngineConfig(model=tiny_checkpoint, **BASE)) as engine:
+        expected = turns(engine)
+    config = EngineConfig(model=tiny_checkpoint, mode="disaggregated", **BASE)
+    with RayEngine(config) as engine:
+        got = turns(engine)
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    assert got[0].metrics["kv_handoff_bytes"] > 0
+    for later in got[1:]:
+        assert later.metrics["kv_handoff_bytes"] == 0 and later.metrics["prefill_worker"] is None
+        # all but the new tokens and the last, partly filled block of the conversation so far
+        assert later.metrics["cached_tokens"] >= later.prompt_tokens - 5 - 16

@@ -278,3 +278,24 @@ def test_the_same_prefix_arriving_twice_at_once_is_computed_once():
     }
     assert computed == {"a": 4 * B + 3, "b": 2}  # b waited for a's four blocks, then shared them
     assert sched.blocks.hit_tokens == 4 * B
+
+
+def test_blocks_planned_before_their_tokens_were_known_are_named_when_they_are():
+    """A decode burst plans many steps before any result comes (each samples a token the next one
+    feeds in): the request can end before a plan sees its last tokens. Its full blocks are named as
+    the tokens arrive, so the next turn of a conversation finds them."""
+    sched = planner()
+    first = request("a", tokens(B - 2), max_tokens=2 * B)
+    sched.submit(first)
+    prefill = sched.plan()
+    sched.update(prefill, {c.req_id: 5 for c in prefill.chunks if c.sample})
+    burst = []
+    while not (plan := sched.plan()).empty:  # every decode step, planned at once
+        burst.append(plan)
+    for plan in burst:
+        sched.update(plan, {c.req_id: 5 + c.output_index for c in plan.chunks if c.sample})
+    assert first.finished
+    sequence = first.prompt_ids + first.output_ids
+    computed = len(sequence) - 1  # the last output's KV is never computed
+    names = chain_hashes(sequence, computed // B, [])
+    assert sched.blocks.cached_tokens(names) == (computed // B) * B

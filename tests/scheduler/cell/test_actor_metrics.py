@@ -8,7 +8,7 @@ import pytest
 
 from deploy.config import EngineConfig
 from deploy.driver import RayEngine
-from tests.factories import make_requests
+from tests.factories import make_requests, prompt_ids
 
 pytestmark = pytest.mark.slow
 
@@ -38,9 +38,11 @@ def test_ttft_histogram_counts_every_served_request(ray_session, tiny_checkpoint
     with RayEngine(config) as engine:
         worker_id = ray_session.get(engine.handle.ready.remote())["scheduler_worker_id"]
         requests = make_requests(7, [5, 20, 9], [4, 9, 6])
-        # four requests repeat the first's 20-token prompt: one 16-token block cached
-        for r in requests[3:]:
-            r.prompt_ids = list(requests[1].prompt_ids)
+        # four requests start with the second's 20-token prompt: its one full 16-token block is
+        # cached on the prefill worker; their own 30 tokens after it are too many to compute on
+        # the decode worker that holds it, so they are prefilled (and hit) there
+        for i, r in enumerate(requests[3:]):
+            r.prompt_ids = requests[1].prompt_ids + prompt_ids(30, seed=100 + i)
         results = engine.run(requests[:3])
         results |= engine.run(requests[3:])
         prefill_cache = engine.stats()["workers"]["prefill-0"]["kv_cache"]

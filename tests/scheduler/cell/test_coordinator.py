@@ -127,10 +127,11 @@ def check_blocks(worker, plan, imports, lost):
     def get(table, position):
         return blocks.get(table[position // size], {}).get(position % size)
 
-    for item in imports:
+    for item in imports:  # as the worker does: positions before `held` are not copied
         for piece in item.handoff.pieces[item.handoff.imported :]:
             for i, held in enumerate(piece.ref.rows):
-                put(item.block_table, piece.start + i, held)
+                if piece.start + i >= item.held:
+                    put(item.block_table, piece.start + i, held)
     for source, target in plan.copies:
         blocks[target] = dict(blocks.get(source, {}))
     for chunk in (c for c in plan.chunks if c.req_id not in lost):
@@ -636,4 +637,69 @@ def test_an_urgent_prompt_passes_the_bound_to_preempt_at_once():
     assert streams.tokens == {"urgent": expected_tokens("urgent", 3)} | {
         f"low{i}": expected_tokens(f"low{i}", 40) for i in range(6)
     }
+    assert_idle(coordinator)
+
+
+def test_a_conversations_next_turn_is_prefilled_where_its_history_is_cached():
+    """The decode worker that generated a reply holds it (and the prompt before it) as named
+    blocks: the next turn goes there and computes only what is new, with no prefill and no
+    handoff; the ledger checks it reads the right rows."""
+    coordinator = cell(prefix_caching=True, capacity=128, token_budget=16, prefill_chunk=8)
+    streams = Streams()
+    first = Request(req_id="t1", prompt_ids=list(range(1, 38)), max_tokens=12)
+    coordinator.admit(first, consumer="c")
+    step_all(coordinator, streams)
+    assert coordinator.counts.handoffs == 1
+    history = first.prompt_ids + streams.tokens["t1"]  # 49 tokens: 3 full blocks cached
+    follow = Request(req_id="t2", prompt_ids=history + [90, 91, 92, 93, 94], max_tokens=4)
+    chunks = []
+    next_step = coordinator.next_step
+
+    def record(worker):
+        step = next_step(worker)
+        if step is not None:
+            chunks.extend((worker.name, c) for c in step[0].chunks)
+        return step
+
+    coordinator.next_step = record
+    coordinator.admit(follow, consumer="c")
+    step_all(coordinator, streams)
+    assert streams.tokens["t2"] == expected_tokens("t2", 4)
+    assert coordinator.counts.handoffs == 1  # none for the second turn
+    prompt_len = len(follow.prompt_ids)
+    computed = [(name, c.start_pos, c.num_tokens) for name, c in chunks if c.start_pos < prompt_len]
+    assert computed == [("decode-0", 48, 6)]
+    assert follow.num_cached == 48
+    assert_idle(coordinator)
+
+
+@pytest.mark.parametrize("decode_slots", [1, 4], ids=["at-handoff", "reserved-early"])
+def test_a_handoff_skips_the_blocks_the_decode_worker_has_cached(decode_slots):
+    """Two prompts on one system prompt: the second's KV goes to the decode worker that holds the
+    first's, which keeps its cached blocks and copies in only the rest (into blocks taken at the
+    handoff, or reserved while the prompt prefills); the ledger checks the rows it reads."""
+    coordinator = cell(
+        prefix_caching=True, decode_slots=decode_slots, capacity=128, token_budget=16
+    )
+    streams = Streams()
+    imports = []
+    next_step = coordinator.next_step
+
+    def record(worker):
+        step = next_step(worker)
+        if step is not None:
+            imports.extend((i.handoff.req_id, i.held) for i in step[1])
+        return step
+
+    coordinator.next_step = record
+    system = list(range(1, 41))  # 2 full blocks and a half
+    coordinator.admit(Request(req_id="a", prompt_ids=system + [50, 51], max_tokens=3), "c")
+    step_all(coordinator, streams)
+    # b's own 30 tokens are too many for the decode worker to compute: b is prefilled, handed off
+    tail = list(range(60, 90))
+    coordinator.admit(Request(req_id="b", prompt_ids=system + tail, max_tokens=3), "c")
+    step_all(coordinator, streams)
+    assert streams.tokens == {"a": expected_tokens("a", 3), "b": expected_tokens("b", 3)}
+    assert {held for req_id, held in imports if req_id == "a"} == {0}
+    assert {held for req_id, held in imports if req_id == "b"} == {32}
     assert_idle(coordinator)

@@ -279,11 +279,11 @@ def test_an_import_done_after_its_handoff_was_replaced_leaves_the_new_one():
     )
     old, new = (KVHandoff("r", (KVPiece("r", 0, 8, object(), 100, 0.001),), 0) for _ in range(2))
     book.book(old)
-    assert [i.handoff for i in book.final_imports(decode)] == [old]
-    assert book.final_imports(decode) == []  # the step planned next does not import it again
+    assert [i.handoff for i in book.final_imports(decode, {})] == [old]
+    assert book.final_imports(decode, {}) == []  # the step planned next does not import it again
     book.book(new)
     assert book.imported("r") is None and book.handoffs["r"] is new
-    assert [i.handoff for i in book.final_imports(decode)] == [new]
+    assert [i.handoff for i in book.final_imports(decode, {})] == [new]
     assert book.imported("r") is new and not book.handoffs and not book.importing
 
 
