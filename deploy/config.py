@@ -121,6 +121,12 @@ class EngineConfig(BaseModel):
     num_cpus_per_worker: float = Field(
         1.0, gt=0, description="CPUs reserved per worker actor; torch uses that many threads."
     )
+    gpus_per_worker: float | None = Field(
+        None,
+        ge=0,
+        description="GPUs each worker actor takes; default: 1 where the cluster has GPUs, else 0. "
+        "0.5 lets a prefill and a decode worker share one GPU.",
+    )
     prefix_cache_tokens: int = Field(
         16384,
         ge=0,
@@ -186,6 +192,22 @@ class EngineConfig(BaseModel):
                 f"max_model_len {self.max_model_len} exceeds the model's context of {model_context}"
             )
         return self.max_model_len
+
+    def gpus_for(self, cluster_gpus: float) -> float:
+        """GPUs each worker takes on a cluster with `cluster_gpus`. Raises ValueError, with the
+        numbers, when one cell's workers ask for more than the cluster has: Ray would otherwise
+        wait forever for the worker that does not fit."""
+        per_worker = self.gpus_per_worker
+        if per_worker is None:
+            per_worker = 1.0 if cluster_gpus >= 1 else 0.0
+        needed = per_worker * self.num_workers()
+        if needed > cluster_gpus:
+            raise ValueError(
+                f"{self.num_workers()} workers of {per_worker:g} GPU each need {needed:g} GPUs, "
+                f"the cluster has {cluster_gpus:g}: lower the workers, or set gpus_per_worker "
+                f"(e.g. {cluster_gpus / self.num_workers():g}) so that they share"
+            )
+        return per_worker
 
     def num_blocks(self, capacity: int, slots: int, bytes_per_token: int) -> int:
         """KV blocks of one worker running `slots` requests of at most `capacity` tokens each, K

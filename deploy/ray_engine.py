@@ -36,6 +36,7 @@ def scheduler_args(config: EngineConfig, info: TokenizerInfo | None = None) -> t
     """The scheduler actor's constructor arguments for a config: its cell, how to spawn its workers
     and the tokenizer its outputs are detokenized with (`info`, or loaded here). Loading the
     tokenizer converts a GGUF once, before the workers look for the converted checkpoint."""
+    config.gpus_for(ray.cluster_resources().get("GPU", 0))  # fail here, not in a worker's wait
     info = info or load_tokenizer(config.model)
     capacity = config.context_len(info.max_context)
     per_token = kv_bytes_per_token(info, config.dtype, config.device)

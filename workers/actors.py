@@ -177,11 +177,11 @@ def spawn_worker(config: Any, kind: str, index: int, num_blocks: int, block_size
 
     `config` is deploy's EngineConfig (model, dtype, device, resources, restarts, CPUs per worker).
     The scheduler actor calls this (through `functools.partial(spawn_worker, config)`), with the
-    number of KV blocks it plans for this worker, so it owns its workers. A worker takes one GPU
-    where the cluster has GPUs, else `num_cpus_per_worker` CPUs and as many torch threads; Ray
-    restarts it `max_worker_restarts` times.
+    number of KV blocks it plans for this worker, so it owns its workers. A worker takes
+    `gpus_per_worker` GPUs (one where the cluster has GPUs, by default), `num_cpus_per_worker` CPUs
+    and as many torch threads; Ray restarts it `max_worker_restarts` times.
     """
-    gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+    gpus = config.gpus_for(ray.cluster_resources().get("GPU", 0))
     cls = PrefillWorker if kind == "prefill" else DecodeWorker
     options = {
         "max_restarts": config.max_worker_restarts,

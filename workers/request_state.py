@@ -57,6 +57,7 @@ class RequestState:
             seen = torch.tensor(
                 sorted(t for t in self.prompt_ids | self.counts.keys() if t < vocab),
                 dtype=torch.long,
+                device=row.device,
             )
             values = row[seen]
             row[seen] = torch.where(
@@ -64,8 +65,8 @@ class RequestState:
             )
         if (params.frequency_penalty or params.presence_penalty) and self.counts:
             pairs = [(t, c) for t, c in self.counts.items() if t < vocab]
-            ids = torch.tensor([t for t, _ in pairs], dtype=torch.long)
-            counts = torch.tensor([c for _, c in pairs], dtype=row.dtype)
+            ids = torch.tensor([t for t, _ in pairs], dtype=torch.long, device=row.device)
+            counts = torch.tensor([c for _, c in pairs], dtype=row.dtype, device=row.device)
             row[ids] -= params.frequency_penalty * counts + params.presence_penalty
 
 

@@ -48,20 +48,22 @@ def process_logits(
     if params.logit_bias:
         ids, biases = zip(*params.logit_bias, strict=True)
         in_vocab = [i for i, t in enumerate(ids) if t < row.shape[-1]]
-        row[torch.tensor([ids[i] for i in in_vocab], dtype=torch.long)] += torch.tensor(
-            [biases[i] for i in in_vocab]
-        )
+        # the option tensors go where the logits are (a GPU's): no host tensor meets a device one
+        index = torch.tensor([ids[i] for i in in_vocab], dtype=torch.long, device=row.device)
+        row[index] += torch.tensor([biases[i] for i in in_vocab], device=row.device)
     if state is not None:
         state.penalize(row, params)
         if state.matcher is not None:
             state.matcher.mask_logits(row)
     if output_index < params.min_tokens and params.suppress_ids:
         suppressed = torch.tensor(
-            sorted(t for t in params.suppress_ids if t < row.shape[-1]), dtype=torch.long
+            sorted(t for t in params.suppress_ids if t < row.shape[-1]),
+            dtype=torch.long,
+            device=row.device,
         )
         masked = row.index_fill(0, suppressed, float("-inf"))
-        if bool(torch.isfinite(masked).any()):
-            row = masked
+        # chosen on the device: no host sync per row
+        row = torch.where(torch.isfinite(masked).any(), masked, row)
     return row
 
 

@@ -64,3 +64,12 @@ def test_the_flags_are_documented_in_help():
         [sys.executable, "-m", "deploy.cli", "serve", "--help"], capture_output=True, text=True
     )
     assert "--kv-cache-memory" in result.stdout and "--max-num-seqs" in result.stdout
+
+
+def test_workers_share_gpus_when_asked_and_too_few_gpus_fail_at_start_with_the_numbers():
+    config = EngineConfig(mode="disaggregated", prefill_workers=1, decode_workers=1)
+    assert config.gpus_for(0) == 0 and config.gpus_for(2) == 1  # CPU only; a GPU each
+    with pytest.raises(ValueError, match=r"2 workers of 1 GPU each need 2 GPUs, the cluster has 1"):
+        config.gpus_for(1)
+    shared = EngineConfig(mode="disaggregated", gpus_per_worker=0.5)
+    assert shared.gpus_for(1) == 0.5  # a prefill and a decode worker on one GPU

@@ -243,3 +243,24 @@ def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_top_one():
     assert 1 < int(kept.sum()) < VOCAB  # the filter did something, and not everything
     # 0: off
     assert torch.isfinite(filter_logits(logits, SamplingParams(temperature=0.7, seed=1))).all()
+
+
+def test_every_logit_option_runs_on_the_device_of_the_logits():
+    """The tensors of logit_bias, the penalties and min_tokens are made where the logits are: with
+    logits on a device other than the host (`meta` here, as a GPU's would be) nothing mixes
+    devices, and the min_tokens mask is chosen without reading the row back."""
+    from workers.request_state import RequestState
+    from workers.sampling import process_logits
+
+    params = SamplingParams(
+        logit_bias=((3, 5.0),),
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        repetition_penalty=1.2,
+        min_tokens=4,
+        suppress_ids=frozenset({7}),
+    )
+    state = RequestState(params, (1, 2, 3), (), None)
+    state.consume(4)
+    row = process_logits(torch.zeros(VOCAB, device="meta"), params, 0, state)
+    assert row.device.type == "meta" and row.shape == (VOCAB,)
