@@ -69,6 +69,7 @@ class InProcessEngine(Engine):
         import torch
 
         from workers.engine import LocalEngine
+        from workers.kv_cache import PagedKVCache
         from workers.loader import load_model
         from workers.runner import ModelRunner
 
@@ -77,8 +78,10 @@ class InProcessEngine(Engine):
         self.tokenizer = use_chat_template(loaded.tokenizer, config.chat_template)
         self.eos_token_ids = loaded.eos_token_ids
         spec = loaded.model.spec
-        element = loaded.model.model.embed_tokens.weight.element_size()
-        per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * element
+        dtype = loaded.model.model.embed_tokens.weight.dtype
+        per_token = PagedKVCache.bytes_per_token(
+            spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype
+        )
         num_blocks = config.num_blocks(self.capacity, config.slots, per_token)
         runner = ModelRunner(
             loaded.model, num_blocks, block_size=config.block_size, tokenizer=loaded.tokenizer
