@@ -19,12 +19,13 @@ class BlockTables:
         self.watermark = pool.num_blocks // 100
         self.num_named: dict[str, int] = {}  # per running request: its leading blocks named
 
-    def to_admit(self, request: Request, prefill_chunk: int) -> int:
+    def to_admit(self, request: Request, prefill_chunk: int, alone: bool) -> int:
         """Free blocks a waiting request needs to be admitted: those of its first chunk (or of the
-        KV it imports) and the watermark. Cached blocks it would match are not counted: admitting
-        it may need fewer."""
+        KV it imports), and the watermark unless it would run `alone` (nothing else can grow then,
+        and a request as long as the pool must still run). Cached blocks it would match are not
+        counted: admitting it may need fewer."""
         first = request.num_computed or min(request.num_uncomputed, prefill_chunk)
-        return self.pool.blocks_for(first) + self.watermark
+        return self.pool.blocks_for(first) + (0 if alone else self.watermark)
 
     def grow(self, request: Request, num_tokens: int) -> bool:
         """Extend a request's table to hold positions 0..num_tokens-1; False (nothing taken) if the

@@ -155,7 +155,8 @@ class StepPlanner:
             room = True
             while reserved is None and not (
                 self.free_slots
-                and self.tables.to_admit(request, self.prefill_chunk) <= self.blocks.num_free
+                and self.tables.to_admit(request, self.prefill_chunk, not self.running)
+                <= self.blocks.num_free
             ):
                 victim = self.victim(request)
                 room = victim is not None

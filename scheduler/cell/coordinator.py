@@ -412,6 +412,7 @@ class Coordinator:
             self._drop_kv(request.req_id)  # imported or not, its blocks are gone
             self._recompute(request, f"{worker.name} failed")
         worker.sched.blocks.clear()  # the restarted worker's pool is empty
+        worker.sched.held.clear()  # what handed-off prompts found cached there is gone too
         self._move_waiting(worker)
 
     def worker_back(self, worker: WorkerState, placement: dict[str, Any]) -> None:

@@ -299,3 +299,13 @@ def test_blocks_planned_before_their_tokens_were_known_are_named_when_they_are()
     computed = len(sequence) - 1  # the last output's KV is never computed
     names = chain_hashes(sequence, computed // B, [])
     assert sched.blocks.cached_tokens(names) == (computed // B) * B
+
+
+def test_a_request_as_long_as_the_pool_runs_when_it_is_alone():
+    """The 1% kept for growth does not stop a request that needs every block from running alone."""
+    sched = StepPlanner(1, 200 * B, token_budget=200 * B, prefill_chunk=200 * B, num_blocks=200)
+    assert sched.tables.watermark == 2
+    whole = request("w", tokens(200 * B - 1), max_tokens=1)
+    sched.submit(whole)
+    run(sched)
+    assert whole.finished and len(whole.output_ids) == 1

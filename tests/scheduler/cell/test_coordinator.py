@@ -703,3 +703,33 @@ def test_a_handoff_skips_the_blocks_the_decode_worker_has_cached(decode_slots):
     assert {held for req_id, held in imports if req_id == "a"} == {0}
     assert {held for req_id, held in imports if req_id == "b"} == {32}
     assert_idle(coordinator)
+
+
+def test_blocks_a_handoff_found_cached_are_imported_after_all_when_the_decode_worker_restarts():
+    """b is handed off to blocks reserved on the decode worker that has its system prompt cached;
+    that worker dies before b's import and comes back empty: b's KV is imported whole (the ledger,
+    emptied with the worker, checks every row b reads)."""
+    coordinator = cell(prefix_caching=True, decode_slots=4, capacity=128, token_budget=16)
+    streams = Streams()
+    system = list(range(1, 41))
+    coordinator.admit(Request(req_id="a", prompt_ids=system + [50, 51], max_tokens=3), "c")
+    step_all(coordinator, streams)
+    decode = coordinator.decode[0]
+    restarted = []
+    apply = coordinator.apply
+
+    def apply_then_kill(worker, plan, result):  # right after the handoff, before the import
+        apply(worker, plan, result)
+        if not restarted and "b" in coordinator.kv.handoffs and "b" in decode.sched.reserved:
+            assert decode.sched.held["b"] == 32
+            coordinator.worker_died(decode)
+            coordinator.worker_back(decode, decode.placement)
+            restarted.append(True)
+
+    coordinator.apply = apply_then_kill
+    tail = list(range(60, 90))
+    coordinator.admit(Request(req_id="b", prompt_ids=system + tail, max_tokens=3), "c")
+    step_all(coordinator, streams)
+    assert restarted
+    assert streams.tokens["b"] == expected_tokens("b", 3)
+    assert_idle(coordinator)
