@@ -85,12 +85,18 @@ class BlockTables:
         if request.num_cached is None:
             request.num_cached = request.num_computed
 
+    def held_blocks(self, names: list[bytes], num_tokens: int) -> list[int]:
+        """The cached blocks among the first `num_tokens` positions of a prompt computed on
+        another worker (`names`: its full blocks' names), taken: its import skips them."""
+        if not self.prefix_caching:
+            return []
+        return self.pool.match(names[: num_tokens // self.pool.block_size])
+
     def match_held(self, request: Request, num_tokens: int) -> int:
-        """A handed-off request starts its table with the cached blocks among its first
-        `num_tokens` positions (computed elsewhere): returns the positions held here, which its
-        import skips."""
+        """A handed-off request starts its table with its `held_blocks`: returns the positions
+        held here."""
         names = block_names(request, self.pool.block_size)
-        request.block_table = self.pool.match(names[: num_tokens // self.pool.block_size])
+        request.block_table = self.held_blocks(names, num_tokens)
         self.num_named[request.req_id] = len(request.block_table)
         return len(request.block_table) * self.pool.block_size
 

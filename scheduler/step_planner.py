@@ -293,9 +293,8 @@ class StepPlanner:
         as they are: their positions are `held` and not imported."""
         if req_id in self.reserved or len(self.free_slots) <= len(self.waiting):
             return req_id in self.reserved
-        size = self.blocks.block_size
-        usable = (names or [])[: (num_tokens - 1) // size]
-        matched = self.blocks.match(usable) if self.prefix_caching else []
+        # the prompt's positions: all but the first output token's
+        matched = self.tables.held_blocks(names or [], num_tokens - 1)
         needed = self.blocks.blocks_for(num_tokens) - len(matched)
         if needed + self.tables.watermark > self.blocks.num_free:
             self.blocks.release(matched)
@@ -303,7 +302,7 @@ class StepPlanner:
         blocks = self.blocks.allocate(needed)
         assert blocks is not None
         self.reserved[req_id] = (self.free_slots.pop(), matched + blocks)
-        self.held[req_id] = len(matched) * size
+        self.held[req_id] = len(matched) * self.blocks.block_size
         return True
 
     def unreserve(self, req_id: str) -> None:

@@ -163,6 +163,19 @@ class Streams:
                     self.finish[out.req_id], self.errors[out.req_id] = out.finish_reason, out.error
 
 
+def record_steps(coordinator, seen):
+    """Call `seen(worker, plan, imports)` with every step the coordinator plans from now on."""
+    next_step = coordinator.next_step
+
+    def recorded(worker):
+        step = next_step(worker)
+        if step is not None:
+            seen(worker, *step)
+        return step
+
+    coordinator.next_step = recorded
+
+
 def step_all(coordinator, streams, steps=200, lose_imports=(), before_step=None, observe=None):
     for n in range(steps):
         if before_step is not None:
@@ -521,15 +534,13 @@ def test_n_choices_share_one_prefill_and_one_handoff():
         coordinator.admit(choice, consumer="c")
     assert [r.req_id for r in coordinator.forks.by_sibling["x-0"]] == ["x-1", "x-2"]
     assert coordinator.prefill[0].sched.num_waiting == 1  # only choice 0 is prefilled
-    plans = []
-    next_step = coordinator.next_step
-    coordinator.next_step = lambda worker: (lambda step: plans.append((worker, step)) or step)(
-        next_step(worker)
+    copies = []
+    record_steps(
+        coordinator, lambda worker, plan, _: copies.extend((worker.name, c) for c in plan.copies)
     )
     step_all(coordinator, streams)
     assert streams.tokens == {f"x-{i}": expected_tokens(f"x-{i}", 5) for i in range(3)}
     assert coordinator.counts.handoffs == 1 and not coordinator.forks
-    copies = [(w.name, c) for w, step in plans if step is not None for c in step[0].copies]
     # a 6-token prompt: each later choice copies the one partly filled block, on one worker
     assert len(copies) == 2 and len({name for name, _ in copies}) == 1
     assert_idle(coordinator)
@@ -653,15 +664,10 @@ def test_a_conversations_next_turn_is_prefilled_where_its_history_is_cached():
     history = first.prompt_ids + streams.tokens["t1"]  # 49 tokens: 3 full blocks cached
     follow = Request(req_id="t2", prompt_ids=history + [90, 91, 92, 93, 94], max_tokens=4)
     chunks = []
-    next_step = coordinator.next_step
-
-    def record(worker):
-        step = next_step(worker)
-        if step is not None:
-            chunks.extend((worker.name, c) for c in step[0].chunks)
-        return step
-
-    coordinator.next_step = record
+    record_steps(
+        coordinator,
+        lambda worker, plan, imports: chunks.extend((worker.name, c) for c in plan.chunks),
+    )
     coordinator.admit(follow, consumer="c")
     step_all(coordinator, streams)
     assert streams.tokens["t2"] == expected_tokens("t2", 4)
@@ -683,15 +689,10 @@ def test_a_handoff_skips_the_blocks_the_decode_worker_has_cached(decode_slots):
     )
     streams = Streams()
     imports = []
-    next_step = coordinator.next_step
-
-    def record(worker):
-        step = next_step(worker)
-        if step is not None:
-            imports.extend((i.handoff.req_id, i.held) for i in step[1])
-        return step
-
-    coordinator.next_step = record
+    record_steps(
+        coordinator,
+        lambda worker, plan, items: imports.extend((i.handoff.req_id, i.held) for i in items),
+    )
     system = list(range(1, 41))  # 2 full blocks and a half
     coordinator.admit(Request(req_id="a", prompt_ids=system + [50, 51], max_tokens=3), "c")
     step_all(coordinator, streams)
