@@ -176,8 +176,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     from deploy.ray_engine import init_ray
     from deploy.serving.app import APP_NAME, build_app
+    from deploy.serving.drain import clear_drain, request_drain, wait_drained
 
     init_ray(config)
+    clear_drain(APP_NAME)  # (a Ray joined through RAY_ADDRESS may remember an earlier one)
     serve.start(http_options={"host": args.host, "port": proxy_port})
     serve.run(build_app(config.model_dump()), name=APP_NAME, route_prefix="/", blocking=False)
     base = f"http://{args.host}:{args.port}/v1"
@@ -197,6 +199,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
+        # not ready at once, new requests refused, open streams given --drain-timeout-s (a second
+        # signal stops at once)
+        print("pdserve: draining, then stopping", file=sys.stderr, flush=True)
+        try:
+            request_drain(APP_NAME)
+            wait_drained(APP_NAME, config.drain_timeout_s + 10)
+            time.sleep(1.0)  # the ended streams' last events reach their clients
+        except KeyboardInterrupt:
+            pass
         serve.shutdown()
     return 0
 

@@ -368,6 +368,19 @@ class ServiceConfig(ReplyConfig):
         description="How long a stream whose cell died waits for "
         "another cell before it ends with an error.",
     )
+    max_queue_time_s: float | None = Field(
+        None,
+        gt=0,
+        description="A request not given a slot this many seconds after it arrived gets 503 "
+        "with Retry-After, its state freed; unset: it waits as long as it takes.",
+    )
+    drain_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="On SIGTERM (or Ctrl-C) the ingress turns not-ready and refuses new "
+        "requests with 503; its open streams may finish for this long, then end with an error "
+        "event.",
+    )
 
     @model_validator(mode="after")
     def _serving_mode(self) -> ServiceConfig:

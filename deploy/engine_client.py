@@ -167,6 +167,26 @@ class EngineClient:
         stream.aborted = True
         return await self.placements[stream.cell].scheduler.abort.remote(req_id)
 
+    def end_all(self, error: str, error_code: str) -> int:
+        """End every open stream now with an error (a draining ingress at its timeout), aborting
+        its request where it runs; returns how many were open."""
+        streams = list(self.streams.values())
+        for stream in streams:
+            stream.aborted = True  # (the cell's abort output is not a loss to fail over from)
+            if stream.cell is not None:
+                self.placements[stream.cell].scheduler.abort.remote(stream.request.req_id)
+            stream.cell = None
+            stream.moving = False
+            stream.queue.put_nowait(
+                RequestOutput(
+                    stream.request.req_id,
+                    finish_reason="error",
+                    error=error,
+                    error_code=error_code,
+                )
+            )
+        return len(streams)
+
     async def _place(self, stream: _Stream, request: Request, failing_over: bool = False) -> None:
         stream.cell = None
         stream.early = []

@@ -129,6 +129,12 @@ class GenerationParams(BaseModel):
     )
     ignore_eos: bool = Field(False, description="pdserve extension: do not stop at EOS")
     priority: int = Field(0, description="pdserve extension: lower is more urgent")
+    timeout: float | None = Field(
+        None,
+        gt=0,
+        description="pdserve extension: seconds from arrival; a request not finished by then ends "
+        "with an error (Ray modes)",
+    )
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(
@@ -220,4 +226,5 @@ class GenerationParams(BaseModel):
             stop_strings=(stop,) if isinstance(stop, str) else tuple(stop or ()),
             priority=self.priority,
             fork_of=fork_of,
+            timeout_s=self.timeout,
         )

@@ -29,6 +29,9 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob] | None = None
     # an error only: no engine could take the request now (retrying later may work)
     unavailable: bool = False
+    # an error only, what ended it: "queue_timeout" (waited past its queue deadline), "timeout"
+    # (past its own), None (a failure)
+    error_code: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -47,6 +50,7 @@ class RequestOutput:
             self.logprobs + later.logprobs,
             self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs,
             later.unavailable,
+            later.error_code,
         )
 
 

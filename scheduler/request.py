@@ -147,6 +147,12 @@ class Request:
     priority: int = 0  # lower is more urgent
     # n > 1: a sibling with the same prompt whose prompt KV this one may copy
     fork_of: str | None = None
+    # deadlines from its arrival: to start (be given a slot), and to finish; past one it ends
+    # with an error (`Coordinator.expire`)
+    max_queue_s: float | None = None
+    timeout_s: float | None = None
+    # placed again after its cell was lost (`continuation`): what it already got was counted there
+    is_continuation: bool = False
 
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
@@ -292,6 +298,9 @@ def continuation(
         request.stop_token_ids,
         request.stop_strings,
         request.priority,
+        max_queue_s=request.max_queue_s,
+        timeout_s=request.timeout_s,
+        is_continuation=True,
         output_ids=list(output_ids),
         logprobs=list(logprobs),
         text_sent=text_sent,

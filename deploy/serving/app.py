@@ -9,7 +9,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -19,7 +19,9 @@ from deploy.config import ServiceConfig
 from deploy.engine_client import EngineClient
 from deploy.prompts import use_chat_template
 from deploy.serving.cells import Cell, ServeCells, cell_stats, combine_stats
+from deploy.serving.drain import Drain
 from deploy.serving.openai_api import OpenAIServer, ServedModel, error_response
+from deploy.serving.prometheus import CellTotals, render
 from deploy.serving.responses.request import ResponsesBody
 from deploy.serving.schemas import (
     APIError,
@@ -61,7 +63,7 @@ class OpenAIIngress:
     """Validates, tokenizes and streams; each replica places requests on the cells
     (`ServeCells`)."""
 
-    def __init__(self, cells: DeploymentHandle, config: dict[str, Any]) -> None:
+    async def __init__(self, cells: DeploymentHandle, config: dict[str, Any]) -> None:
         from workers.loader import load_tokenizer
 
         self.config = ServiceConfig(**config)
@@ -73,17 +75,26 @@ class OpenAIIngress:
             self.config.context_len(info.max_context),
             self.config.tool_call_parser,
             self.config.reasoning_parser,
+            self.config.max_queue_time_s,
         )
         self.cells = cells
-        app_name = serve.get_replica_context().app_name
-        self.client = EngineClient(ServeCells(cells, app_name, self.config.failover_timeout_s))
+        self.app_name = serve.get_replica_context().app_name
+        self.client = EngineClient(ServeCells(cells, self.app_name, self.config.failover_timeout_s))
         self.server = OpenAIServer(self.client, model)
         self._ready = False
+        self.totals = CellTotals()  # every cell's counters, for /metrics
+        self.drain = Drain(self.client, self.config.drain_timeout_s)
+        self.drain_watch = asyncio.create_task(self.drain.watch(self.app_name))
         freeze_startup_objects()
 
+    async def __del__(self) -> None:
+        """Being stopped by Serve: drain as on SIGTERM (Serve has stopped routing here)."""
+        await self.drain.run()
+
     async def _body(self, request: Request, schema: type[BaseModel]) -> Any:
-        """Auth, then size, then JSON: each failure with its own status."""
+        """Auth, then draining, then size, then JSON: each failure with its own status."""
         self._check_auth(request)
+        self.drain.refuse()
         limit = self.config.max_request_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -176,13 +187,52 @@ class OpenAIIngress:
             )
         return JSONResponse({"status": "ok"})
 
+    @ingress_app.get("/ready")
+    async def ready(self) -> Response:
+        """Can take a request: not draining, and a cell answers whose every pool has a live
+        worker."""
+        self.drain.refuse()
+        cells = await cell_stats(self.app_name)
+        live = [name for name, stats in cells.items() if _serving(stats)]
+        if not live:
+            raise APIError(
+                503,
+                f"No cell can serve yet ({len(cells)} answering); retry shortly.",
+                "service_unavailable",
+                code="not_ready",
+                headers={"Retry-After": "5"},
+            )
+        return JSONResponse({"status": "ready", "cells": len(live)})
+
+    @ingress_app.get("/metrics")
+    async def metrics(self) -> Response:
+        """Prometheus' text format, vLLM's names: every cell's counts summed
+        (deploy/serving/prometheus.py)."""
+        samples = self.totals.update(await cell_stats(self.app_name, "metrics"))
+        return PlainTextResponse(
+            render(samples, self.config.model_name), media_type=PROMETHEUS_TEXT
+        )
+
     @ingress_app.get("/stats")
-    async def stats(self) -> Response:
+    async def stats(self, request: Request) -> Response:
         """Scheduling accounting of every cell: slots, queues and live handoffs per worker, and the
         cells."""
-        stats = combine_stats(await cell_stats(serve.get_replica_context().app_name))
+        self._check_auth(request)
+        stats = combine_stats(await cell_stats(self.app_name))
         client = {"failovers": self.client.num_failovers, "open_streams": len(self.client.streams)}
         return JSONResponse(stats | {"ingress": client})
+
+
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _serving(stats: dict[str, Any]) -> bool:
+    """A cell's every pool (prefill, decode) has a live worker."""
+    alive: dict[str, bool] = {}
+    for name, line in stats["workers"].items():
+        pool = name.split("-", 1)[0]
+        alive[pool] = alive.get(pool, False) or bool(line.get("alive"))
+    return bool(alive) and all(alive.values())
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
@@ -192,7 +242,11 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     except ValidationError as e:
         raise ValueError(f"invalid pdserve config: {e}") from None
     cells = Cell.options(**config.cell_options()).bind(config.engine().model_dump())
-    ingress = OpenAIIngress.options(num_replicas=config.ingress_replicas)
+    # Serve waits this long for a stopped replica's streams (and its drain) before it kills it
+    grace_s = config.drain_timeout_s + 30
+    ingress = OpenAIIngress.options(
+        num_replicas=config.ingress_replicas, graceful_shutdown_timeout_s=grace_s
+    )
     return ingress.bind(cells, config.model_dump(exclude=_CELL_COUNT))
 
 

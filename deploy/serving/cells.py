@@ -183,8 +183,9 @@ class ServeCells:
         return scheduler, Submissions(scheduler)
 
 
-async def cell_stats(app_name: str) -> dict[str, dict[str, Any]]:
-    """Every live cell's scheduler stats, by cell name (the scheduler actors' names)."""
+async def cell_stats(app_name: str, method: str = "stats") -> dict[str, dict[str, Any]]:
+    """Every live cell's scheduler stats (or its answer to another method without arguments:
+    `metrics`), by cell name (the scheduler actors' names)."""
     prefix = cell_name(app_name, "")
     names = sorted(
         a["name"]
@@ -195,7 +196,9 @@ async def cell_stats(app_name: str) -> dict[str, dict[str, Any]]:
         *(asyncio.to_thread(ray.get_actor, n, NAMESPACE) for n in names), return_exceptions=True
     )
     live = [(n, h) for n, h in zip(names, handles, strict=True) if not isinstance(h, BaseException)]
-    answers = await asyncio.gather(*(h.stats.remote() for _, h in live), return_exceptions=True)
+    answers = await asyncio.gather(
+        *(getattr(h, method).remote() for _, h in live), return_exceptions=True
+    )
     return {
         n: a for (n, _), a in zip(live, answers, strict=True) if not isinstance(a, BaseException)
     }

@@ -27,7 +27,7 @@ from deploy.params import (
 )
 from deploy.prompts import encode_prompt
 from deploy.serving.logprobs import TokenTexts
-from deploy.serving.replies import Job, Replier, Started, aclose, merge_streams
+from deploy.serving.replies import Job, Replier, Started, aclose, failed, merge_streams
 from deploy.serving.responses.reply import ResponseReplier
 from deploy.serving.responses.request import ResponsesBody, chat_fields, renamed
 from deploy.serving.schemas import (
@@ -43,6 +43,7 @@ from deploy.serving.schemas import (
     validation_error,
 )
 from deploy.serving.tools.tool_use import ToolUse
+from scheduler.cell.deadlines import QUEUE_TIMEOUT
 from scheduler.outputs import RequestOutput
 from scheduler.request import Request
 from scheduler.step_planner import QueueFullError
@@ -64,6 +65,8 @@ class ServedModel:
     tool_call_parser: str | None = None
     # splits a reasoning model's thinking off its replies (reasoning.py)
     reasoning_parser: str | None = None
+    # a request not given a slot this long after its arrival gets 503 (--max-queue-time-s)
+    max_queue_s: float | None = None
 
 
 def _name(index: int, count: int) -> str:
@@ -359,7 +362,9 @@ class OpenAIServer:
 
     # ---- running
     async def _start(self, request: Request) -> Started:
-        """Submit and wait for the first output, so admission errors still get a proper status."""
+        """Submit and wait for the first output, so admission errors (and a queue deadline that
+        passed) still get a proper status."""
+        request.max_queue_s = self.model.max_queue_s
         stream = self.client.generate(request)
         try:
             first = await anext(stream)
@@ -381,6 +386,8 @@ class OpenAIServer:
                 "service_unavailable",
                 code="engine_unavailable",
             ) from None
+        if first.error_code == QUEUE_TIMEOUT:  # (nothing was generated: the reply can be a 503)
+            raise failed(first)
         return first, stream
 
     async def _start_all(self, requests: list[Request]) -> list[Started]:

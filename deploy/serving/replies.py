@@ -16,9 +16,12 @@ from deploy.serving.reasoning import MessageReader, ThinkSplitter
 from deploy.serving.schemas import APIError
 from deploy.serving.tools.call_readers import Delta
 from deploy.serving.tools.tool_use import ToolUse
+from scheduler.cell.deadlines import QUEUE_TIMEOUT, TIMEOUT
 from scheduler.outputs import RequestOutput
 from scheduler.request import Request, TokenLogprob
 
+# the error code of the streams a draining ingress ends at its drain timeout
+SHUTTING_DOWN = "shutting_down"
 # a stream's first output, and the stream
 Started = tuple[RequestOutput, AsyncIterator[RequestOutput]]
 
@@ -126,12 +129,34 @@ async def merge_streams(started: list[Started]) -> AsyncIterator[tuple[int, Requ
 
 
 def failed(out: RequestOutput) -> APIError:
+    """The error a failed output answers: its message is the engine's short one (which names the
+    request; the server logs any details under that id)."""
     if out.unavailable:  # its cell was lost and no other could take it in time
         return APIError(
             503,
             f"Generation was interrupted: {out.error}. Retry shortly.",
             "service_unavailable",
             code="engine_unavailable",
+            headers={"Retry-After": "5"},
+        )
+    if out.error_code == QUEUE_TIMEOUT:
+        return APIError(
+            503,
+            f"The server is busy: {out.error}. Retry shortly.",
+            "service_unavailable",
+            code="queue_timeout",
+            headers={"Retry-After": "1"},
+        )
+    if out.error_code == TIMEOUT:
+        return APIError(
+            504, f"Timed out: {out.error}", "timeout_error", param="timeout", code="timeout"
+        )
+    if out.error_code == SHUTTING_DOWN:
+        return APIError(
+            503,
+            f"Generation was interrupted: {out.error}.",
+            "service_unavailable",
+            code=SHUTTING_DOWN,
             headers={"Retry-After": "5"},
         )
     return APIError(500, f"Generation failed: {out.error}", "server_error", code="engine_error")

@@ -30,7 +30,9 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from scheduler.cell.bursts import BurstSizer, plan_call
 from scheduler.cell.call_clock import CallClock
 from scheduler.cell.coordinator import Coordinator
+from scheduler.cell.deadlines import expire
 from scheduler.cell.gc_pauses import freeze_startup_objects
+from scheduler.cell.serving_metrics import ServingMetrics
 from scheduler.cell.state import CellClosed, CellConfig, WorkerState
 from scheduler.cell.timeline import StepTimeline
 from scheduler.messages import pack_plans
@@ -41,6 +43,7 @@ log = logging.getLogger(__name__)
 
 _WORKER_ERRORS = (RayActorError, ActorUnavailableError)
 _RESTART_TIMEOUT_S = 300.0
+_EXPIRY_PERIOD_S = 0.1  # how often deadlines are checked (how late a request may end past one)
 
 
 class CellActor:
@@ -85,6 +88,7 @@ class CellActor:
         self.prefetching: set[asyncio.Future[Any]] = set()
         self.bursts = BurstSizer(config.max_burst_ms / 1000)
         self.closed = False  # draining: new requests are refused with CellClosed
+        self.serving = ServingMetrics()  # what /metrics reads (vLLM's names)
 
     # ---- lifecycle
     async def ready(self) -> dict[str, Any]:
@@ -96,6 +100,7 @@ class CellActor:
             freeze_startup_objects()
             self.tasks = [asyncio.create_task(self._loop(w)) for w in self.coordinator.workers]
             self.tasks.append(asyncio.create_task(self._reap_consumers()))
+            self.tasks.append(asyncio.create_task(self._expire_deadlines()))
         return {w.name: w.placement for w in self.coordinator.workers} | {
             "capacity": self.config.capacity,
             "scheduler_worker_id": ray.get_runtime_context().get_worker_id(),
@@ -135,6 +140,7 @@ class CellActor:
         request.arrival_s = time.perf_counter()
         self.last_poll_s.setdefault(consumer, time.monotonic())
         self.coordinator.admit(request, consumer)
+        self.serving.on_admit(len(request.prompt_ids), request.is_continuation)
         self._deliver()
         return self.instance
 
@@ -173,7 +179,10 @@ class CellActor:
         return aborted
 
     def _deliver(self) -> None:
+        now = time.perf_counter()
         for consumer, outputs in self.coordinator.take_outputs().items():
+            for out in outputs:
+                self.serving.on_output(out, now)
             self.mailboxes.setdefault(consumer, []).extend(outputs)
             self.mail.setdefault(consumer, asyncio.Event()).set()
             if any(out.finished for out in outputs):
@@ -198,6 +207,17 @@ class CellActor:
                     del self.last_poll_s[consumer]
                     self.mailboxes.pop(consumer, None)
                     self.mail.pop(consumer, None)
+
+    async def _expire_deadlines(self) -> None:
+        """End the requests past their queue deadline or their own timeout
+        (`scheduler/cell/deadlines.py`)."""
+        while True:
+            await asyncio.sleep(_EXPIRY_PERIOD_S)
+            passed = expire(self.coordinator, time.perf_counter())
+            for deadline in passed:
+                self.serving.on_timeout(deadline)
+            if passed:
+                self._deliver()
 
     # ---- stepping
     def _wake(self, worker: WorkerState) -> None:
@@ -278,11 +298,8 @@ class CellActor:
             return False
         # the step raised (a bug): end this worker's requests with it, keep serving
         except Exception as e:
-            log.exception("a step of %s failed", worker.name)
             self.clock.lost(worker.name)
-            self.coordinator.fail_worker_requests(
-                worker, f"internal error on {worker.name}: {type(e).__name__}: {e}"
-            )
+            self._fail_requests(worker, "a step", e)
             self._deliver()
             return False
         t2 = time.perf_counter()
@@ -294,10 +311,7 @@ class CellActor:
                 self.coordinator.apply(worker, plan, result)
         # a bug: say so loudly, end this worker's requests, keep the loop alive
         except Exception as e:
-            log.exception("applying a step of %s failed", worker.name)
-            self.coordinator.fail_worker_requests(
-                worker, f"internal error on {worker.name}: {type(e).__name__}: {e}"
-            )
+            self._fail_requests(worker, "applying a step", e)
         # pieces for a decode worker's node
         for name, refs in self.coordinator.kv.take_prefetches().items():
             self._send_prefetch(name, refs)
@@ -325,6 +339,22 @@ class CellActor:
                 tokens=tokens,
             )
         return True
+
+    def _fail_requests(self, worker: WorkerState, what: str, error: Exception) -> None:
+        """End a worker's requests after a bug: each client gets a short message naming its
+        request id; the traceback (paths, hosts, process ids: the server's business) goes to this
+        actor's log under those ids."""
+        cause = getattr(error, "cause", None) or error  # a RayTaskError's: the worker's own
+        req_ids = self.coordinator.fail_worker_requests(
+            worker, f"internal error on {worker.name} ({type(cause).__name__})"
+        )
+        log.error(
+            "%s of %s failed; requests ended with an error: %s",
+            what,
+            worker.name,
+            ", ".join(req_ids) or "none",
+            exc_info=error,
+        )
 
     def _send_prefetch(self, name: str, refs: list[Any]) -> None:
         """Name pieces to the decode worker that will import them; a failed call only costs the head
@@ -363,6 +393,11 @@ class CellActor:
     async def stats(self) -> dict[str, Any]:
         """Slots and queues per worker, live handoffs, counts, and the step timeline."""
         return self.coordinator.stats() | {"timeline": self.timeline.summary()}
+
+    async def metrics(self) -> dict[str, Any]:
+        """What `/metrics` reads of this cell: its stats (gauges, counts) and its vLLM-style
+        counters and histograms (`ServingMetrics.snapshot`)."""
+        return {"stats": self.coordinator.stats(), "serving": self.serving.snapshot()}
 
     async def reset_timeline(self) -> None:
         """Start the step timeline and the prefix caches' hit counts afresh (a benchmark after its

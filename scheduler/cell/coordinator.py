@@ -245,9 +245,15 @@ class Coordinator:
         lacking = request.num_tokens - most
         return best if lacking <= best.sched.blocks.block_size + self.config.prefill_chunk else None
 
-    def _fail(self, request: Request, message: str, unavailable: bool = False) -> None:
+    def _fail(
+        self,
+        request: Request,
+        message: str,
+        unavailable: bool = False,
+        error_code: str | None = None,
+    ) -> None:
         """End a request that no scheduler holds with an error on its own stream (`unavailable`:
-        this cell cannot serve it, another may)."""
+        this cell cannot serve it, another may; `error_code`: a deadline passed)."""
         self._drop_kv(request.req_id)
         self._release_forks(request.req_id)
         request.mark_finished(FinishReason.ERROR, message)
@@ -260,6 +266,7 @@ class Coordinator:
                     error=message,
                     metrics=request.metrics(),
                     unavailable=unavailable,
+                    error_code=error_code,
                 )
             ]
         )
@@ -393,12 +400,15 @@ class Coordinator:
         self._route(request)
 
     # ---- faults
-    def fail_worker_requests(self, worker: WorkerState, message: str) -> None:
+    def fail_worker_requests(self, worker: WorkerState, message: str) -> list[str]:
         """End every request of a worker with an error (a bug applying its step: say so on each
-        stream)."""
-        for request in list(worker.sched.running) + list(worker.sched.waiting_requests()):
+        stream, with the request's id, under which the server logs the details); returns their
+        ids."""
+        failed = list(worker.sched.running) + list(worker.sched.waiting_requests())
+        for request in failed:
             worker.sched.evict(request.req_id)
-            self._fail(request, message)
+            self._fail(request, f"{message}; the server log has the details under {request.req_id}")
+        return [r.req_id for r in failed]
 
     def worker_died(self, worker: WorkerState) -> None:
         """A worker stopped answering: recompute its running requests (on live workers if any, else

@@ -1,0 +1,80 @@
+"""`/metrics` without Ray: cells' answers summed into vLLM's names, in a text Prometheus parses;
+a cell that goes keeps its counts in the totals."""
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from deploy.serving.prometheus import METRICS, CellTotals, render
+from scheduler.cell.serving_metrics import ServingMetrics
+from scheduler.outputs import RequestOutput
+
+
+def cell_answer(num_requests, running=1, waiting=2, kv_transfer=None):
+    book = ServingMetrics()
+    metrics = {"ttft_s": 0.03, "e2e_s": 0.9, "queue_s": 0.0, "prefill_s": 0.03, "decode_s": 0.8}
+    for i in range(num_requests):
+        book.on_admit(7, continuation=False)
+        book.on_output(RequestOutput(f"r{i}", [1]), now=0.0)
+        book.on_output(RequestOutput(f"r{i}", [2], finish_reason="stop", metrics=metrics), now=0.1)
+    cache = {"blocks": 10, "blocks_used": 5, "queried_tokens": 32, "hit_tokens": 16}
+    stats = {
+        "workers": {
+            "prefill-0": {"alive": True, "running": running, "waiting": waiting, "kv_cache": cache},
+            "decode-0": {"alive": True, "running": 2, "waiting": 0, "kv_cache": cache},
+        },
+        "counters": {"preemptions": 1, "handoffs": num_requests, "handoff_bytes": 1000},
+    }
+    if kv_transfer is not None:
+        stats["kv_transfer"] = kv_transfer
+    return {"stats": stats, "serving": book.snapshot()}
+
+
+def samples(text):
+    """{(name, labels without model_name): value}, parsed by Prometheus' own client."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            assert s.labels.pop("model_name") == "tiny"
+            out[s.name, tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def test_cells_sum_into_vllm_names_and_a_gone_cell_keeps_its_counts():
+    totals = CellTotals()
+    transfer = {"object_store": {"bytes": 4096, "seconds": 0.5, "failures": 1}}
+    text = render(
+        totals.update({"a": cell_answer(3, kv_transfer=transfer), "b": cell_answer(2)}), "tiny"
+    )
+    got = samples(text)
+    assert got["vllm:prompt_tokens_total", ()] == 5 * 7
+    assert got["vllm:generation_tokens_total", ()] == 10
+    assert got["vllm:request_success_total", (("finished_reason", "stop"),)] == 5
+    assert got["vllm:time_to_first_token_seconds_count", ()] == 5
+    assert got["vllm:time_to_first_token_seconds_bucket", (("le", "0.04"),)] == 5
+    assert got["vllm:time_to_first_token_seconds_bucket", (("le", "0.02"),)] == 0
+    assert got["vllm:inter_token_latency_seconds_count", ()] == 5
+    assert got["vllm:num_requests_running", ()] == 2 * (1 + 2)
+    assert got["vllm:num_requests_waiting", ()] == 2 * 2
+    assert got["pdserve:num_requests_waiting", (("pool", "prefill"),)] == 4
+    assert got["vllm:kv_cache_usage_perc", ()] == 0.5
+    assert got["vllm:prefix_cache_queries_total", ()] == 4 * 32
+    assert got["vllm:prefix_cache_hits_total", ()] == 4 * 16
+    assert got["vllm:num_preemptions_total", ()] == 2
+    assert got["pdserve:cells", ()] == 2
+    assert got["pdserve:kv_transfer_bytes_total", (("transport", "object_store"),)] == 4096
+    assert got["pdserve:kv_transfer_failures_total", (("transport", "object_store"),)] == 1
+    # every metric of the list is there, with its type
+    families = {f.name: f.type for f in text_string_to_metric_families(text)}
+    for metric in METRICS:
+        base = metric.name.removesuffix("_total")
+        assert families.get(base) == metric.kind, metric.name
+
+    # cell b is gone (scaled down): its counters stay, its gauges do not
+    got = samples(render(totals.update({"a": cell_answer(4, kv_transfer=transfer)}), "tiny"))
+    assert got["vllm:request_success_total", (("finished_reason", "stop"),)] == 4 + 2
+    assert got["vllm:e2e_request_latency_seconds_count", ()] == 6
+    assert got["vllm:num_requests_running", ()] == 3 and got["pdserve:cells", ()] == 1
+
+
+def test_no_cell_yet_still_names_every_unlabelled_metric():
+    got = samples(render(CellTotals().update({}), "tiny"))
+    assert got["vllm:num_requests_running", ()] == 0 and got["pdserve:cells", ()] == 0
