@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast serve lint bench clean
+.PHONY: install prometheus test test-fast serve lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,7 +18,19 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-test: $(STAMP)
+# the Prometheus server that tests/deploy/test_prometheus_scrape.py scrapes the app with: Debian's
+# package, unpacked into .venv (nothing installed system-wide; apt's lists are fetched if missing)
+PROMETHEUS := $(VENV)/prometheus/prometheus
+$(PROMETHEUS):
+	rm -rf $(VENV)/prometheus.deb && mkdir -p $(VENV)/prometheus.deb
+	cd $(VENV)/prometheus.deb && { apt-get download prometheus || { apt-get update -qq && apt-get download prometheus; }; }
+	dpkg-deb -x $(VENV)/prometheus.deb/prometheus_*.deb $(VENV)/prometheus.deb/root
+	mkdir -p $(VENV)/prometheus && cp $(VENV)/prometheus.deb/root/usr/bin/prometheus $(PROMETHEUS)
+	rm -rf $(VENV)/prometheus.deb
+
+prometheus: $(PROMETHEUS)
+
+test: $(STAMP) $(PROMETHEUS)
 	$(PY) -m pytest -q --durations=15
 
 # the developers' tier: pure scheduler, tiny-model workers, scripted serving; no Ray, no Serve

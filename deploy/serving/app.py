@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from deploy.config import ServiceConfig
 from deploy.engine_client import EngineClient
 from deploy.prompts import use_chat_template
-from deploy.serving.cells import Cell, ServeCells, cell_stats, combine_stats
+from deploy.serving.cells import Cell, ServeCells, can_serve, cell_stats, combine_stats
 from deploy.serving.drain import Drain
 from deploy.serving.openai_api import OpenAIServer, ServedModel, error_response
 from deploy.serving.prometheus import CellTotals, render
@@ -35,6 +35,8 @@ from scheduler.cell.gc_pauses import freeze_startup_objects
 
 log = logging.getLogger(__name__)
 APP_NAME = "pdserve"
+# (the class is shipped to its replicas by value: what it reads is defined before it)
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
 ingress_app = FastAPI(title="pdserve", description="OpenAI-compatible API for pdserve")
@@ -193,7 +195,7 @@ class OpenAIIngress:
         worker."""
         self.drain.refuse()
         cells = await cell_stats(self.app_name)
-        live = [name for name, stats in cells.items() if _serving(stats)]
+        live = [name for name, stats in cells.items() if can_serve(stats)]
         if not live:
             raise APIError(
                 503,
@@ -221,18 +223,6 @@ class OpenAIIngress:
         stats = combine_stats(await cell_stats(self.app_name))
         client = {"failovers": self.client.num_failovers, "open_streams": len(self.client.streams)}
         return JSONResponse(stats | {"ingress": client})
-
-
-PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
-
-
-def _serving(stats: dict[str, Any]) -> bool:
-    """A cell's every pool (prefill, decode) has a live worker."""
-    alive: dict[str, bool] = {}
-    for name, line in stats["workers"].items():
-        pool = name.split("-", 1)[0]
-        alive[pool] = alive.get(pool, False) or bool(line.get("alive"))
-    return bool(alive) and all(alive.values())
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:

@@ -204,6 +204,15 @@ async def cell_stats(app_name: str, method: str = "stats") -> dict[str, dict[str
     }
 
 
+def can_serve(stats: dict[str, Any]) -> bool:
+    """A cell's every pool (prefill, decode) has a live worker, by its stats."""
+    alive: dict[str, bool] = {}
+    for name, line in stats["workers"].items():
+        pool = name.split("-", 1)[0]
+        alive[pool] = alive.get(pool, False) or bool(line.get("alive"))
+    return bool(alive) and all(alive.values())
+
+
 def combine_stats(cells: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """One /stats view of every cell: workers (named `worker@cell` when there are several cells),
     summed counts, and each cell's own stats under `cells`."""

@@ -322,6 +322,11 @@ def test_a_step_that_raises_ends_its_requests_with_the_error_and_the_cell_keeps_
         failed = engine.run([bad])["bad"]
         later = engine.run([req("later", 6, 5)])["later"]
     assert failed.finish_reason == "error" and "internal error on decode-0" in failed.error
+    # the client learns what failed and under which id the server logged it, nothing more: no
+    # traceback, file paths, hosts or process ids
+    assert failed.error.endswith("the server log has the details under bad"), failed.error
+    assert "Traceback" not in failed.error and "File " not in failed.error
+    assert "pid=" not in failed.error and len(failed.error) < 200
     assert (
         later.finish_reason == "length"
         and later.token_ids == local_outputs(config, [req("later", 6, 5)])["later"]
