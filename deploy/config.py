@@ -26,6 +26,8 @@ ToolCallParser = Literal["hermes", "llama3_json", "mistral", "pythonic"]
 # the readers of `<think>` parts (deploy/serving/reasoning.py)
 ReasoningParser = Literal["qwen3", "deepseek_r1"]
 REASONING_PARSERS: tuple[str, ...] = get_args(ReasoningParser)
+# how KV goes from prefill to decode workers (workers/kv_transfer.py)
+KVTransport = Literal["auto", "object_store", "nixl", "cuda_ipc"]
 # the cells' autoscaling policy, as Serve's controller imports it (by name: config imports no
 # serving code)
 AUTOSCALING_POLICY = "deploy.serving.autoscaling:open_requests"
@@ -126,6 +128,19 @@ class EngineConfig(BaseModel):
         ge=0,
         description="GPUs each worker actor takes; default: 1 where the cluster has GPUs, else 0. "
         "0.5 lets a prefill and a decode worker share one GPU.",
+    )
+    kv_transport: KVTransport = Field(
+        "auto",
+        description="How prompts' KV goes from prefill to decode workers: object_store (Ray's "
+        "shared memory), nixl (Ray Direct Transport over NIXL: GPU or host memory, across nodes), "
+        "cuda_ipc (a prefill and a decode worker sharing one GPU); auto: cuda_ipc where every "
+        "decode worker shares the prefill worker's GPU, else nixl for GPU KV where NIXL is "
+        "installed, else object_store. One that cannot serve every pair fails at start.",
+    )
+    kv_transfer_failure: Literal["recompute", "fail"] = Field(
+        "recompute",
+        description="A handoff whose KV cannot be fetched (its prefill worker died, the transfer "
+        "failed or timed out): recompute the request from its tokens, or end it with an error.",
     )
     prefix_cache_tokens: int = Field(
         16384,
@@ -253,6 +268,7 @@ class EngineConfig(BaseModel):
             prefix_caching=self.prefix_caching,
             cache_routing=self.cache_routing,
             max_burst_ms=self.max_burst_ms,
+            kv_transfer_failure=self.kv_transfer_failure,
         )
 
 

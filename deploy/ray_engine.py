@@ -64,6 +64,19 @@ def start_scheduler(
     handle = create_scheduler(
         config, info, **({"name": name, "get_if_exists": True} if name else {})
     )
-    placement = ray.get(handle.ready.remote())
+    try:
+        placement = ray.get(handle.ready.remote())
+    except ray.exceptions.RayTaskError as error:  # a worker refused its config: stop them all
+        stop_scheduler(handle)
+        cause = error.cause
+        raise (cause if isinstance(cause, Exception) else error) from None
     log.info("scheduler ready: %s", placement)
     return handle
+
+
+def stop_scheduler(handle: Any) -> None:
+    """Stop the scheduler actor and its workers."""
+    try:
+        ray.get(handle.shutdown.remote(), timeout=30)
+    finally:
+        ray.kill(handle)

@@ -21,19 +21,21 @@ from scheduler.request import TokenLogprob
 
 @dataclass(frozen=True)
 class KVPiece:
-    """KV rows of one request, positions start..start+num_tokens-1, that a prefill worker put into
-    Ray's object store after the step that computed them: one object per step, each request's rows
-    at `offset`."""
+    """KV rows of one request, positions start..start+num_tokens-1, that a prefill worker sent out
+    after the step that computed them (`workers/kv_transfer.py`): an object shared by the step's
+    pieces where the transport batches them, each request's rows at `offset`."""
 
     req_id: str
     start: int
     num_tokens: int
-    ref: Any  # ray.ObjectRef of a numpy array [layers, 2, kv_heads, num_tokens, head_dim]
+    # a reference to the rows, [layers, 2, kv_heads, tokens, head_dim]: a ray.ObjectRef
+    ref: Any
     num_bytes: int
     # time the prefill worker spent on it (copy out and put; its step's, when shared)
     export_s: float
     # where its rows start along the token axis of the object (a step's pieces share one)
     offset: int = 0
+    transport: str = "object_store"  # how the decode worker gets the bytes
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,8 @@ class StepResult:
     failed_imports: list[str] = field(default_factory=list)
     # decode workers: seconds to fetch and copy in
     import_s: dict[str, float] = field(default_factory=dict)
+    # decode workers: per transport, (bytes fetched, seconds fetching, transfers lost)
+    kv_transfers: dict[str, tuple[int, float, int]] = field(default_factory=dict)
     step_s: float = 0.0  # wall time of the step on the worker
     forward_s: float = 0.0  # of which inside the model's forward
 

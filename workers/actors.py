@@ -3,12 +3,9 @@ cache."""
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import dataclasses
 import os
 import time
-import warnings
 from typing import Any
 
 import ray
@@ -17,10 +14,18 @@ import torch
 from scheduler.cell.gc_pauses import freeze_startup_objects
 from scheduler.messages import KVImport, KVPiece, StepResult, unpack_plans
 from scheduler.plan import StepPlan
+from workers.kv_transfer import (
+    KVReceiver,
+    KVSender,
+    choose_transport,
+    make_transport,
+    usable_transports,
+)
 from workers.loader import load_model, resolve_device
 from workers.runner import ModelRunner
 
-_PULL_TIMEOUT_S = 60.0
+# a NIXL sender's staging pool: this share of the bytes of its KV cache
+_STAGING_SHARE = 4
 
 
 class _ModelWorker:
@@ -36,6 +41,7 @@ class _ModelWorker:
         num_blocks: int,
         block_size: int,
         num_threads: int,
+        kv_transport: str = "auto",
     ) -> None:
         torch.set_num_threads(max(1, num_threads))
         self.index = index
@@ -43,23 +49,43 @@ class _ModelWorker:
         self.runner = ModelRunner(
             loaded.model, num_blocks, block_size=block_size, tokenizer=loaded.tokenizer
         )
+        self.kv_transport = kv_transport
+        self.transports = usable_transports(self.runner.device, kv_transport)
         freeze_startup_objects()
 
     def ready(self) -> dict[str, Any]:
-        """Where this worker runs: answered once the model is loaded."""
+        """Where this worker runs and which KV transports it can use: answered once the model is
+        loaded."""
         return {
             "index": self.index,
             "node_id": ray.get_runtime_context().get_node_id(),
             "pid": os.getpid(),
             "device": str(self.runner.device),
+            "gpu_ids": [str(i) for i in ray.get_gpu_ids()],
             "threads": torch.get_num_threads(),
+            "transports": self.transports,
         }
 
 
 class PrefillWorker(_ModelWorker):
-    """Runs prompt chunks, and puts each chunk's KV rows into the object store as soon as it is
-    computed (the plan's exports): when a prompt's last chunk is done, only that piece is left to
-    send."""
+    """Runs prompt chunks, and sends each chunk's KV rows out as soon as it is computed (the
+    plan's exports): when a prompt's last chunk is done, only that piece is left to send."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sender = KVSender(self.runner.cache, make_transport("object_store"))
+
+    def connect(self, peers: list[dict[str, Any]]) -> str:
+        """Choose the transport for the KV this worker sends to its decode `peers` (their
+        `ready()` placements); raises ValueError, with the reason, if the configured one cannot
+        serve every pair."""
+        name = choose_transport(self.kv_transport, self.ready(), peers)
+        if name != self.sender.transport.name:
+            cache = self.runner.cache
+            # NIXL stages puts in a registered pool; past it, KV goes through the object store
+            staging = cache.total_bytes // _STAGING_SHARE
+            self.sender = KVSender(cache, make_transport(name, cache.k.device, staging))
+        return name
 
     def step(self, packed: bytes, imports: list[KVImport]) -> list[StepResult]:
         """Each plan in order (the scheduler sends one at a time here); a result per plan."""
@@ -68,24 +94,7 @@ class PrefillWorker(_ModelWorker):
     def _step(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
         samples = self.runner.execute(plan)
-        pieces = []
-        # one object for all the step's rows: a put costs about a millisecond however small
-        if plan.exports:
-            export_start = time.perf_counter()
-            rows = self.runner.cache.export_spans(
-                [(table, first, end) for _, table, first, end in plan.exports]
-            )
-            ref = ray.put(rows)
-            per_token = rows.nbytes // max(1, rows.shape[3])
-            export_s = time.perf_counter() - export_start
-            offset = 0
-            for req_id, _, first, end in plan.exports:
-                pieces.append(
-                    KVPiece(
-                        req_id, first, end - first, ref, per_token * (end - first), export_s, offset
-                    )
-                )
-                offset += end - first
+        pieces = self.sender.export(plan.exports) if plan.exports else []
         return StepResult(
             samples=samples,
             kv_pieces=pieces,
@@ -101,50 +110,22 @@ class DecodeWorker(_ModelWorker):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.fetcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-prefetch")
+        self.receiver = KVReceiver(self.runner.cache)
 
-    def prefetch(self, refs: list[Any]) -> None:
+    def prefetch(self, pieces: list[KVPiece]) -> None:
         """Pull KV pieces of prompts still prefilling on another node to this one, in the
         background: their import then reads local memory. Returns at once; a piece that cannot be
         pulled is left to the import, which reports it lost."""
-        self.fetcher.submit(_pull, refs)
+        self.receiver.prefetch(pieces)
 
     def step(self, packed: bytes, imports: list[KVImport]) -> list[StepResult]:
         """Import the KV pieces (of handoffs, and of prompts still prefilling into their reserved
-        slots), then run each plan (`packed`: `pack_plans`) in order; a result per plan (the first
+        blocks), then run each plan (`packed`: `pack_plans`) in order; a result per plan (the first
         one reports the imports)."""
         start = time.perf_counter()
         plans = unpack_plans(packed)
-        failed: list[str] = []
-        import_s: dict[str, float] = {}
-        for item in imports:
-            t0 = time.perf_counter()
-            todo = [  # pieces not yet here, but those wholly within what this worker holds
-                piece
-                for piece in item.handoff.pieces[item.handoff.imported :]
-                if piece.start + piece.num_tokens > item.held
-            ]
-            try:  # zero-copy views of the object store's shared memory, copied once into blocks
-                pieces = ray.get([piece.ref for piece in todo])
-            except (
-                ray.exceptions.ObjectLostError,
-                ray.exceptions.OwnerDiedError,
-                ray.exceptions.ObjectFetchTimedOutError,
-                ray.exceptions.ObjectReconstructionFailedError,
-            ):
-                failed.append(item.handoff.req_id)
-                continue
-            with warnings.catch_warnings():  # the shared buffer is read-only; we only read it
-                warnings.simplefilter("ignore", UserWarning)
-                for piece, rows in zip(todo, pieces, strict=True):
-                    # the positions before `held` are here already
-                    position = max(piece.start, item.held)
-                    first = piece.offset + position - piece.start
-                    rows = rows[:, :, :, first : piece.offset + piece.num_tokens]
-                    self.runner.cache.import_rows(item.block_table, rows, position)
-            if item.final:
-                import_s[item.handoff.req_id] = time.perf_counter() - t0
-        lost = set(failed)
+        report = self.receiver.import_all(imports)
+        lost = set(report.failed)
         results = []
         for plan in plans:
             if lost:
@@ -162,14 +143,12 @@ class DecodeWorker(_ModelWorker):
                 )
             )
             start = time.perf_counter()
-        results[0].failed_imports = failed
-        results[0].import_s = import_s
+        results[0].failed_imports = report.failed
+        results[0].import_s = report.import_s
+        results[0].kv_transfers = {
+            name: (c.bytes, c.seconds, c.failures) for name, c in report.transfers.items()
+        }
         return results
-
-
-def _pull(refs: list[Any]) -> None:
-    with contextlib.suppress(Exception):  # lost or timed out: the import finds out and says so
-        ray.get(refs, timeout=_PULL_TIMEOUT_S)
 
 
 def spawn_worker(config: Any, kind: str, index: int, num_blocks: int, block_size: int) -> Any:
@@ -202,5 +181,6 @@ def spawn_worker(config: Any, kind: str, index: int, num_blocks: int, block_size
             num_blocks,
             block_size,
             max(1, int(config.num_cpus_per_worker)),
+            config.kv_transport,
         )
     )

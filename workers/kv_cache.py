@@ -57,14 +57,10 @@ class PagedKVCache:
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
 
-    def export_spans(self, spans: list[tuple[list[int], int, int]]) -> np.ndarray:
+    def export_spans(self, spans: list[tuple[list[int], int, int]]) -> torch.Tensor:
         """Copy each (block table, start, end) span out, one after another along the token axis of
-        one `[layers, 2, kv_heads, tokens, head_dim]` array (one copy, one object for the store
-        however many requests a step exported).
-
-        A numpy array, so Ray's object store can hand it to another process without pickling; bf16
-        rows travel as their raw 16-bit words.
-        """
+        one contiguous `[layers, 2, kv_heads, tokens, head_dim]` tensor on the cache's device (one
+        copy, one object to send however many requests a step exported)."""
         blocks: list[int] = []
         offsets: list[int] = []
         for table, start, end in spans:
@@ -76,16 +72,15 @@ class PagedKVCache:
         keys = self.k[:, index_b, :, index_o]  # [tokens, layers, kv_heads, head_dim]
         values = self.v[:, index_b, :, index_o]  # [tokens, layers, kv_heads, head_dim]
         rows = torch.stack((keys, values), dim=2)  # [tokens, layers, 2, kv_heads, head_dim]
-        rows = rows.permute(1, 2, 3, 0, 4).contiguous()  # [layers, 2, kv_heads, tokens, head_dim]
-        if rows.dtype == torch.bfloat16:  # numpy has no bfloat16: ship the raw 16-bit words
-            rows = rows.view(torch.int16)
-        return rows.cpu().numpy()
+        return rows.permute(1, 2, 3, 0, 4).contiguous()  # [layers, 2, kv_heads, tokens, head_dim]
 
-    def import_rows(self, block_table: list[int], rows: np.ndarray, start: int = 0) -> int:
+    def import_rows(
+        self, block_table: list[int], rows: torch.Tensor | np.ndarray, start: int = 0
+    ) -> int:
         """Write exported rows into a request's blocks at positions start..start+length-1; return
-        the length."""
-        tensor = torch.from_numpy(np.asarray(rows))
-        if self.k.dtype == torch.bfloat16:
+        the length. bf16 rows may come as their raw 16-bit words (as numpy carries them)."""
+        tensor = torch.as_tensor(rows)
+        if self.k.dtype == torch.bfloat16 and tensor.dtype == torch.int16:
             tensor = tensor.view(torch.bfloat16)
         tensor = tensor.to(self.k.device)  # [layers, 2, kv_heads, length, head_dim]
         length = tensor.shape[3]

@@ -18,6 +18,7 @@ import torch
 
 from workers.catalog import ALIASES, DEFAULT_MODEL, MAX_DEFAULT_CONTEXT
 from workers.model import SUPPORTED_MODEL_TYPES, DecoderLM, ModelSpec
+from workers.weights import checkpoint_files, load_weights
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ def model_context(config: Any) -> int:
     return context
 
 
-def _unfused(state: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+def unfused(state: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
     """Phi-3's fused projections (`qkv_proj`, `gate_up_proj`) as the separate ones our model loads
     (and fuses again its own way), with Granite's multipliers folded in; other checkpoints' weights
     as they are."""
@@ -266,7 +267,7 @@ def from_hf_model(hf: Any, dtype: torch.dtype = torch.float32, device: str = "cp
         raise ValueError(
             f"RoPE type {rope_type!r} is not supported (supported: {_STATIC_ROPE_TYPES})"
         )
-    state = _unfused(hf.state_dict(), hf.config)
+    state = unfused(hf.state_dict(), hf.config)
     spec = spec_from_hf(hf.config, state)
     rotary = hf.model.rotary_emb
     model = DecoderLM(
@@ -342,18 +343,33 @@ def load_tokenizer(name: str = DEFAULT_MODEL) -> TokenizerInfo:
 
 
 def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto") -> LoadedModel:
-    """Load a model by alias, directory, .gguf path or hub id, on the given device and dtype."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Load a model by alias, directory, .gguf path or hub id, on the given device and dtype:
+    tensor by tensor from its safetensors files (`workers/weights.py`), else through
+    `transformers` in fp32 on the host first."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     checkpoint = resolve_checkpoint(name)
-    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    model = from_hf_model(hf, torch_dtype, device)
-    max_context = model_context(hf.config)
-    eos = eos_token_ids(hf.config, getattr(hf, "generation_config", None), tokenizer)
-    del hf
+    files = checkpoint_files(checkpoint)
+    if files:
+        config = AutoConfig.from_pretrained(checkpoint)
+        model = load_weights(files, config, torch_dtype, device)
+        try:
+            generation_config = GenerationConfig.from_pretrained(checkpoint)
+        except OSError:  # the checkpoint has none
+            generation_config = None
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+        config = hf.config
+        generation_config = getattr(hf, "generation_config", None)
+        model = from_hf_model(hf, torch_dtype, device)
+        del hf
     return LoadedModel(
-        name=name, model=model, tokenizer=tokenizer, eos_token_ids=eos, max_context=max_context
+        name=name,
+        model=model,
+        tokenizer=tokenizer,
+        eos_token_ids=eos_token_ids(config, generation_config, tokenizer),
+        max_context=model_context(config),
     )

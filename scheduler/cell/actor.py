@@ -96,6 +96,8 @@ class CellActor:
         run."""
         for worker in self.coordinator.workers:
             worker.placement = await self.handles[worker.name].ready.remote()
+        for worker in self.coordinator.prefill:
+            await self._connect(worker)
         if not self.tasks:
             freeze_startup_objects()
             self.tasks = [asyncio.create_task(self._loop(w)) for w in self.coordinator.workers]
@@ -106,6 +108,12 @@ class CellActor:
             "scheduler_worker_id": ray.get_runtime_context().get_worker_id(),
             "scheduler_pid": os.getpid(),
         }
+
+    async def _connect(self, worker: WorkerState) -> None:
+        """Have a prefill worker choose the transport of the KV it sends to the decode pool (the
+        worker raises, naming the reason, when the configured one cannot serve a pair)."""
+        peers = [w.placement for w in self.coordinator.decode]
+        worker.placement["kv_transport"] = await self.handles[worker.name].connect.remote(peers)
 
     async def shutdown(self) -> None:
         for task in self.tasks:
@@ -313,8 +321,8 @@ class CellActor:
         except Exception as e:
             self._fail_requests(worker, "applying a step", e)
         # pieces for a decode worker's node
-        for name, refs in self.coordinator.kv.take_prefetches().items():
-            self._send_prefetch(name, refs)
+        for name, pieces in self.coordinator.kv.take_prefetches().items():
+            self._send_prefetch(name, pieces)
         t3 = time.perf_counter()
         # handoffs are queued: wake
         if worker.kind == "prefill" and any(c.sample for c in plans[0].prefill):
@@ -356,11 +364,11 @@ class CellActor:
             exc_info=error,
         )
 
-    def _send_prefetch(self, name: str, refs: list[Any]) -> None:
+    def _send_prefetch(self, name: str, pieces: list[Any]) -> None:
         """Name pieces to the decode worker that will import them; a failed call only costs the head
         start."""
         task = asyncio.ensure_future(
-            asyncio.gather(self.handles[name].prefetch.remote(refs), return_exceptions=True)
+            asyncio.gather(self.handles[name].prefetch.remote(pieces), return_exceptions=True)
         )
         self.prefetching.add(task)
         task.add_done_callback(self.prefetching.discard)
@@ -376,6 +384,8 @@ class CellActor:
             try:
                 placement = await self.handles[worker.name].ready.remote()
                 self.coordinator.worker_back(worker, placement)
+                if worker.kind == "prefill":
+                    await self._connect(worker)
                 return
             except ActorDiedError:
                 break  # restarts spent

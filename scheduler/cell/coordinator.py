@@ -20,6 +20,7 @@ from scheduler.cell.state import (
     CellConfig,
     CellCounts,
     RequestPlacement,
+    TransferTotals,
     WorkerState,
     WorkerStatus,
     prefill_room,
@@ -109,6 +110,7 @@ class Coordinator:
                     config.capacity,
                 )
         self.kv = HandoffBook()  # KV pieces and handoffs in flight: the only refs held to them
+        self.kv_transfers = TransferTotals()
         self.forks = WaitingForks()
         self.placements: dict[str, RequestPlacement] = {}
         self.consumers: dict[str, str] = {}  # req_id -> who receives its outputs
@@ -332,12 +334,19 @@ class Coordinator:
             for c in plan.prefill
             if worker.kind == "prefill" and c.sample and c.req_id in result.samples.tokens
         ]
-        for req_id in result.failed_imports:  # the pieces' bytes died with their prefill worker
+        for name, (num_bytes, seconds, failures) in result.kv_transfers.items():
+            self.kv_transfers.add(name, num_bytes, seconds, failures)
+            self.metrics.on_kv_transfer(name, num_bytes, seconds, failures)
+        for req_id in result.failed_imports:  # its prefill worker died, or the transfer failed
             self.kv.drop(req_id)
             request = next(
                 (r for w in self.workers if (r := w.sched.evict(req_id)) is not None), None
             )
-            if request is not None:
+            if request is None:
+                continue
+            if self.config.kv_transfer_failure == "fail":
+                self._fail(request, f"the KV transfer of request {req_id} failed")
+            else:
                 self._recompute(request, "its KV handoff was lost")
         for req_id, seconds in result.import_s.items():
             if (handoff := self.kv.imported(req_id)) is not None:
@@ -473,5 +482,6 @@ class Coordinator:
             "live_handoffs": len(self.kv.handoffs),
             "streams": len(self.consumers),
             "counters": counters,
+            "kv_transfer": self.kv_transfers.stats(),
             "max_waiting": self.config.max_waiting,
         }

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from typing import Any
 
 from scheduler.block_pool import block_names
 from scheduler.cell.state import WorkerState, WorkerStatus
@@ -33,8 +32,8 @@ class HandoffBook:
         self.importing: dict[str, KVHandoff] = {}
         # prompts on prefill workers: the decode worker they go to
         self.bound: dict[str, WorkerState] = {}
-        # decode worker name -> piece refs to pull to its node
-        self.prefetches: dict[str, list[Any]] = {}
+        # decode worker name -> pieces to pull to its node
+        self.prefetches: dict[str, list[KVPiece]] = {}
         # prompts with a reserved slot: pieces sent to be imported into it
         self.sent: dict[str, int] = {}
 
@@ -53,9 +52,9 @@ class HandoffBook:
         if target is not None and target.placement.get("node_id") != prefill.placement.get(
             "node_id"
         ):
-            refs = self.prefetches.setdefault(target.name, [])
-            if not any(ref is piece.ref for ref in refs):  # a step's pieces share one object
-                refs.append(piece.ref)
+            named = self.prefetches.setdefault(target.name, [])
+            if not any(p.ref is piece.ref for p in named):  # a step's pieces may share one object
+                named.append(piece)
         return target if target is not None and piece.req_id in target.sched.reserved else None
 
     def target(self, req_id: str, decode: list[WorkerState]) -> WorkerState | None:
@@ -159,7 +158,8 @@ class HandoffBook:
         self.importing.pop(req_id, None)
         self.unbind(req_id)
 
-    def take_prefetches(self) -> dict[str, list[Any]]:
-        """The refs each decode worker should pull to its node now (the actor shell sends them)."""
+    def take_prefetches(self) -> dict[str, list[KVPiece]]:
+        """The pieces each decode worker should pull to its node now (the actor shell sends
+        them)."""
         prefetches, self.prefetches = self.prefetches, {}
         return prefetches

@@ -68,6 +68,22 @@ class CellMetrics:
             _LATENCY_S,
             mode_tag,
         )
+        transport_tags = ("mode", "transport")
+        self.transfer_bytes = backend.Counter(
+            "pdserve_kv_transfer_bytes_total",
+            "KV bytes decode workers fetched, per transport.",
+            transport_tags,
+        )
+        self.transfer_seconds = backend.Counter(
+            "pdserve_kv_transfer_seconds_total",
+            "Seconds decode workers spent fetching KV, per transport.",
+            transport_tags,
+        )
+        self.transfer_failures = backend.Counter(
+            "pdserve_kv_transfer_failures_total",
+            "KV transfers that could not complete, per transport.",
+            transport_tags,
+        )
         self.preemptions = backend.Counter(
             "pdserve_preemptions_total", "Requests evicted for more urgent ones.", mode_tag
         )
@@ -121,6 +137,16 @@ class CellMetrics:
     def on_handoff(self, num_bytes: int, seconds: float) -> None:
         self.handoff_bytes.observe(num_bytes, tags=self.tags)
         self.handoff_seconds.observe(seconds, tags=self.tags)
+
+    def on_kv_transfer(self, transport: str, num_bytes: int, seconds: float, failures: int) -> None:
+        tags = self.tags | {"transport": transport}
+        for counter, value in (
+            (self.transfer_bytes, num_bytes),
+            (self.transfer_seconds, seconds),
+            (self.transfer_failures, failures),
+        ):
+            if value > 0:  # (Ray's counters take positive increments only)
+                counter.inc(value, tags=tags)
 
     def on_recompute(self) -> None:
         self.recomputes.inc(tags=self.tags)

@@ -40,8 +40,14 @@ class CellConfig:
     cache_routing: bool = True
     # decode steps one worker call may carry, in time (scheduler/cell/bursts.py); 0: one
     max_burst_ms: float = 20.0
+    # a handoff whose KV cannot be had: recompute its request (as a lost cache), or fail it
+    kv_transfer_failure: str = "recompute"
 
     def __post_init__(self) -> None:
+        if self.kv_transfer_failure not in ("recompute", "fail"):
+            raise ValueError(
+                f"kv_transfer_failure is recompute or fail, not {self.kv_transfer_failure!r}"
+            )
         if self.mode not in MODES_ON_RAY:
             raise ValueError(
                 f"a scheduler cell runs {' or '.join(MODES_ON_RAY)} mode, not {self.mode!r}"
@@ -144,6 +150,23 @@ class CellCounts:
     worker_failures: int = 0
     aborts: int = 0  # requests ended by abort (a client's disconnect or cancel)
     early_imports: int = 0  # KV imports into a slot reserved for a prompt still prefilling
+
+
+@dataclass
+class TransferTotals:
+    """KV moved into decode workers since start, per transport: bytes fetched, seconds spent
+    fetching, transfers lost (for /stats)."""
+
+    totals: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def add(self, transport: str, num_bytes: int, seconds: float, failures: int) -> None:
+        line = self.totals.setdefault(transport, {"bytes": 0, "seconds": 0.0, "failures": 0})
+        line["bytes"] += num_bytes
+        line["seconds"] += seconds
+        line["failures"] += failures
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        return {name: dict(line) for name, line in self.totals.items()}
 
 
 def prefill_room(

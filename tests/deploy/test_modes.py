@@ -42,8 +42,10 @@ def run_mode(checkpoint, sampling=None, **overrides):
         dict(mode="colocated", decode_workers=2),
         dict(mode="disaggregated", local_prefill_max_tokens=16),  # short prompts skip the handoff
         dict(mode="colocated", max_burst_ms=0),  # one decode step per call to a worker
+        # KV read one-sidedly from the prefill worker's memory (Ray Direct Transport)
+        dict(mode="disaggregated", prefill_workers=2, decode_workers=2, kv_transport="nixl"),
     ],
-    ids=["1P1D", "2P2D", "colocated", "conditional", "no-bursts"],
+    ids=["1P1D", "2P2D", "colocated", "conditional", "no-bursts", "nixl"],
 )
 def test_greedy_outputs_equal_local_mode(ray_session, tiny_checkpoint, overrides):
     local = run_local(tiny_checkpoint)
@@ -66,6 +68,11 @@ def test_greedy_outputs_equal_local_mode(ray_session, tiny_checkpoint, overrides
     else:
         assert all(handed_off.values())
         assert all(c.metrics["kv_handoff_s"] > 0 for c in results.values())
+    if overrides["mode"] == "disaggregated":  # every byte fetched was counted, with its transport
+        transport = overrides.get("kv_transport", "object_store")  # (auto on CPU)
+        assert set(stats["kv_transfer"]) == {transport}
+        assert stats["kv_transfer"][transport]["bytes"] > 0
+        assert stats["kv_transfer"][transport]["failures"] == 0
     if overrides.get("decode_workers") == 2:  # load was spread over both pools
         assert {c.metrics["decode_worker"] for c in results.values()} == {0, 1}
     # a step of the tiny model costs less than a Ray call: once only decoding is left, calls carry

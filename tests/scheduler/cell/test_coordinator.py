@@ -309,6 +309,18 @@ def test_a_request_that_keeps_losing_its_cache_ends_with_an_error_alone():
     assert_idle(coordinator)
 
 
+def test_with_the_fail_policy_a_lost_transfer_ends_its_request_with_an_error_alone():
+    coordinator, streams = cell(kv_transfer_failure="fail"), Streams()
+    coordinator.admit(req("lost"), consumer="c")
+    coordinator.admit(req("fine", prompt_len=9), consumer="c")
+    step_all(coordinator, streams, lose_imports={"lost"})
+    assert streams.finish == {"lost": "error", "fine": "length"}
+    assert "KV transfer of request lost failed" in streams.errors["lost"]
+    assert coordinator.counts.recomputes == 0
+    assert streams.tokens["fine"] == expected_tokens("fine", 5)
+    assert_idle(coordinator)
+
+
 def test_a_dead_decode_worker_loses_no_stream():
     coordinator, streams = cell(num_decode_workers=2, decode_slots=3), Streams()
     for i in range(5):

@@ -35,8 +35,8 @@ def run(coordinator, streams, before_step=None):
             ]
         for piece in result.kv_pieces:
             pieces.setdefault(piece.req_id, []).append(piece.ref)
-        for name, refs in coordinator.kv.take_prefetches().items():
-            named.setdefault(name, []).extend(refs)
+        for name, named_pieces in coordinator.kv.take_prefetches().items():
+            named.setdefault(name, []).extend(piece.ref for piece in named_pieces)
 
     step_all(coordinator, streams, before_step=before_step, observe=observe)
     return pieces, named, imported
