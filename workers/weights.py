@@ -3,9 +3,9 @@ device and in its dtype.
 
 The model is built on the `meta` device (no memory), given storage on the target device in the
 target dtype, and each checkpoint tensor is read (memory-mapped), converted as `loader.unfused`
-does and copied into its parameter. The host never holds more than one tensor in fp32 beyond the file's
-own pages: an 8B model in bf16 starts with about its 16 GB of weights, not the ~32 GB of an fp32
-copy first.
+does and copied into its parameter. The host never holds more than one tensor in fp32 beyond the
+file's own pages: an 8B model in bf16 starts with about its 16 GB of weights, not the ~32 GB of
+an fp32 copy first.
 """
 
 from __future__ import annotations
