@@ -1,0 +1,218 @@
+"""A real Prometheus server scrapes the running Serve app: every metric of /metrics is there, the
+counters and histograms moved by what the clients received, and every expression of the Grafana
+dashboard (deploy/grafana/pdserve.json) names only metrics that exist and evaluates."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from deploy.serving.prometheus import METRICS
+from tests.factories import free_port, served_app
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD = ROOT / "deploy" / "grafana" / "pdserve.json"
+ARGS = dict(
+    mode="disaggregated",
+    slots=2,
+    prefill_slots=2,
+    max_model_len=1024,
+    token_budget=32,
+    prefill_chunk=16,
+)
+
+
+def prometheus_binary() -> str:
+    """`make test` unpacks Debian's prometheus into .venv (Makefile); PROMETHEUS or PATH also
+    work."""
+    for candidate in (os.environ.get("PROMETHEUS"), ROOT / ".venv" / "prometheus" / "prometheus"):
+        if candidate and Path(candidate).is_file():
+            return str(candidate)
+    found = shutil.which("prometheus")
+    if found is None:
+        pytest.skip("no prometheus binary: `make prometheus` unpacks Debian's into .venv")
+    return found
+
+
+@pytest.fixture(scope="module")
+def app(ray_session, tiny_checkpoint):
+    with served_app(tiny_checkpoint, "scraped", **ARGS) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def prometheus(app, tmp_path_factory):
+    """A Prometheus scraping the app's /metrics every second; its HTTP API's base URL."""
+    work = tmp_path_factory.mktemp("prometheus")
+    target = app.removeprefix("http://")
+    (work / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        "scrape_configs:\n"
+        "  - job_name: pdserve\n"
+        f"    static_configs: [{{targets: ['{target}']}}]\n"
+    )
+    port = free_port()
+    log = open(work / "prometheus.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [
+            prometheus_binary(),
+            f"--config.file={work / 'prometheus.yml'}",
+            f"--storage.tsdb.path={work / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: value(base, 'up{job="pdserve"}') == 1, 60, work / "prometheus.log")
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def query(base: str, expr: str) -> list:
+    answer = httpx.get(f"{base}/api/v1/query", params={"query": expr}, timeout=10).json()
+    assert answer["status"] == "success", (expr, answer)
+    return answer["data"]["result"]
+
+
+def value(base: str, expr: str) -> float:
+    """The sum of an instant query's series (0 when it has none)."""
+    try:
+        return sum(float(series["value"][1]) for series in query(base, expr))
+    except httpx.HTTPError:
+        return 0.0
+
+
+def wait_for(condition, timeout_s: float, log: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"not within {timeout_s} s" + (log.read_text()[-2000:] if log else "")
+            )
+        time.sleep(0.5)
+
+
+def complete(app: str, prompt: list[int], max_tokens: int, **extra) -> httpx.Response:
+    return httpx.post(
+        f"{app}/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+        | {"temperature": 0}
+        | extra,
+        timeout=120,
+    )
+
+
+def test_prometheus_reads_every_metric_and_the_counts_clients_saw(app, prometheus):
+    # 1. requests whose tokens are known; the 40-token prompt twice (its 2 full blocks before its
+    # last token are cached)
+    shared = list(range(5, 45))
+    plan = [([5, 6, 7], 8), (shared, 12), (list(range(50, 70)), 5), (shared, 6)]
+    for prompt, max_tokens in plan:
+        assert complete(app, prompt, max_tokens).json()["usage"]["completion_tokens"] == max_tokens
+    # 2. load that lasts: four long requests of low priority on two decode slots, then two urgent
+    # ones, which preempt them
+    answers: list = []
+
+    def send(prompt, max_tokens, **extra):
+        answers.append(complete(app, prompt, max_tokens, **extra))
+
+    threads = [
+        threading.Thread(target=send, args=([9, i + 1], 1000), kwargs={"priority": 1})
+        for i in range(4)
+    ]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.3)
+    threads += [threading.Thread(target=send, args=([8, i], 20)) for i in range(2)]
+    for thread in threads[4:]:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert sorted(a.json()["usage"]["completion_tokens"] for a in answers) == [20] * 2 + [1000] * 4
+    num_requests = len(plan) + len(answers)
+    prompt_tokens = sum(len(p) for p, _ in plan) + 6 * 2
+    generated = sum(n for _, n in plan) + 4 * 1000 + 2 * 20
+
+    def got(name: str, **labels: str) -> float:
+        selector = ",".join(f'{k}="{v}"' for k, v in ({"model_name": "tiny"} | labels).items())
+        return value(prometheus, f"{name}{{{selector}}}")
+
+    # Prometheus has scraped the last counts (a scrape reads every counter of one answer)
+    wait_for(lambda: got("vllm:request_success_total", finished_reason="length") == 10, 60)
+    stats = httpx.get(f"{app}/stats").json()
+    assert num_requests == 10
+    assert got("vllm:prompt_tokens_total") == prompt_tokens
+    assert got("vllm:generation_tokens_total") == generated
+    for histogram in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
+        assert got(f"vllm:{histogram}_seconds_count") == num_requests, histogram
+        assert got(f"vllm:{histogram}_seconds_bucket", le="+Inf") == num_requests, histogram
+    for histogram in ("request_prefill_time", "request_decode_time"):
+        assert got(f"vllm:{histogram}_seconds_count") == num_requests, histogram
+    # one interval between each two successive tokens of a request
+    assert got("vllm:inter_token_latency_seconds_count") == generated - num_requests
+    # what the cells count themselves, as Prometheus read it
+    counters = stats["counters"]
+    assert got("vllm:num_preemptions_total") == counters["preemptions"] >= 1
+    assert got("pdserve:kv_handoffs_total") == counters["handoffs"] >= len(plan) - 1
+    assert got("pdserve:kv_handoff_bytes_total") == counters["handoff_bytes"] > 0
+    assert got("pdserve:kv_handoff_seconds_total") > 0
+    caches = [w["kv_cache"] for w in stats["workers"].values()]
+    assert got("vllm:prefix_cache_hits_total") == sum(c["hit_tokens"] for c in caches) >= 32
+    assert got("vllm:prefix_cache_queries_total") == sum(c["queried_tokens"] for c in caches)
+    # the gauges moved under load and are back at rest
+    assert value(prometheus, "max_over_time(vllm:num_requests_running[5m])") >= 2
+    assert value(prometheus, "max_over_time(vllm:kv_cache_usage_perc[5m])") > 0
+    assert got("vllm:num_requests_running") == 0 and got("vllm:num_requests_waiting") == 0
+    assert got("pdserve:cells") == 1 and got("pdserve:workers_alive", pool="prefill") == 1
+
+    # 3. a request past its own timeout (the tokens it made are counted, whoever saw them)
+    timed_out = complete(app, [7, 7], 1000, timeout=0.05)
+    assert timed_out.status_code == 504 and timed_out.json()["error"]["code"] == "timeout"
+    wait_for(lambda: got("pdserve:request_timeouts_total", deadline="request") == 1, 30)
+    assert got("vllm:request_success_total", finished_reason="error") == 1
+    # every metric of the list is there, with the model's name
+    names = {s["metric"]["__name__"] for s in query(prometheus, '{model_name="tiny"}')}
+    for metric in METRICS:
+        wanted = metric.name + ("_count" if metric.kind == "histogram" else "")
+        # (failovers and KV transfers per transport: where a cell reports them)
+        assert wanted in names or metric.name.startswith("pdserve:kv_transfer"), metric.name
+
+
+def dashboard_expressions() -> list[tuple[str, str]]:
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    return [(p["title"], t["expr"]) for p in panels for t in p["targets"]]
+
+
+def test_the_dashboard_uses_only_metrics_that_exist_and_every_expression_evaluates(app, prometheus):
+    text = httpx.get(f"{app}/metrics").text
+    # every sample's name, and every metric's (a labelled one may have no sample yet)
+    exported = set(re.findall(r"^([a-z0-9_:]+)\{", text, re.M))
+    exported |= set(re.findall(r"^# TYPE (\S+) ", text, re.M))
+    core = {"Time To First Token Latency", "Inter Token Latency", "Scheduler State"}
+    core |= {"Cache Utilization", "Token Throughput", "E2E Request Latency"}
+    seen_core = set()
+    for title, expr in dashboard_expressions():
+        for name in re.findall(r"\b((?:vllm|pdserve):[a-z0-9_]+)", expr):
+            assert name in exported, (title, name)
+        promql = expr.replace("$model_name", "tiny").replace("$__rate_interval", "5m")
+        result = query(prometheus, promql)  # raises unless Prometheus evaluates it
+        if title in core and result:
+            seen_core.add(title)
+    assert seen_core == core  # vLLM's core panels show data for pdserve, unchanged
