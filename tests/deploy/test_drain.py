@@ -1,0 +1,113 @@
+"""`pdserve serve` drains on SIGTERM: not ready at once, new requests refused with 503 and
+Retry-After, open streams finish within --drain-timeout-s, the rest end with an error event."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.deploy.test_serve_cli import _wait_ready
+from tests.factories import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+DRAIN_TIMEOUT_S = 1.5
+
+
+def stream(base: str, max_tokens: int, started: threading.Event, record: dict) -> None:
+    """One streamed completion; records its events and when its last one came."""
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": max_tokens, "ignore_eos": True}
+    body |= {"stream_options": {"include_usage": True}}
+    with httpx.stream(
+        "POST", f"{base}/v1/completions", json=body | {"stream": True}, timeout=120
+    ) as r:
+        record["status"] = r.status_code
+        events = []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                started.set()
+    record["events"] = events
+    record["ended_s"] = time.monotonic()
+
+
+def tokens_and_error(record: dict) -> tuple[int, dict | None]:
+    chunks = [json.loads(e) for e in record["events"][:-1]]
+    error = next((c["error"] for c in chunks if "error" in c), None)
+    usage = next((c["usage"] for c in chunks if c.get("usage")), None)
+    return (usage["completion_tokens"] if usage else 0), error
+
+
+@pytest.mark.slow
+def test_sigterm_lets_streams_finish_up_to_the_drain_timeout_then_ends_the_rest(
+    tiny_checkpoint, tmp_path
+):
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = tmp_path / "serve.log"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    argv = ["--model", tiny_checkpoint, "--served-model-name", "tiny", "--mode", "colocated"]
+    argv += ["--slots", "16", "--max-model-len", "1024", "--max-burst-ms", "0"]
+    argv += ["--drain-timeout-s", str(DRAIN_TIMEOUT_S), "--port", str(port)]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "deploy.cli", "serve", *argv],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+        )
+    try:
+        _wait_ready(proc, base, log)
+        assert httpx.get(f"{base}/ready", timeout=10).status_code == 200
+        # 16 streams: 8 short ones, which finish during the drain, and 8 that cannot finish in it
+        records = [{} for _ in range(16)]
+        started = [threading.Event() for _ in range(16)]
+        threads = [
+            threading.Thread(
+                target=stream, args=(base, 24 if i % 2 else 1000, started[i], records[i])
+            )
+            for i in range(16)
+        ]
+        for thread in threads:
+            thread.start()
+        for event in started:
+            assert event.wait(60)
+        sigterm_s = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 2
+        while httpx.get(f"{base}/ready", timeout=5).status_code == 200:
+            assert time.monotonic() < deadline, "still ready 2 s after SIGTERM"
+            time.sleep(0.05)
+        refused = httpx.post(
+            f"{base}/v1/completions", json={"model": "tiny", "prompt": [5], "max_tokens": 2}
+        )
+        assert refused.status_code == 503 and refused.headers["Retry-After"]
+        assert refused.json()["error"]["code"] == "shutting_down"
+        for thread in threads:
+            thread.join(timeout=DRAIN_TIMEOUT_S + 30)
+            assert not thread.is_alive(), "a stream hung"
+        ended_by_drain = 0
+        for i, record in enumerate(records):
+            assert record["status"] == 200 and record["events"][-1] == "[DONE]", record
+            tokens, error = tokens_and_error(record)
+            if error is None:  # finished: whole
+                assert tokens == (24 if i % 2 else 1000), (i, tokens)
+                continue
+            # ended by the drain: not before its timeout, and soon after it
+            ended_by_drain += 1
+            assert error["code"] == "shutting_down", error
+            assert DRAIN_TIMEOUT_S - 0.2 <= record["ended_s"] - sigterm_s <= DRAIN_TIMEOUT_S + 10
+        assert ended_by_drain >= 1  # (else this run tested nothing about the timeout)
+        assert all(tokens_and_error(r)[1] is None for r in records[1::2])  # short ones whole
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
