@@ -226,11 +226,18 @@ def combine_stats(cells: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for stats in cells.values():
         for key, value in stats["counters"].items():
             counters[key] = counters.get(key, 0) + value
+    transfers: dict[str, dict[str, float]] = {}  # per transport, summed over the cells
+    for stats in cells.values():
+        for transport, line in (stats.get("kv_transfer") or {}).items():
+            total = transfers.setdefault(transport, {})
+            for key, value in line.items():
+                total[key] = total.get(key, 0) + value
     first = next(iter(cells.values()), {})
     return {
         "num_cells": len(cells),
         "workers": workers,
         "counters": counters,
+        "kv_transfer": transfers,
         "live_handoffs": sum(s["live_handoffs"] for s in cells.values()),
         "streams": sum(s["streams"] for s in cells.values()),
         "max_waiting": first.get("max_waiting"),

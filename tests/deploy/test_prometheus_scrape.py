@@ -173,6 +173,12 @@ def test_prometheus_reads_every_metric_and_the_counts_clients_saw(app, prometheu
     assert got("pdserve:kv_handoffs_total") == counters["handoffs"] >= len(plan) - 1
     assert got("pdserve:kv_handoff_bytes_total") == counters["handoff_bytes"] > 0
     assert got("pdserve:kv_handoff_seconds_total") > 0
+    transfers = stats["kv_transfer"]  # per transport, as the cells count it
+    assert transfers and sum(line["bytes"] for line in transfers.values()) > 0, transfers
+    for transport, line in transfers.items():
+        for field in ("bytes", "seconds", "failures"):
+            name = f"pdserve:kv_transfer_{field}_total"
+            assert got(name, transport=transport) == pytest.approx(line[field]), name
     caches = [w["kv_cache"] for w in stats["workers"].values()]
     assert got("vllm:prefix_cache_hits_total") == sum(c["hit_tokens"] for c in caches) >= 32
     assert got("vllm:prefix_cache_queries_total") == sum(c["queried_tokens"] for c in caches)
@@ -191,8 +197,7 @@ def test_prometheus_reads_every_metric_and_the_counts_clients_saw(app, prometheu
     names = {s["metric"]["__name__"] for s in query(prometheus, '{model_name="tiny"}')}
     for metric in METRICS:
         wanted = metric.name + ("_count" if metric.kind == "histogram" else "")
-        # (failovers and KV transfers per transport: where a cell reports them)
-        assert wanted in names or metric.name.startswith("pdserve:kv_transfer"), metric.name
+        assert wanted in names, metric.name
 
 
 def dashboard_expressions() -> list[tuple[str, str]]:
