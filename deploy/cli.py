@@ -16,7 +16,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from deploy.bench.arguments import add_bench_arguments, add_gpu_bench_arguments
+from deploy.bench.arguments import (
+    add_bench_arguments,
+    add_gpu_bench_arguments,
+    add_gpu_check_arguments,
+)
 from deploy.config import EngineConfig, ReplyConfig, ServiceConfig
 
 
@@ -157,6 +161,12 @@ def _cmd_gpu_bench(args: argparse.Namespace) -> int:
 
     run_gpu_bench(args)
     return 0
+
+
+def _cmd_gpu_check(args: argparse.Namespace) -> int:
+    from deploy.gpu_check import main
+
+    return main(args)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -346,6 +356,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_gpu_bench_arguments(gpu)
     gpu.set_defaults(func=_cmd_gpu_bench)
+
+    check = sub.add_parser(
+        "gpu-check",
+        help="check a GPU machine whole in minutes: parity with transformers, sampling, KV "
+        "transports, disaggregated workers, the slots sweep; JSON out, non-zero on a failure",
+    )
+    add_gpu_check_arguments(check)
+    check.set_defaults(func=_cmd_gpu_check)
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API through Ray Serve")
     add_engine_args(serve, ServiceConfig)

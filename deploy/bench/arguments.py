@@ -238,3 +238,19 @@ def add_gpu_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--output", default="results/gpu_bench.jsonl", help="JSON lines file ('' for none)"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts")
+
+
+def add_gpu_check_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="auto", help="auto (cuda if present), cuda or cpu")
+    parser.add_argument(
+        "--sweep-seconds",
+        type=float,
+        default=150.0,
+        help="time for the slots sweep against HF static batching; 0 skips it",
+    )
+    parser.add_argument("--no-sweep", dest="sweep_seconds", action="store_const", const=0.0)
+    parser.add_argument(
+        "--skip", action="append", help="a check to leave out (repeatable), e.g. logprobs_bf16"
+    )
+    parser.add_argument("--workdir", help="where the test checkpoint is written (a temp dir)")
+    parser.add_argument("--output", help="also write the JSON report here")

@@ -1,0 +1,438 @@
+"""`pdserve gpu-check`: one command that checks a GPU machine whole in minutes and says, in one
+JSON object, what works.
+
+Each check runs on its own (a failure is recorded, the next check still runs); the command exits
+non-zero if any failed. The checks, in order:
+
+* `versions`: torch, CUDA, transformers, Ray, NIXL, the device, and the attention each path runs.
+* `logits_fp32`: our forward against `transformers` on the device, fp32, prompt chunks and batched
+  decode steps of a random model: max |Δ logit| ≤ 1e-3 (TF32 off).
+* `logprobs_bf16`: teacher-forced log-probs of the embedded SmolLM2 in bf16 against `transformers`
+  in bf16, within the limits of tests/workers/test_bf16.py (mean 0.05, max 0.3 nats).
+* `greedy`: the local engine's greedy tokens equal `transformers`' `generate` on a peaked-logit
+  model, and batched requests equal each run alone.
+* `sampling`: every sampling option once on the device; seeded runs repeat exactly.
+* `kv_transports`: a KV export → import round trip between two Ray actors per transport the
+  machine has, rows exact, with GB/s, beside a device-to-device copy's.
+* `disaggregated`: one prefill and one decode worker (half a GPU each where there is one) give the
+  local engine's tokens; the handoff's GB/s per transport.
+* `slots_sweep`: `pdserve gpu-bench`'s sweep against HF static batching, cut at --sweep-seconds.
+
+    pdserve gpu-check                      # cuda if present; JSON on stdout, progress on stderr
+    pdserve gpu-check --device cpu --no-sweep --output check.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deploy.bench.baselines import copy_bandwidth
+from deploy.bench.gpu_model import qwen3_config, word_level_tokenizer
+from deploy.config import EngineConfig
+from scheduler.request import Request, SamplingParams
+
+FP32_LOGIT_TOLERANCE = 1e-3
+BF16_MEAN, BF16_MAX = 0.05, 0.3  # nats, as tests/workers/test_bf16.py
+
+
+def peaked_checkpoint(root: Path) -> Path:
+    """A two-layer Qwen3-shaped model whose weights are spread wide (initializer_range 0.25), so
+    its argmax has clear margins: greedy tokens do not flip on last-bit differences."""
+    from transformers import AutoModelForCausalLM
+
+    path = root / "peaked-qwen3"
+    if (path / "config.json").exists():
+        return path
+    config = qwen3_config("tiny")
+    config.initializer_range = 0.25
+    torch.manual_seed(1234)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    word_level_tokenizer(config.vocab_size, config.eos_token_id).save_pretrained(path)
+    return path
+
+
+def _prompt(length: int, seed: int, vocab: int = 500) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (length,), generator=generator).tolist()
+
+
+def _forward(model: Any, cache: Any, rows: list[tuple[int, list[int], int]], decode: int) -> Any:
+    """rows: (request index, token ids, start); request i owns blocks 16i..16i+15."""
+    from workers.model import BatchLayout
+
+    tables = [(list(range(16 * i, 16 * i + 16)), ids, start) for i, ids, start in rows]
+    input_ids, layout = BatchLayout.pack(tables, decode, 16, cache.k.device)
+    return model(input_ids, layout, cache, torch.arange(len(input_ids), device=cache.k.device))
+
+
+def check_versions(device: str) -> dict[str, Any]:
+    import ray
+    import transformers
+
+    from workers import kernels
+
+    line: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "ray": ray.__version__,
+        "device": device,
+    }
+    try:
+        import nixl._api  # noqa: F401
+
+        line["nixl"] = "installed"
+    except ImportError as error:
+        line["nixl"] = f"missing ({error})"
+    if device.startswith("cuda"):
+        line["gpu"] = torch.cuda.get_device_name(device)
+        line["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        line["sdpa_backends"] = {
+            "flash": torch.backends.cuda.flash_sdp_enabled(),
+            "mem_efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+            "math": torch.backends.cuda.math_sdp_enabled(),
+        }
+        line["attention"] = "prompts: torch SDPA over gathered blocks; decode: gather + SDPA"
+    else:
+        built = kernels.load_kernels() is not None
+        line["attention"] = (
+            "C++ paged kernels (prompts and decode)" if built else "torch SDPA (no compiler)"
+        )
+    line["ok"] = True
+    return line
+
+
+def check_logits_fp32(checkpoint: Path, device: str) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    from workers.kv_cache import PagedKVCache
+    from workers.loader import load_model
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).to(device).eval()
+    model = load_model(str(checkpoint), "float32", device).model
+    spec = model.spec
+    cache = PagedKVCache(
+        spec.num_layers, 64, spec.num_kv_heads, 16, spec.head_dim, torch.float32, device
+    )
+    a, b = _prompt(40, 1), _prompt(23, 2)
+    with torch.no_grad():
+        ref_a = hf(torch.tensor([a], device=device)).logits[0]
+        ref_b = hf(torch.tensor([b], device=device)).logits[0]
+    diffs = []
+    out = _forward(model, cache, [(0, a[:16], 0), (1, b[:20], 0)], 0)
+    diffs += [(out[:16] - ref_a[:16]).abs().max(), (out[16:] - ref_b[:20]).abs().max()]
+    out = _forward(model, cache, [(0, a[16:36], 16)], 0)
+    diffs.append((out - ref_a[16:36]).abs().max())
+    for step in range(3):
+        rows = [(0, [a[36 + step]], 36 + step), (1, [b[20 + step]], 20 + step)]
+        out = _forward(model, cache, rows, 2)
+        diffs += [(out[0] - ref_a[36 + step]).abs().max(), (out[1] - ref_b[20 + step]).abs().max()]
+    worst = max(float(d) for d in diffs)
+    return {"max_abs_logit_diff": worst, "limit": FP32_LOGIT_TOLERANCE, "ok": worst <= 1e-3}
+
+
+def check_logprobs_bf16(device: str) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    from workers.catalog import DEFAULT_MODEL
+    from workers.kv_cache import PagedKVCache
+    from workers.loader import load_model, resolve_checkpoint
+
+    loaded = load_model(DEFAULT_MODEL, "bfloat16", device)
+    directory = resolve_checkpoint(DEFAULT_MODEL)
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).to(device).eval()
+    text = loaded.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Why is the sky blue? Answer in two sentences."}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    prompt = loaded.tokenizer(text).input_ids
+    with torch.no_grad():  # the reference's own greedy reply, as tests/workers/test_bf16.py
+        ids = hf.generate(
+            torch.tensor([prompt], device=device), max_new_tokens=24, do_sample=False
+        )[0].tolist()
+        theirs = hf(torch.tensor([ids], device=device)).logits[0].float()
+    spec = loaded.model.spec
+    cache = PagedKVCache(
+        spec.num_layers, 64, spec.num_kv_heads, 16, spec.head_dim, torch.bfloat16, device
+    )
+    # the prompt in chunks of 16, then the reply teacher-forced one decode step at a time
+    steps = [([(0, prompt[s : s + 16], s)], 0) for s in range(0, len(prompt), 16)]
+    steps += [([(0, [ids[p]], p)], 1) for p in range(len(prompt), len(ids) - 1)]
+    ours = torch.cat([_forward(loaded.model, cache, rows, decode) for rows, decode in steps])
+    targets = torch.tensor(ids[1:], device=device)
+
+    def logp(logits: torch.Tensor) -> torch.Tensor:  # of each next token
+        return logits.float().log_softmax(-1).gather(1, targets[:, None])[:, 0]
+
+    delta = (logp(ours) - logp(theirs[:-1])).abs()
+    mean, worst = float(delta.mean()), float(delta.max())
+    return {
+        "tokens": len(ids),
+        "mean_abs_dlogp": mean,
+        "max_abs_dlogp": worst,
+        "limits": [BF16_MEAN, BF16_MAX],
+        "ok": mean <= BF16_MEAN and worst <= BF16_MAX,
+    }
+
+
+def _requests(count: int, max_tokens: int, sampling: SamplingParams | None = None) -> list[Any]:
+    return [
+        Request(f"r{i}", _prompt(5 + 9 * i, 10 + i), max_tokens, sampling or SamplingParams())
+        for i in range(count)
+    ]
+
+
+def _engine_tokens(checkpoint: Path, device: str, requests: list[Any]) -> dict[str, list[int]]:
+    from deploy.driver import open_engine
+
+    config = EngineConfig(
+        model=str(checkpoint), device=device, dtype="float32", slots=8, max_model_len=256
+    )
+    with open_engine(config) as engine:
+        return {r: c.token_ids for r, c in engine.run(requests).items()}
+
+
+def check_greedy(checkpoint: Path, device: str) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    requests = _requests(6, 24)
+    batched = _engine_tokens(checkpoint, device, requests)
+    solo = {}
+    for request in _requests(6, 24):
+        solo |= _engine_tokens(checkpoint, device, [request])
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).to(device).eval()
+    mismatched = []
+    for request in requests:
+        with torch.no_grad():
+            ref = hf.generate(
+                torch.tensor([request.prompt_ids], device=device),
+                max_new_tokens=request.max_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(request.prompt_ids) :].tolist()
+        if batched[request.req_id] != ref:
+            mismatched.append(request.req_id)
+    solo_differs = [r for r in batched if batched[r] != solo[r]]
+    return {
+        "requests": len(requests),
+        "differ_from_transformers": mismatched,
+        "batched_differ_from_solo": solo_differs,
+        "ok": not mismatched and not solo_differs,
+    }
+
+
+SAMPLING_OPTIONS: dict[str, dict[str, Any]] = {
+    "temperature": {"temperature": 0.8, "seed": 7},
+    "top_p": {"temperature": 1.0, "top_p": 0.5, "seed": 7},
+    "top_k": {"temperature": 1.0, "top_k": 5, "seed": 7},
+    "min_p": {"temperature": 1.0, "min_p": 0.2, "seed": 7},
+    "presence_penalty": {"presence_penalty": 1.5},
+    "frequency_penalty": {"frequency_penalty": 1.5},
+    "repetition_penalty": {"repetition_penalty": 1.3},
+    "min_tokens": {"min_tokens": 6},
+    "logit_bias": {"logit_bias": ((42, 100.0),)},
+    "logprobs": {"logprobs": 3},
+}
+
+
+def check_sampling(checkpoint: Path, device: str) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for name, options in SAMPLING_OPTIONS.items():
+        sampling = SamplingParams(**options)
+        first = _engine_tokens(checkpoint, device, _requests(3, 8, sampling))
+        again = _engine_tokens(checkpoint, device, _requests(3, 8, sampling))
+        ok = first == again and all(len(t) == 8 for t in first.values())
+        if name == "logit_bias":  # +100 on one token: every sample is that token
+            ok = ok and all(set(t) == {42} for t in first.values())
+        results[name] = ok
+    return {"options": results, "ok": all(results.values())}
+
+
+def check_kv_transports(device: str) -> dict[str, Any]:
+    import ray
+
+    from deploy.ray_engine import init_ray
+    from workers.kv_transfer import TRANSPORTS, usable_transports
+
+    init_ray(EngineConfig(device=device))
+    dev = torch.device(device)
+    usable = usable_transports(dev, "nixl")
+    size = (256 if dev.type == "cuda" else 32) * 2**20
+    lines: dict[str, Any] = {}
+    for name in TRANSPORTS:
+        if usable.get(name):
+            lines[name] = {"skipped": usable[name]}
+            continue
+        lines[name] = _round_trip(ray, name, device, size)
+        if name != "object_store" and lines[name]["carried_by"] != [name]:
+            lines[name]["exact"] = False  # (fell back to the object store)
+    copy = copy_bandwidth(size, device)
+    ok = all(line.get("exact", True) for line in lines.values())
+    return {"payload_bytes": size, "copy_gb_s": copy, "transports": lines, "ok": ok}
+
+
+class _KVSide:
+    """One end of a round trip: a KV cache of `size` bytes' worth of tokens on the device."""
+
+    def __init__(self, device: str, size: int) -> None:
+        from workers.kv_cache import PagedKVCache
+
+        tokens = max(16, size // PagedKVCache.bytes_per_token(4, 8, 128, torch.float32))
+        self.table = list(range(tokens // 16))
+        self.cache = PagedKVCache(4, len(self.table), 8, 16, 128, torch.float32, device)
+        self.tokens = len(self.table) * 16
+
+    def send(self, name: str, seed: int) -> tuple[list[Any], str]:
+        from workers.kv_transfer import KVSender, make_transport
+
+        generator = torch.Generator().manual_seed(seed)
+        self.cache.k.copy_(torch.randn(self.cache.k.shape, generator=generator))
+        self.cache.v.copy_(torch.randn(self.cache.v.shape, generator=generator))
+        transport = make_transport(name, self.cache.k.device, 2 * self.cache.total_bytes)
+        pieces = KVSender(self.cache, transport).export([("kv", self.table, 0, self.tokens)])
+        return pieces, _digest(self.cache)
+
+    def receive(self, pieces: list[Any]) -> dict[str, Any]:
+        from scheduler.messages import KVHandoff, KVImport
+        from workers.kv_transfer import KVReceiver
+
+        handoff = KVImport(self.table, KVHandoff("kv", tuple(pieces), 0))
+        start = time.perf_counter()
+        report = KVReceiver(self.cache).import_all([handoff])
+        seconds = time.perf_counter() - start
+        fetched = sum(c.bytes for c in report.transfers.values())
+        return {"failed": report.failed, "seconds": seconds, "bytes": fetched} | {
+            "digest": _digest(self.cache)
+        }
+
+
+def _digest(cache: Any) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    for tensor in (cache.k, cache.v):
+        digest.update(tensor.cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _round_trip(ray: Any, name: str, device: str, size: int) -> dict[str, Any]:
+    """Rows put by one actor and imported by another (half a GPU each: one GPU for CUDA IPC):
+    exact, and GB/s of fetch + copy in (2 x bytes / seconds, the copy convention)."""
+    gpus = 0.5 if device.startswith("cuda") else 0
+    side = ray.remote(num_cpus=0, num_gpus=gpus)(_KVSide)
+    sender, receiver = side.remote(device, size), side.remote(device, size)
+    try:
+        pieces, digest = ray.get(sender.send.remote(name, seed=3))
+        ray.get(receiver.receive.remote(pieces))  # warm: agents connect, memory registers
+        line = ray.get(receiver.receive.remote(pieces))
+    finally:
+        ray.kill(sender)
+        ray.kill(receiver)
+    exact = not line["failed"] and line.pop("digest") == digest
+    gb_s = 2 * line["bytes"] / max(line["seconds"], 1e-9) / 1e9
+    return (
+        line
+        | {"carried_by": sorted({p.transport for p in pieces}), "gb_s": gb_s}
+        | {"exact": exact}
+    )
+
+
+def check_disaggregated(checkpoint: Path, device: str) -> dict[str, Any]:
+    from deploy.driver import RayEngine
+
+    requests = _requests(6, 16)
+    local = _engine_tokens(checkpoint, device, requests)
+    gpus = 0.5 if device.startswith("cuda") else None
+    config = EngineConfig(
+        model=str(checkpoint),
+        mode="disaggregated",
+        device=device,
+        dtype="float32",
+        slots=8,
+        max_model_len=256,
+        gpus_per_worker=gpus,
+    )
+    with RayEngine(config) as engine:
+        got = {r: c.token_ids for r, c in engine.run(_requests(6, 16)).items()}
+        stats = engine.stats()
+    transfers = {
+        name: line | {"gb_s": 2 * line["bytes"] / max(line["seconds"], 1e-9) / 1e9}
+        for name, line in stats["kv_transfer"].items()
+    }
+    differ = [r for r in local if local[r] != got[r]]
+    return {"differ_from_local": differ, "kv_transfer": transfers, "ok": not differ}
+
+
+def check_slots_sweep(device: str, seconds: float) -> dict[str, Any]:
+    from deploy.bench.arguments import add_gpu_bench_arguments
+    from deploy.bench.gpu import run_gpu_bench
+
+    parser = argparse.ArgumentParser()
+    add_gpu_bench_arguments(parser)
+    preset = "qwen3-0.6b" if device.startswith("cuda") else "tiny"
+    args = parser.parse_args(["--device", device, "--preset", preset, "--time-limit", str(seconds)])
+    lines = run_gpu_bench(args)
+    return {"lines": lines, "ok": bool(lines)}
+
+
+def run_checks(args: argparse.Namespace) -> dict[str, Any]:
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    root = Path(args.workdir or tempfile.mkdtemp(prefix="pdserve-gpu-check-"))
+    checkpoint = peaked_checkpoint(root)
+    checks: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+        ("versions", lambda: check_versions(device)),
+        ("logits_fp32", lambda: check_logits_fp32(checkpoint, device)),
+        ("logprobs_bf16", lambda: check_logprobs_bf16(device)),
+        ("greedy", lambda: check_greedy(checkpoint, device)),
+        ("sampling", lambda: check_sampling(checkpoint, device)),
+        ("kv_transports", lambda: check_kv_transports(device)),
+        ("disaggregated", lambda: check_disaggregated(checkpoint, device)),
+    ]
+    if args.sweep_seconds > 0:
+        checks.append(("slots_sweep", lambda: check_slots_sweep(device, args.sweep_seconds)))
+    skip = set(args.skip or [])
+    report: dict[str, Any] = {"device": device, "checks": {}}
+    start = time.perf_counter()
+    for name, check in checks:
+        if name in skip:
+            continue
+        began = time.perf_counter()
+        print(f"[{began - start:6.1f}s] {name} ...", file=sys.stderr, flush=True)
+        try:
+            line = check()
+        except Exception as error:  # a check that breaks is a failed check; the rest still run
+            line = {"ok": False, "error": f"{type(error).__name__}: {error}"}
+            traceback.print_exc(file=sys.stderr)
+        line["seconds"] = round(time.perf_counter() - began, 2)
+        report["checks"][name] = line
+        print(f"         {name}: {'ok' if line['ok'] else 'FAILED'}", file=sys.stderr, flush=True)
+    report["seconds"] = round(time.perf_counter() - start, 1)
+    report["ok"] = all(line["ok"] for line in report["checks"].values())
+    return report
+
+
+def main(args: argparse.Namespace) -> int:
+    report = run_checks(args)
+    text = json.dumps(report, indent=2, default=str)
+    print(text)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    return 0 if report["ok"] else 1

@@ -1,0 +1,58 @@
+"""`pdserve gpu-check` on this machine's CPU: every check runs and passes, the report is JSON,
+and a check that fails makes the command fail while the others still run."""
+
+import json
+
+import pytest
+
+from deploy import gpu_check
+from deploy.cli import main
+
+pytestmark = pytest.mark.slow
+
+CHECKS = {
+    "versions",
+    "logits_fp32",
+    "logprobs_bf16",
+    "greedy",
+    "sampling",
+    "kv_transports",
+    "disaggregated",
+}
+
+
+def test_every_check_passes_on_the_cpu(ray_session, tmp_path, capsys):
+    out = tmp_path / "check.json"
+    args = ["gpu-check", "--device", "cpu", "--no-sweep", "--workdir", str(tmp_path)]
+    assert main([*args, "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    # (Ray's workers may print before it)
+    assert capsys.readouterr().out.rstrip().endswith(out.read_text().rstrip())
+    assert report["ok"] and set(report["checks"]) == CHECKS
+    checks = report["checks"]
+    assert checks["logits_fp32"]["max_abs_logit_diff"] <= 1e-3
+    assert checks["greedy"]["differ_from_transformers"] == []
+    transports = checks["kv_transports"]["transports"]
+    # NIXL is installed by `make`: both transports of a CPU machine moved the rows exactly
+    assert transports["object_store"]["exact"] and transports["nixl"]["exact"]
+    assert transports["nixl"]["carried_by"] == ["nixl"] and transports["nixl"]["gb_s"] > 0
+    assert "cuda" in transports["cuda_ipc"]["skipped"] or "cpu" in transports["cuda_ipc"]["skipped"]
+    assert checks["disaggregated"]["differ_from_local"] == []
+
+
+def test_a_failing_check_fails_the_command_and_the_rest_still_run(tmp_path, monkeypatch, capsys):
+    def broken(checkpoint, device):
+        raise RuntimeError("the forward broke")
+
+    monkeypatch.setattr(gpu_check, "check_logits_fp32", broken)
+    skips = ["kv_transports", "disaggregated", "logprobs_bf16", "sampling"]
+    args = ["gpu-check", "--device", "cpu", "--no-sweep", "--workdir", str(tmp_path)]
+    assert main(args + [f"--skip={name}" for name in skips]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is False
+    assert report["checks"]["logits_fp32"] == {
+        "ok": False,
+        "error": "RuntimeError: the forward broke",
+        "seconds": report["checks"]["logits_fp32"]["seconds"],
+    }
+    assert report["checks"]["greedy"]["ok"] and report["checks"]["versions"]["ok"]
