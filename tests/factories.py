@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
 import socket
 import time
 from collections.abc import Iterator
@@ -14,6 +15,14 @@ from typing import Any
 from scheduler.request import Request, SamplingParams
 
 VOCAB = 384
+# the device the parity tests run our side on (`PDSERVE_TEST_DEVICE=cuda make test` on a GPU);
+# `transformers`' reference runs on the CPU either way
+TEST_DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")
+# fp32 logits against `transformers`: on the CPU the same ops in another order; on a GPU other
+# kernels (TF32 off), within `pdserve gpu-check`'s limit
+LOGITS_CLOSE = (
+    {"atol": 2e-5, "rtol": 1e-4} if TEST_DEVICE == "cpu" else {"atol": 1e-3, "rtol": 1e-3}
+)
 
 
 def tiny_hf_config(kind: str = "llama"):  # type: ignore[no-untyped-def]
@@ -106,10 +115,10 @@ def tiny_hf_model(kind: str = "llama"):  # type: ignore[no-untyped-def]
     return AutoModelForCausalLM.from_config(tiny_hf_config(kind)).eval()
 
 
-def tiny_model(kind: str = "llama"):  # type: ignore[no-untyped-def]
+def tiny_model(kind: str = "llama", device: str = "cpu"):  # type: ignore[no-untyped-def]
     from workers.loader import from_hf_model
 
-    return from_hf_model(tiny_hf_model(kind))
+    return from_hf_model(tiny_hf_model(kind), device=device)
 
 
 def slot_blocks(slot: int, num_slots: int, capacity: int, block_size: int = 16) -> list[int]:

@@ -10,11 +10,18 @@ from deploy.config import EngineConfig
 from deploy.driver import RayEngine, open_engine
 from deploy.engine_client import EngineClient, complete
 from scheduler.request import Request, SamplingParams
-from tests.factories import VOCAB, make_requests
+from tests.factories import TEST_DEVICE, VOCAB, make_requests
 
 pytestmark = pytest.mark.slow
 
-BASE = dict(slots=3, max_model_len=160, token_budget=16, prefill_chunk=8, prefill_slots=2)
+BASE = dict(
+    slots=3,
+    max_model_len=160,
+    token_budget=16,
+    prefill_chunk=8,
+    prefill_slots=2,
+    device=TEST_DEVICE,  # PDSERVE_TEST_DEVICE (cpu by default)
+)
 PROMPTS, OUTPUTS = [5, 31, 12, 47, 9, 20, 3, 60, 15], [17, 6, 25, 9, 3, 12, 30, 8, 14]
 
 

@@ -4,7 +4,15 @@ steps."""
 import pytest
 import torch
 
-from tests.factories import VOCAB, prompt_ids, slot_blocks, tiny_hf_model, tiny_model
+from tests.factories import (
+    LOGITS_CLOSE,
+    TEST_DEVICE,
+    VOCAB,
+    prompt_ids,
+    slot_blocks,
+    tiny_hf_model,
+    tiny_model,
+)
 from workers import kernels
 from workers.kv_cache import PagedKVCache
 from workers.model import BatchLayout
@@ -14,8 +22,9 @@ def _run(model, cache, rows, decode_first: int):
     """rows: (slot, token_ids, start_pos); the first `decode_first` are single decode tokens. Slot
     s stands for the interleaved block table `slot_blocks(s, 4, 128)`."""
     tables = [(slot_blocks(slot, 4, 128), ids, start) for slot, ids, start in rows]
-    input_ids, layout = BatchLayout.pack(tables, decode_first, 16, "cpu")
-    return model(input_ids, layout, cache, torch.arange(len(input_ids)))  # [N, vocab]
+    input_ids, layout = BatchLayout.pack(tables, decode_first, 16, cache.k.device)
+    logits_indices = torch.arange(len(input_ids), device=cache.k.device)
+    return model(input_ids, layout, cache, logits_indices).cpu()  # [N, vocab]
 
 
 # (2, 0): decode rows out of slot order with an idle row in their span; (0, 1): rows are the span
@@ -33,19 +42,19 @@ def test_logits_match_transformers_for_chunks_and_batched_decode(
         monkeypatch.setattr(kernels, "load_kernels", lambda: None)
     elif kernels.load_kernels() is None:
         pytest.skip("no C++ compiler here: the kernel cannot be built")
-    hf, model = tiny_hf_model(kind), tiny_model(kind)
+    hf, model = tiny_hf_model(kind), tiny_model(kind, TEST_DEVICE)
     spec = model.spec
-    cache = PagedKVCache(spec.num_layers, 4 * 128 // 16, spec.num_kv_heads, 16, spec.head_dim)
+    cache = paged(spec, TEST_DEVICE)
     seq_a, seq_b = prompt_ids(40, seed=1), prompt_ids(23, seed=2)
     with torch.no_grad():
         ref_a, ref_b = hf(torch.tensor([seq_a])).logits[0], hf(torch.tensor([seq_b])).logits[0]
 
     # prompt of A in two chunks sharing a forward with B's whole prompt minus one
     out = _run(model, cache, [(slot_a, seq_a[:16], 0), (slot_b, seq_b[:20], 0)], 0)
-    torch.testing.assert_close(out[:16], ref_a[:16], atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(out[16:], ref_b[:20], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out[:16], ref_a[:16], **LOGITS_CLOSE)
+    torch.testing.assert_close(out[16:], ref_b[:20], **LOGITS_CLOSE)
     out = _run(model, cache, [(slot_a, seq_a[16:36], 16)], 0)
-    torch.testing.assert_close(out, ref_a[16:36], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out, ref_a[16:36], **LOGITS_CLOSE)
     # decode steps of both at different positions in one batched call
     for step in range(3):
         out = _run(
@@ -54,14 +63,16 @@ def test_logits_match_transformers_for_chunks_and_batched_decode(
             [(slot_a, [seq_a[36 + step]], 36 + step), (slot_b, [seq_b[20 + step]], 20 + step)],
             2,
         )
-        torch.testing.assert_close(out[0], ref_a[36 + step], atol=2e-5, rtol=1e-4)
-        torch.testing.assert_close(out[1], ref_b[20 + step], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(out[0], ref_a[36 + step], **LOGITS_CLOSE)
+        torch.testing.assert_close(out[1], ref_b[20 + step], **LOGITS_CLOSE)
     assert out.shape == (2, VOCAB)
 
 
-def paged(spec):
+def paged(spec, device="cpu"):
     """A cache of 32 blocks of 16: four interleaved slots of 128 positions (`slot_blocks`)."""
-    return PagedKVCache(spec.num_layers, 4 * 128 // 16, spec.num_kv_heads, 16, spec.head_dim)
+    return PagedKVCache(
+        spec.num_layers, 4 * 128 // 16, spec.num_kv_heads, 16, spec.head_dim, device=device
+    )
 
 
 def table(slot):
@@ -114,8 +125,8 @@ def test_a_copied_block_reads_as_its_source():
     fork = table(0)[:1] + [table(1)[1]]  # shares block 0, copies block 1 (positions 16..19)
     cache.copy_block(table(0)[1], fork[1])
     a = _run(model, cache, [(0, [seq[20]], 20)], 1)
-    ids, layout = BatchLayout.pack([(fork, [seq[20]], 20)], 1, 16, "cpu")
-    b = model(ids, layout, cache, torch.arange(1))
+    ids, layout = BatchLayout.pack([(fork, [seq[20]], 20)], 1, 16, cache.k.device)
+    b = model(ids, layout, cache, torch.arange(1, device=cache.k.device)).cpu()
     torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
