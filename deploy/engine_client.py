@@ -217,7 +217,7 @@ class EngineClient:
                 continue
             except Exception as e:  # the scheduler is gone
                 log.error("polling cell %s failed: %s", cell, e)
-                self._lost(cell, f"{type(e).__name__}: {e}")
+                self._lost(cell, short_error(e))
                 return
             if instance != cell:
                 self._lost(cell, "the scheduler restarted and lost this request")
@@ -295,7 +295,8 @@ class EngineClient:
                 self.num_failovers += 1
                 return
             except Exception as e:
-                error = f"{type(e).__name__}: {e}"
+                log.warning("continuing %s failed: %s", req_id, e)
+                error = short_error(e)
         if self.streams.get(req_id) is stream:
             stream.cell = None
             stream.moving = False
@@ -317,6 +318,16 @@ def unwrap(exc: BaseException) -> BaseException:
         exc = cause
         cause = getattr(exc, "cause", None)
     return exc
+
+
+def short_error(exc: BaseException) -> str:
+    """What a client may read of an internal exception: its type, and the first line of its
+    message unless Ray wrote it (Ray's name hosts, process ids and tracebacks; logged instead)."""
+    exc = unwrap(exc)
+    if type(exc).__module__.startswith("ray."):
+        return type(exc).__name__
+    first = (str(exc).splitlines() or [""])[0][:200]
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 async def complete(client: EngineClient, request: Request) -> Completion:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import uuid
 from collections.abc import AsyncIterator
@@ -18,7 +19,7 @@ from typing import Any, Protocol
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from deploy.engine_client import unwrap
+from deploy.engine_client import short_error, unwrap
 from deploy.params import (
     ParameterError,
     check_context_length,
@@ -47,6 +48,8 @@ from scheduler.cell.deadlines import QUEUE_TIMEOUT
 from scheduler.outputs import RequestOutput
 from scheduler.request import Request
 from scheduler.step_planner import QueueFullError
+
+log = logging.getLogger(__name__)
 
 MAX_COMPLETION_DEFAULT = 16  # OpenAI's default max_tokens for /v1/completions
 
@@ -380,9 +383,10 @@ class OpenAIServer:
                 ) from None
             if isinstance(cause, ValueError):
                 raise APIError(400, str(cause)) from None
+            log.warning("request %s found no engine: %r", request.req_id, cause)
             raise APIError(
                 503,
-                f"The engine is not available: {type(cause).__name__}: {cause}",
+                f"The engine is not available ({short_error(cause)}); retry shortly.",
                 "service_unavailable",
                 code="engine_unavailable",
             ) from None

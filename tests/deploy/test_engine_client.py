@@ -3,7 +3,7 @@ with an error."""
 
 import asyncio
 
-from deploy.engine_client import EngineClient, complete
+from deploy.engine_client import EngineClient, complete, short_error
 from scheduler.outputs import RequestOutput
 from tests.factories import make_request
 
@@ -291,3 +291,13 @@ def test_an_abort_the_client_did_not_ask_for_moves_the_stream_instead_of_ending_
 
     got = asyncio.run(asyncio.wait_for(asked(), 5))
     assert got[-1].finish_reason == "abort" and client.num_failovers == 0
+
+
+def test_a_client_reads_an_internal_error_short():
+    """Ray's errors name hosts, process ids and tracebacks: the client gets their type only."""
+    from ray.exceptions import RaySystemError
+
+    assert short_error(RaySystemError("node 10.0.0.7 pid=4242\nTraceback ...")) == "RaySystemError"
+    assert short_error(ValueError("no cell is running\n  File x.py")) == (
+        "ValueError: no cell is running"
+    )
