@@ -157,6 +157,12 @@ def run_generate(
 ) -> list[dict]:
     """Read, check, generate, write. Returns the written lines (in input order)."""
     lines = read_lines(input_path)
+    timed = next((line for line in lines if line.timeout is not None), None)
+    if timed is not None and config.mode == "local":  # (the local engine has no deadlines)
+        raise BatchInputError(
+            f"request {timed.id!r}: timeout is enforced in the Ray modes (colocated, "
+            "disaggregated), not in local mode"
+        )
     arrivals = {str(line.id): line.arrival_s for line in lines}
     bar = tqdm(
         total=len(lines),

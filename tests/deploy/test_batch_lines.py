@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from deploy.batch import BatchInputError, read_lines, result_line, to_requests
+from deploy.batch import BatchInputError, read_lines, result_line, run_generate, to_requests
+from deploy.config import EngineConfig
 from scheduler.outputs import Completion
 from scheduler.request import TokenLogprob
 from tests.factories import tiny_tokenizer
@@ -64,6 +65,15 @@ def test_values_checked_with_the_tokenizer_or_grammar_fail_naming_the_request(
     with pytest.raises(BatchInputError) as info:
         requests_of(tmp_path, {"id": "b", "prompt": "hi", **fields})
     assert "request 'b'" in str(info.value) and message in str(info.value)
+
+
+def test_a_timeout_reaches_the_request_and_local_mode_refuses_it(tmp_path):
+    (request,) = requests_of(tmp_path, {"id": "t", "prompt": "hi", "timeout": 2.5})
+    assert request.timeout_s == 2.5
+    path = tmp_path / "in.jsonl"  # (written by requests_of)
+    with pytest.raises(BatchInputError, match="'t': timeout is enforced in the Ray modes"):
+        run_generate(EngineConfig(model="unused"), str(path), str(tmp_path / "out.jsonl"))
+    assert not (tmp_path / "out.jsonl").exists()
 
 
 def test_fields_reach_the_request(tmp_path):
