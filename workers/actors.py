@@ -1,5 +1,4 @@
-"""Prefill and decode worker actors: each loads the model once and runs step plans on its own
-cache."""
+"""The worker actor of both pools: loads the model once and runs step plans on its own cache."""
 
 from __future__ import annotations
 
@@ -13,8 +12,8 @@ import torch
 
 from scheduler.cell.gc_pauses import freeze_startup_objects
 from scheduler.messages import KVImport, KVPiece, StepResult, unpack_plans
-from scheduler.plan import StepPlan
 from workers.kv_transfer import (
+    ImportReport,
     KVReceiver,
     KVSender,
     choose_transport,
@@ -28,9 +27,14 @@ from workers.runner import ModelRunner
 _STAGING_SHARE = 4
 
 
-class _ModelWorker:
-    """Loads the model and a paged KV cache; `torch` uses as many threads as the actor has
-    CPUs."""
+class Worker:
+    """A worker of either pool: loads the model and a paged KV cache once, then runs the step
+    plans the scheduler sends. As a prefill worker it sends each chunk's KV rows out as soon as
+    they are computed (the plans' exports: when a prompt's last chunk is done, only that piece is
+    left to send); as a decode worker it imports handed-off KV into its blocks before a step and
+    runs decode steps (and short or colocated prompts). The role is the scheduler's to choose and
+    change: one class, so a worker can move between the pools with its cache. `torch` uses as many
+    threads as the actor has CPUs."""
 
     def __init__(
         self,
@@ -51,6 +55,8 @@ class _ModelWorker:
         )
         self.kv_transport = kv_transport
         self.transports = usable_transports(self.runner.device, kv_transport)
+        self.sender = KVSender(self.runner.cache, make_transport("object_store"))
+        self.receiver = KVReceiver(self.runner.cache)
         freeze_startup_objects()
 
     def ready(self) -> dict[str, Any]:
@@ -66,19 +72,10 @@ class _ModelWorker:
             "transports": self.transports,
         }
 
-
-class PrefillWorker(_ModelWorker):
-    """Runs prompt chunks, and sends each chunk's KV rows out as soon as it is computed (the
-    plan's exports): when a prompt's last chunk is done, only that piece is left to send."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.sender = KVSender(self.runner.cache, make_transport("object_store"))
-
     def connect(self, peers: list[dict[str, Any]]) -> str:
-        """Choose the transport for the KV this worker sends to its decode `peers` (their
-        `ready()` placements); raises ValueError, with the reason, if the configured one cannot
-        serve every pair."""
+        """Choose the transport for the KV this worker sends, as a prefill worker, to its decode
+        `peers` (their `ready()` placements); raises ValueError, with the reason, if the
+        configured one cannot serve every pair."""
         name = choose_transport(self.kv_transport, self.ready(), peers)
         if name != self.sender.transport.name:
             cache = self.runner.cache
@@ -86,31 +83,6 @@ class PrefillWorker(_ModelWorker):
             staging = cache.total_bytes // _STAGING_SHARE
             self.sender = KVSender(cache, make_transport(name, cache.k.device, staging))
         return name
-
-    def step(self, packed: bytes, imports: list[KVImport]) -> list[StepResult]:
-        """Each plan in order (the scheduler sends one at a time here); a result per plan."""
-        return [self._step(plan) for plan in unpack_plans(packed)]
-
-    def _step(self, plan: StepPlan) -> StepResult:
-        start = time.perf_counter()
-        samples = self.runner.execute(plan)
-        pieces = self.sender.export(plan.exports) if plan.exports else []
-        return StepResult(
-            samples=samples,
-            kv_pieces=pieces,
-            step_s=time.perf_counter() - start,
-            forward_s=self.runner.last_forward_s,
-        )
-
-
-class DecodeWorker(_ModelWorker):
-    """Imports handed-off KV into its blocks and runs decode steps (and short or colocated
-    prompts). A call may carry several plans (a decode burst): each step is fed the tokens the one
-    before sampled."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.receiver = KVReceiver(self.runner.cache)
 
     def prefetch(self, pieces: list[KVPiece]) -> None:
         """Pull KV pieces of prompts still prefilling on another node to this one, in the
@@ -120,11 +92,12 @@ class DecodeWorker(_ModelWorker):
 
     def step(self, packed: bytes, imports: list[KVImport]) -> list[StepResult]:
         """Import the KV pieces (of handoffs, and of prompts still prefilling into their reserved
-        blocks), then run each plan (`packed`: `pack_plans`) in order; a result per plan (the first
-        one reports the imports)."""
+        blocks), then run each plan (`packed`: `pack_plans`) in order, sending out the rows each
+        exports; a result per plan (the first one reports the imports). A call may carry several
+        plans (a decode burst): each step is fed the tokens the one before sampled."""
         start = time.perf_counter()
         plans = unpack_plans(packed)
-        report = self.receiver.import_all(imports)
+        report = self.receiver.import_all(imports) if imports else ImportReport()
         lost = set(report.failed)
         results = []
         for plan in plans:
@@ -135,9 +108,11 @@ class DecodeWorker(_ModelWorker):
                     prefill=[c for c in plan.prefill if c.req_id not in lost],
                 )
             samples = self.runner.execute(plan)
+            pieces = self.sender.export(plan.exports) if plan.exports else []
             results.append(
                 StepResult(
                     samples=samples,
+                    kv_pieces=pieces,
                     step_s=time.perf_counter() - start,
                     forward_s=self.runner.last_forward_s,
                 )
@@ -161,7 +136,6 @@ def spawn_worker(config: Any, kind: str, index: int, num_blocks: int, block_size
     and as many torch threads; Ray restarts it `max_worker_restarts` times.
     """
     gpus = config.gpus_for(ray.cluster_resources().get("GPU", 0))
-    cls = PrefillWorker if kind == "prefill" else DecodeWorker
     options = {
         "max_restarts": config.max_worker_restarts,
         "max_task_retries": 0,
@@ -171,7 +145,7 @@ def spawn_worker(config: Any, kind: str, index: int, num_blocks: int, block_size
         "resources": config.prefill_resources if kind == "prefill" else config.decode_resources,
     }
     return (
-        ray.remote(cls)
+        ray.remote(Worker)
         .options(**options)
         .remote(
             index,

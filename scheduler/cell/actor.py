@@ -33,7 +33,7 @@ from scheduler.cell.coordinator import Coordinator
 from scheduler.cell.deadlines import expire
 from scheduler.cell.gc_pauses import freeze_startup_objects
 from scheduler.cell.serving_metrics import ServingMetrics
-from scheduler.cell.state import CellClosed, CellConfig, WorkerState
+from scheduler.cell.state import CellClosed, CellConfig, WorkerState, WorkerStatus
 from scheduler.cell.timeline import StepTimeline
 from scheduler.messages import pack_plans
 from scheduler.outputs import RequestOutput, coalesce
@@ -66,12 +66,12 @@ class CellActor:
         self.config = config
         self.consumer_timeout_s = consumer_timeout_s
         self.handles = {
-            w.name: spawn_worker(
+            w.actor: spawn_worker(
                 w.kind, w.index, w.sched.blocks.num_blocks, w.sched.blocks.block_size
             )
             for w in self.coordinator.workers
         }
-        self.wakeups = {w.name: asyncio.Event() for w in self.coordinator.workers}
+        self.wakeups = {w.actor: asyncio.Event() for w in self.coordinator.workers}
         self.mailboxes: dict[str, list[RequestOutput]] = {}  # consumer -> outputs not yet polled
         self.mail: dict[str, asyncio.Event] = {}
         self.last_poll_s: dict[str, float] = {}
@@ -95,13 +95,15 @@ class CellActor:
         """Wait until every worker has loaded the model; start the loops. Returns where workers
         run."""
         for worker in self.coordinator.workers:
-            worker.placement = await self.handles[worker.name].ready.remote()
+            worker.placement = await self.handles[worker.actor].ready.remote()
         for worker in self.coordinator.prefill:
             await self._connect(worker)
         if not self.tasks:
             freeze_startup_objects()
             self.tasks = [asyncio.create_task(self._loop(w)) for w in self.coordinator.workers]
             self.tasks.append(asyncio.create_task(self._reap_consumers()))
+            if self.config.pool_planner:
+                self.tasks.append(asyncio.create_task(self._plan_pools()))
             self.tasks.append(asyncio.create_task(self._expire_deadlines()))
         return {w.name: w.placement for w in self.coordinator.workers} | {
             "capacity": self.config.capacity,
@@ -113,7 +115,28 @@ class CellActor:
         """Have a prefill worker choose the transport of the KV it sends to the decode pool (the
         worker raises, naming the reason, when the configured one cannot serve a pair)."""
         peers = [w.placement for w in self.coordinator.decode]
-        worker.placement["kv_transport"] = await self.handles[worker.name].connect.remote(peers)
+        worker.placement["kv_transport"] = await self.handles[worker.actor].connect.remote(peers)
+
+    async def _plan_pools(self) -> None:
+        """Every planner window, let the coordinator resize the pools (role changes)."""
+        while True:
+            await asyncio.sleep(self.config.planner_window_s)
+            decision = self.coordinator.pools.end_window()
+            if decision is not None:
+                log.info("pool planner: %s", decision)
+            self.coordinator.roles.finish()
+            await self._after_role_changes()
+
+    async def _after_role_changes(self) -> None:
+        """A worker that changed pools: each prefill worker chooses its transport again (a
+        worker that joined sends KV now; one that joined the decode pool is a new peer)."""
+        moved = self.coordinator.roles.take_switched()
+        for worker in moved:
+            log.info("%s joined the %s pool as %s", worker.actor, worker.kind, worker.name)
+        if moved:
+            for worker in self.coordinator.prefill:
+                if worker.status is WorkerStatus.UP:
+                    await self._connect(worker)
 
     async def shutdown(self) -> None:
         for task in self.tasks:
@@ -229,7 +252,7 @@ class CellActor:
 
     # ---- stepping
     def _wake(self, worker: WorkerState) -> None:
-        self.wakeups[worker.name].set()
+        self.wakeups[worker.actor].set()
 
     async def _loop(self, worker: WorkerState) -> None:
         """Keep one call in flight ahead: call N+1 is planned and sent before call N's results are
@@ -239,8 +262,8 @@ class CellActor:
         handoff is due before N ends (`_await_handoff`), so the handed-off request joins N+1, not
         N+2. A call carries several decode steps (a burst, `scheduler/cell/bursts.py`) when the
         worker only decodes."""
-        handle = self.handles[worker.name]
-        wakeup = self.wakeups[worker.name]
+        handle = self.handles[worker.actor]
+        wakeup = self.wakeups[worker.actor]
         in_flight: tuple[Any, ...] | None = None  # (plans, result ref, planning seconds, send time)
         while True:
             if worker.kind == "decode" and in_flight is not None:
@@ -323,6 +346,7 @@ class CellActor:
         # pieces for a decode worker's node
         for name, pieces in self.coordinator.kv.take_prefetches().items():
             self._send_prefetch(name, pieces)
+        await self._after_role_changes()
         t3 = time.perf_counter()
         # handoffs are queued: wake
         if worker.kind == "prefill" and any(c.sample for c in plans[0].prefill):
@@ -382,7 +406,7 @@ class CellActor:
         deadline = time.monotonic() + _RESTART_TIMEOUT_S
         while time.monotonic() < deadline:
             try:
-                placement = await self.handles[worker.name].ready.remote()
+                placement = await self.handles[worker.actor].ready.remote()
                 self.coordinator.worker_back(worker, placement)
                 if worker.kind == "prefill":
                     await self._connect(worker)

@@ -16,6 +16,7 @@ from scheduler.block_pool import block_names, routing_cost
 from scheduler.cell.forks import WaitingForks, sibling_worker
 from scheduler.cell.handoffs import HandoffBook
 from scheduler.cell.metrics import CellMetrics, RecordingBackend
+from scheduler.cell.pools import PoolPlans, RoleChanges
 from scheduler.cell.state import (
     CellConfig,
     CellCounts,
@@ -61,38 +62,14 @@ class Coordinator:
         self.metrics = CellMetrics(config.mode, metrics_backend or RecordingBackend())
         self.wake = wake
 
-        def pool(kind: str, count: int, slots: int, num_blocks: int | None) -> list[WorkerState]:
-            return [
-                WorkerState(
-                    kind,
-                    i,
-                    StepPlanner(
-                        slots,
-                        config.capacity,
-                        config.token_budget,
-                        config.prefill_chunk,
-                        max_preemptions=config.max_preemptions,
-                        decodes=kind == "decode",
-                        num_blocks=num_blocks,
-                        block_size=config.block_size,
-                        prefix_caching=config.prefix_caching,
-                    ),
-                )
-                for i in range(count)
-            ]
+        def pool(kind: str, count: int, num_blocks: int | None) -> list[WorkerState]:
+            return [WorkerState(kind, i, self.new_planner(kind, num_blocks)) for i in range(count)]
 
-        self.decode = pool(
-            "decode", config.num_decode_workers, config.decode_slots, config.decode_blocks
-        )
+        self.decode = pool("decode", config.num_decode_workers, config.decode_blocks)
         self.prefill = (
             []
             if config.mode == "colocated"
-            else pool(
-                "prefill",
-                config.num_prefill_workers,
-                config.prefill_slots,
-                config.prefill_blocks,
-            )
+            else pool("prefill", config.num_prefill_workers, config.prefill_blocks)
         )
         self.workers = self.prefill + self.decode
         for pool in (self.prefill, self.decode):
@@ -116,6 +93,23 @@ class Coordinator:
         self.consumers: dict[str, str] = {}  # req_id -> who receives its outputs
         self.outbox: dict[str, list[RequestOutput]] = {}  # consumer -> outputs not yet taken
         self.counts = CellCounts()
+        self.roles = RoleChanges(self)
+        self.pools = PoolPlans(self)
+
+    def new_planner(self, kind: str, num_blocks: int | None) -> StepPlanner:
+        """The step planner of a worker in pool `kind` whose cache has `num_blocks` blocks."""
+        config = self.config
+        return StepPlanner(
+            config.decode_slots if kind == "decode" else config.prefill_slots,
+            config.capacity,
+            config.token_budget,
+            config.prefill_chunk,
+            max_preemptions=config.max_preemptions,
+            decodes=kind == "decode",
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            prefix_caching=config.prefix_caching,
+        )
 
     # ---- requests
     def admit(self, request: Request, consumer: str = "") -> None:
@@ -130,6 +124,7 @@ class Coordinator:
         self.consumers[request.req_id] = consumer
         self.outputs.add(request)
         self.placements[request.req_id] = RequestPlacement()
+        self.pools.on_arrival(request)
         self._route(request)
 
     def abort(self, req_id: str) -> bool:
@@ -213,7 +208,7 @@ class Coordinator:
         """With cache routing, the live worker of least `routing_cost` (queued work and the prompt's
         uncached tokens), then the least loaded; else (or without prefix caches) the least
         loaded."""
-        live = [w for w in pool if w.status is WorkerStatus.UP]
+        live = [w for w in pool if w.accepts]
         if not self.config.cache_routing or len(live) < 2 or not self.config.prefix_caching:
             return WorkerState.least_loaded(pool)
         return min(
@@ -235,7 +230,7 @@ class Coordinator:
         best = None
         most = 0
         for worker in self.decode:
-            if worker.status is not WorkerStatus.UP:
+            if not worker.accepts:
                 continue
             pool = worker.sched.blocks
             cached = pool.cached_tokens(block_names(request, pool.block_size))
@@ -278,7 +273,9 @@ class Coordinator:
             consumer = self.consumers.get(out.req_id)
             if consumer is None:
                 continue
+            self.pools.window.output_tokens += len(out.token_ids)
             if out.finished:
+                self.pools.on_finish(out)
                 self.metrics.on_finish(out)
                 out.metrics |= self.placements.pop(out.req_id).as_metrics()
                 del self.consumers[out.req_id]
@@ -373,7 +370,9 @@ class Coordinator:
         for handoff in handoffs:
             self._hand_off(sched, handoff)
         self.metrics.on_states([w.sched for w in self.workers])
+        self.pools.on_step(worker, plan, result.step_s)
         self._publish(outputs)
+        self.roles.finish()
 
     def _hand_off(self, sched: StepPlanner, handoff: KVHandoff) -> None:
         request = sched.evict(handoff.req_id) if handoff.req_id in sched.requests else None
@@ -432,7 +431,7 @@ class Coordinator:
             self._recompute(request, f"{worker.name} failed")
         worker.sched.blocks.clear()  # the restarted worker's pool is empty
         worker.sched.held.clear()  # what handed-off prompts found cached there is gone too
-        self._move_waiting(worker)
+        self.move_waiting(worker)
 
     def worker_back(self, worker: WorkerState, placement: dict[str, Any]) -> None:
         worker.status = WorkerStatus.UP
@@ -444,11 +443,11 @@ class Coordinator:
         """Its restarts are spent: what still waits on it moves on, or ends with an error."""
         log.error("%s is gone; its pool continues without it", worker.name)
         worker.status = WorkerStatus.GONE
-        self._move_waiting(worker)
+        self.move_waiting(worker)
 
-    def _move_waiting(self, worker: WorkerState) -> None:
-        """Hand a dead worker's queue to live workers of its pool (a gone worker's to any that
-        remain)."""
+    def move_waiting(self, worker: WorkerState) -> None:
+        """Hand a dead (or leaving) worker's queue to live workers of its pool (a gone worker's to
+        any that remain)."""
         pool = self.prefill if worker.kind == "prefill" else self.decode
         gone = worker.status is WorkerStatus.GONE
         for request in list(worker.sched.waiting_requests()):
@@ -483,5 +482,12 @@ class Coordinator:
             "streams": len(self.consumers),
             "counters": counters,
             "kv_transfer": self.kv_transfers.stats(),
+            "pools": {
+                "prefill": len(self.prefill),
+                "decode": len(self.decode),
+                "leaving": {w.name: w.next_kind for w in self.workers if w.next_kind},
+                "role_changes": self.roles.count,
+                "decisions": self.pools.decisions,
+            },
             "max_waiting": self.config.max_waiting,
         }

@@ -32,7 +32,7 @@ class HandoffBook:
         self.importing: dict[str, KVHandoff] = {}
         # prompts on prefill workers: the decode worker they go to
         self.bound: dict[str, WorkerState] = {}
-        # decode worker name -> pieces to pull to its node
+        # decode worker (its actor's name) -> pieces to pull to its node
         self.prefetches: dict[str, list[KVPiece]] = {}
         # prompts with a reserved slot: pieces sent to be imported into it
         self.sent: dict[str, int] = {}
@@ -52,7 +52,7 @@ class HandoffBook:
         if target is not None and target.placement.get("node_id") != prefill.placement.get(
             "node_id"
         ):
-            named = self.prefetches.setdefault(target.name, [])
+            named = self.prefetches.setdefault(target.actor, [])
             if not any(p.ref is piece.ref for p in named):  # a step's pieces may share one object
                 named.append(piece)
         return target if target is not None and piece.req_id in target.sched.reserved else None
@@ -62,7 +62,7 @@ class HandoffBook:
         the least loaded, counting the prompts already bound to each (it is bound to it from now
         on); None when no decode worker is left."""
         bound = self.bound.get(req_id)
-        if bound is None or bound.status is not WorkerStatus.UP:
+        if bound is None or not bound.accepts:
             self.unbind(req_id)
             bound = WorkerState.least_loaded(
                 decode, coming=Counter(w.name for w in self.bound.values())

@@ -84,6 +84,11 @@ class CellMetrics:
             "KV transfers that could not complete, per transport.",
             transport_tags,
         )
+        self.role_changes = backend.Counter(
+            "pdserve_role_changes_total",
+            "Workers moved between the prefill and decode pools, by the pool they joined.",
+            ("mode", "to"),
+        )
         self.preemptions = backend.Counter(
             "pdserve_preemptions_total", "Requests evicted for more urgent ones.", mode_tag
         )
@@ -147,6 +152,9 @@ class CellMetrics:
         ):
             if value > 0:  # (Ray's counters take positive increments only)
                 counter.inc(value, tags=tags)
+
+    def on_role_change(self, kind: str) -> None:
+        self.role_changes.inc(tags=self.tags | {"to": kind})
 
     def on_recompute(self) -> None:
         self.recomputes.inc(tags=self.tags)

@@ -42,6 +42,10 @@ class CellConfig:
     max_burst_ms: float = 20.0
     # a handoff whose KV cannot be had: recompute its request (as a lost cache), or fail it
     kv_transfer_failure: str = "recompute"
+    # move workers between the pools as the load asks (scheduler/pool_planner.py), every window
+    pool_planner: bool = False
+    slo_itl_ms: float = 50.0  # the planner sizes decode batches to keep steps under this
+    planner_window_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.kv_transfer_failure not in ("recompute", "fail"):
@@ -75,6 +79,18 @@ class WorkerState:
     status: WorkerStatus = WorkerStatus.UP
     # node, pid, device: what `ready` reported
     placement: dict[str, Any] = field(default_factory=dict)
+    # the actor's own name, kept when the worker changes pools (its first `name`)
+    actor: str = ""
+    # the pool it is leaving for: it takes no new work, and changes once empty
+    next_kind: str | None = None
+
+    def __post_init__(self) -> None:
+        self.actor = self.actor or self.name
+
+    @property
+    def accepts(self) -> bool:
+        """Up, and not leaving its pool: new work may go here."""
+        return self.status is WorkerStatus.UP and self.next_kind is None
 
     @property
     def name(self) -> str:
@@ -111,7 +127,7 @@ class WorkerState:
     ) -> WorkerState | None:
         """The least loaded worker that is up; else one being restarted (its queue waits); else
         None. `coming`: requests on their way to a worker (by name), counted as queued there."""
-        candidates = [w for w in pool if w.status is WorkerStatus.UP and w is not exclude] or [
+        candidates = [w for w in pool if w.accepts and w is not exclude] or [
             w for w in pool if w.status is WorkerStatus.RESTARTING and w is not exclude
         ]
         coming = coming or {}
@@ -180,7 +196,7 @@ def prefill_room(
     free = sum(
         len(w.sched.free_slots) + len(w.sched.reserved)
         for w in decode
-        if w.status is not WorkerStatus.GONE
+        if w.status is not WorkerStatus.GONE and w.next_kind is None
     )
     queued = sum(w.sched.num_waiting for w in decode) + sum(len(w.sched.running) for w in prefill)
     room = free + prefill_slots * sum(w.status is not WorkerStatus.GONE for w in prefill) - queued

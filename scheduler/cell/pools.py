@@ -1,0 +1,172 @@
+"""A cell's pools resized while it serves: workers that change role, and the planner's window.
+
+A worker leaving its pool (`begin`) takes no new work: nothing is routed, bound or handed to it,
+and the prompts still waiting in its queue go to the rest of its pool. What it already holds runs
+to the end there (a prefill worker's prompts are prefilled and handed off; a decode worker's
+requests finish), so no request is moved, recomputed or changed by a role change. Once it holds
+nothing (`finish`), it joins the other pool under a new name with a planner for that role; the
+actor, its cache and its KV transfers stay as they are (its named prefix blocks are forgotten).
+
+`PoolPlans` collects the load of each window from the coordinator's hooks, asks the pure
+`PoolPlanner` for the pools' next sizes at the end of the window, and starts the role change
+that moves toward them: the least loaded worker of the pool that shrinks. Every decision, and
+its reason, is kept for /stats and counted in the metrics.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import TYPE_CHECKING, Any
+
+from scheduler.cell.state import WorkerState, WorkerStatus
+from scheduler.outputs import RequestOutput
+from scheduler.plan import StepPlan
+from scheduler.pool_planner import LoadWindow, PoolPlanner
+from scheduler.request import Request
+
+if TYPE_CHECKING:
+    from scheduler.cell.coordinator import Coordinator
+
+_DECISIONS_KEPT = 50
+
+
+class RoleChanges:
+    """Workers on their way from one pool to the other."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.cell = coordinator
+        self.switched: list[WorkerState] = []  # since the actor shell last took them
+        self.count = 0
+
+    def begin(self, worker: WorkerState, kind: str) -> None:
+        """Start moving `worker` to pool `kind`: no new work from now on."""
+        if kind == worker.kind or worker.next_kind is not None:
+            return
+        worker.next_kind = kind
+        cell = self.cell
+        if worker.kind == "prefill":  # prompts not started go to the rest of the pool
+            cell.move_waiting(worker)
+        for req_id in [r for r, w in cell.kv.bound.items() if w is worker]:
+            cell.kv.unbind(req_id)  # rebound, with its next piece, to a worker that stays
+        self.finish()
+
+    def holds_nothing(self, worker: WorkerState) -> bool:
+        sched = worker.sched
+        kv = self.cell.kv
+        return (
+            not sched.running
+            and not sched.num_waiting
+            and not sched.reserved
+            and all(w is not worker for w in kv.bound.values())
+        )
+
+    def finish(self) -> None:
+        """Move every leaving worker that holds nothing any more to its new pool."""
+        cell = self.cell
+        for worker in list(cell.workers):
+            if worker.next_kind is None or worker.status is not WorkerStatus.UP:
+                continue
+            if not self.holds_nothing(worker):
+                continue
+            source = cell.prefill if worker.kind == "prefill" else cell.decode
+            target = cell.decode if worker.next_kind == "decode" else cell.prefill
+            source.remove(worker)
+            taken = {w.index for w in target}
+            worker.index = next(i for i in itertools.count() if i not in taken)
+            worker.kind = worker.next_kind
+            worker.next_kind = None
+            worker.sched = cell.new_planner(worker.kind, worker.sched.blocks.num_blocks)
+            target.append(worker)
+            cell.workers = cell.prefill + cell.decode
+            self.count += 1
+            self.switched.append(worker)
+            cell.metrics.on_role_change(worker.kind)
+            cell.wake(worker)
+
+    def take_switched(self) -> list[WorkerState]:
+        switched, self.switched = self.switched, []
+        return switched
+
+
+class PoolPlans:
+    """The planner's inputs over a window, and its decisions."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.cell = coordinator
+        config = coordinator.config
+        # with the workers it started with: role changes only (the pools keep their sum)
+        self.planner = (
+            PoolPlanner(
+                slo_itl_s=config.slo_itl_ms / 1000,
+                decode_slots=config.decode_slots,
+                total=len(coordinator.workers),
+            )
+            if config.pool_planner
+            else None
+        )
+        self.window = LoadWindow()
+        self.started_s = time.monotonic()
+        self.decisions: list[dict[str, Any]] = []
+
+    # hooks: the coordinator calls these as requests come and go and steps return
+    def on_arrival(self, request: Request) -> None:
+        self.window.arrivals += 1
+        self.window.prompt_tokens += len(request.prompt_ids)
+
+    def on_finish(self, out: RequestOutput) -> None:
+        """(Output tokens are counted as they are published: the window's mean output length is
+        the tokens it produced over the requests it finished.)"""
+        self.window.finished += 1
+        if out.metrics.get("ttft_s"):
+            self.window.ttft_s.append(out.metrics["ttft_s"])
+        if out.metrics.get("tpot_s"):
+            self.window.itl_s.append(out.metrics["tpot_s"])
+
+    def on_step(self, worker: WorkerState, plan: StepPlan, step_s: float) -> None:
+        if worker.kind == "prefill":
+            self.window.prefill_tokens += plan.num_tokens
+            self.window.prefill_busy_s += step_s
+        elif plan.decode and not plan.prefill:
+            self.window.decode_steps.append((len(plan.decode), step_s))
+
+    def end_window(self, now_s: float | None = None) -> dict[str, Any] | None:
+        """Close the window; if the planner moves a worker, start that role change and return
+        the decision."""
+        now_s = time.monotonic() if now_s is None else now_s
+        window, self.window = self.window, LoadWindow()
+        window.seconds = now_s - self.started_s
+        self.started_s = now_s
+        cell = self.cell
+        if self.planner is None or not cell.prefill:
+            return None
+        prefill = sum(_counts_as(w, "prefill") for w in cell.workers)
+        decode = sum(_counts_as(w, "decode") for w in cell.workers)
+        target = self.planner.decide(window, prefill, decode)
+        if target is None:
+            return None
+        shrinking = "prefill" if target.prefill < prefill else "decode"
+        pool = cell.prefill if shrinking == "prefill" else cell.decode
+        candidates = [w for w in pool if w.accepts]
+        if len(candidates) < 2:
+            return None  # a pool keeps a worker that takes new work
+        worker = min(candidates, key=lambda w: len(w.sched.running) + w.sched.num_waiting)
+        growing = "decode" if shrinking == "prefill" else "prefill"
+        decision = {
+            "at_s": round(now_s, 3),
+            "worker": worker.name,
+            "to": growing,
+            "prefill": target.prefill,
+            "decode": target.decode,
+            "reason": target.reason,
+        }
+        self.decisions = (self.decisions + [decision])[-_DECISIONS_KEPT:]
+        cell.roles.begin(worker, growing)
+        return decision
+
+
+def _counts_as(worker: WorkerState, kind: str) -> bool:
+    """A worker counts in the pool it is in, or in the one it is leaving for."""
+    if worker.status is WorkerStatus.GONE:
+        return False
+    return (worker.next_kind or worker.kind) == kind

@@ -1,0 +1,142 @@
+"""Workers change pools under load without losing or changing a request; the planner's window
+moves the worker the load asks for."""
+
+import pytest
+
+from scheduler.cell.state import WorkerStatus
+from scheduler.pool_planner import LoadWindow, Speeds
+from tests.scheduler.cell.test_coordinator import (
+    LEDGER,
+    Streams,
+    assert_idle,
+    cell,
+    expected_tokens,
+    fake_step,
+    req,
+    step_all,
+)
+
+
+def run_steps(coordinator, streams, steps, seen=None):
+    """Step every live worker `steps` times; `seen(worker, plan)` for each step."""
+    for _ in range(steps):
+        for worker in list(coordinator.workers):
+            if worker.status is not WorkerStatus.UP:
+                continue
+            step = coordinator.next_step(worker)
+            if step is None:
+                continue
+            if seen is not None:
+                seen(worker, step[0])
+            coordinator.apply(worker, step[0], fake_step(coordinator, worker, *step))
+            streams.take(coordinator)
+
+
+def test_a_prefill_worker_becomes_a_decode_worker_under_load_and_nothing_changes():
+    coordinator = cell(num_prefill_workers=2, num_decode_workers=1, decode_slots=4)
+    streams = Streams()
+    for i in range(6):
+        coordinator.admit(req(f"r{i}", prompt_len=10 + i, max_tokens=8), consumer="c")
+    run_steps(coordinator, streams, 2)
+    leaving = coordinator.prefill[1]
+    held = set(leaving.sched.requests)
+    assert held, "it holds prompts when it starts leaving"
+    coordinator.roles.begin(leaving, "decode")
+    assert leaving.next_kind == "decode" and not leaving.accepts
+    # new prompts go to the worker that stays
+    coordinator.admit(req("late", prompt_len=9, max_tokens=8), consumer="c")
+    assert "late" in coordinator.prefill[0].sched.requests
+    LEDGER.pop(leaving, None)  # (the fake's ledger of its blocks starts over when it decodes)
+    step_all(coordinator, streams)
+    names = [f"r{i}" for i in range(6)] + ["late"]
+    assert streams.tokens == {r: expected_tokens(r, 8) for r in names}
+    assert set(streams.finish.values()) == {"length"}
+    assert leaving.kind == "decode" and leaving.name == "decode-1" and leaving.actor == "prefill-1"
+    assert [w.name for w in coordinator.prefill] == ["prefill-0"]
+    assert coordinator.roles.take_switched() == [leaving]
+    assert coordinator.stats()["pools"]["role_changes"] == 1
+    assert_idle(coordinator)
+
+
+def test_a_decode_worker_finishes_its_requests_then_prefills_and_new_work_uses_it():
+    coordinator = cell(num_prefill_workers=1, num_decode_workers=2, decode_slots=4)
+    streams = Streams()
+    for i in range(4):
+        coordinator.admit(req(f"a{i}", prompt_len=6, max_tokens=12), consumer="c")
+    run_steps(coordinator, streams, 12)
+    leaving = next(w for w in coordinator.decode if w.sched.running)
+    running = set(leaving.sched.requests)
+    coordinator.roles.begin(leaving, "prefill")
+    for i in range(4):
+        coordinator.admit(req(f"b{i}", prompt_len=7, max_tokens=6), consumer="c")
+    decoded_on = {}
+
+    def seen(worker, plan):
+        for chunk in plan.decode:
+            decoded_on.setdefault(chunk.req_id, set()).add(worker.actor)
+
+    run_steps(coordinator, streams, 200, seen)
+    # what it held ran to the end there; nothing new was decoded on it while it was leaving
+    assert all(decoded_on[r] == {leaving.actor} for r in running)
+    assert all(leaving.actor not in decoded_on[f"b{i}"] for i in range(4))
+    assert leaving.kind == "prefill" and leaving.name == "prefill-1"
+    expected = {f"a{i}": expected_tokens(f"a{i}", 12) for i in range(4)}
+    expected |= {f"b{i}": expected_tokens(f"b{i}", 6) for i in range(4)}
+    assert streams.tokens == expected
+    # and it prefills new prompts now
+    coordinator.admit(req("c0", prompt_len=8, max_tokens=3), consumer="c")
+    coordinator.admit(req("c1", prompt_len=8, max_tokens=3), consumer="c")
+    assert any(r in leaving.sched.requests for r in ("c0", "c1"))
+    step_all(coordinator, streams)
+    assert streams.tokens["c0"] == expected_tokens("c0", 3)
+    assert_idle(coordinator)
+
+
+def test_the_planner_moves_a_worker_to_the_pool_the_load_needs():
+    coordinator = cell(num_prefill_workers=2, num_decode_workers=2, pool_planner=True)
+    planner = coordinator.pools.planner
+    assert planner is not None and planner.total == 4
+    # measured: a prefill worker computes 10,000 prompt tokens per busy second; a decode step
+    # takes 10 ms + 1 ms per sequence
+    planner.speeds = Speeds(prefill_tok_s=10_000, decode_fixed_s=0.010, decode_per_seq_s=0.001)
+
+    def window():  # output-heavy: 10 requests/s of 100 prompt tokens and 500 output tokens
+        return LoadWindow(
+            seconds=10,
+            arrivals=100,
+            prompt_tokens=100 * 100,
+            finished=100,
+            output_tokens=100 * 500,
+        )
+
+    coordinator.pools.window = window()
+    assert coordinator.pools.end_window(now_s=coordinator.pools.started_s + 10) is None  # patience
+    coordinator.pools.window = window()
+    decision = coordinator.pools.end_window(now_s=coordinator.pools.started_s + 10)
+    assert decision is not None and decision["to"] == "decode"
+    assert (decision["prefill"], decision["decode"]) == (1, 3)
+    assert "prefill needs" in decision["reason"]
+    # an idle worker holds nothing: it moves at once
+    assert len(coordinator.prefill) == 1 and len(coordinator.decode) == 3
+    assert coordinator.stats()["pools"]["decisions"] == [decision]
+    assert coordinator.metrics.role_changes.values  # counted
+
+
+def test_a_pool_keeps_one_worker_that_takes_new_work():
+    coordinator = cell(num_prefill_workers=1, num_decode_workers=1, pool_planner=True)
+    planner = coordinator.pools.planner
+    planner.speeds = Speeds(prefill_tok_s=10_000, decode_fixed_s=0.010, decode_per_seq_s=0.001)
+    planner.patience = 1
+    coordinator.pools.window = LoadWindow(
+        seconds=10, arrivals=100, prompt_tokens=10_000, finished=100, output_tokens=50_000
+    )
+    assert coordinator.pools.end_window(now_s=coordinator.pools.started_s + 10) is None
+    assert [w.kind for w in coordinator.workers] == ["prefill", "decode"]
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_starting_to_leave_twice_or_for_its_own_pool_changes_nothing(kind):
+    coordinator = cell(num_prefill_workers=2, num_decode_workers=2)
+    worker = (coordinator.prefill if kind == "prefill" else coordinator.decode)[0]
+    coordinator.roles.begin(worker, kind)
+    assert worker.next_kind is None and worker.kind == kind

@@ -1,0 +1,88 @@
+"""The pool planner's arithmetic: measured speeds, the needs of a window's load, the split it
+asks for, and its hysteresis."""
+
+import pytest
+
+from scheduler.pool_planner import LoadWindow, PoolPlanner, Speeds, fit_line
+
+
+def test_a_line_is_fitted_to_step_times():
+    d, e = fit_line([(1, 0.011), (8, 0.018), (32, 0.042), (16, 0.026)])
+    assert d == pytest.approx(0.010, abs=1e-9) and e == pytest.approx(0.001, abs=1e-9)
+    assert fit_line([(4, 0.01), (4, 0.02)]) is None  # one batch size: no slope to see
+
+
+def test_speeds_are_measured_from_a_window_and_kept_through_one_without_steps():
+    speeds = Speeds()
+    window = LoadWindow(prefill_tokens=20_000, prefill_busy_s=2.0)
+    window.decode_steps = [(b, 0.010 + 0.001 * b) for b in (1, 4, 16, 32)]
+    speeds.observe(window)
+    assert speeds.prefill_tok_s == 10_000
+    assert speeds.decode_fixed_s == pytest.approx(0.010)
+    assert speeds.decode_per_seq_s == pytest.approx(0.001)
+    speeds.observe(LoadWindow())
+    assert speeds.prefill_tok_s == 10_000
+    # the batch whose step stays under a 40 ms ITL: 30 sequences (capped by the slots)
+    assert speeds.decode_batch(0.040, max_batch=64) == 30
+    assert speeds.decode_batch(0.040, max_batch=16) == 16
+    assert speeds.decode_tok_s(30) == pytest.approx(30 / 0.040)
+
+
+def planner(**kw):
+    speeds = Speeds(prefill_tok_s=10_000, decode_fixed_s=0.010, decode_per_seq_s=0.001)
+    return PoolPlanner(slo_itl_s=0.040, decode_slots=64, speeds=speeds, **kw)
+
+
+def load(rate, prompt, output, seconds=10.0):
+    n = int(rate * seconds)
+    return LoadWindow(
+        seconds=seconds,
+        arrivals=n,
+        prompt_tokens=n * prompt,
+        finished=n,
+        output_tokens=n * output,
+    )
+
+
+def test_needs_follow_the_load():
+    p = planner(total=8)
+    # 10 req/s x 2,000 prompt tokens = 20,000 tok/s of prefill: 2 workers at 100%, 2.5 at 80%;
+    # 10 req/s x 100 output tokens = 1,000 tok/s of decode; one worker: 30 / 0.040 = 750 tok/s
+    prefill, decode = p.needs(load(10, 2000, 100))
+    assert prefill == pytest.approx(2.5) and decode == pytest.approx(1000 / 750 / 0.8)
+
+
+def test_a_fixed_total_is_split_by_need_after_the_target_persists():
+    p = planner(total=4)
+    heavy_prompts = load(10, 2000, 20)
+    assert p.decide(heavy_prompts, prefill=1, decode=3) is None  # seen once
+    target = p.decide(heavy_prompts, prefill=1, decode=3)
+    assert (target.prefill, target.decode) == (2, 2)  # one worker per decision
+    assert p.decide(heavy_prompts, prefill=2, decode=2) is None  # and then wait for it again
+    target = p.decide(heavy_prompts, prefill=2, decode=2)
+    assert (target.prefill, target.decode) == (3, 1)
+    # the decode pool keeps its minimum however prompt-heavy the load
+    for _ in range(3):
+        assert p.decide(heavy_prompts, prefill=3, decode=1) is None
+
+
+def test_a_change_of_mind_restarts_the_patience():
+    p = planner(total=4)
+    assert p.decide(load(10, 2000, 20), prefill=2, decode=2) is None
+    assert p.decide(load(2, 50, 800), prefill=2, decode=2) is None  # now it wants decode
+    target = p.decide(load(2, 50, 800), prefill=2, decode=2)
+    assert (target.prefill, target.decode) == (1, 3)
+
+
+def test_with_scaling_each_pool_is_sized_to_its_need_within_bounds():
+    p = planner(total=None, max_decode=4)
+    window = load(10, 2000, 400)  # prefill 2.5 -> 3; decode 4000 / 750 / 0.8 = 6.7 -> max 4
+    p.decide(window, prefill=1, decode=1)
+    target = p.decide(window, prefill=1, decode=1)
+    assert (target.prefill, target.decode) == (2, 1)  # prefill first, one step
+
+
+def test_nothing_is_decided_before_the_speeds_and_lengths_are_known():
+    p = PoolPlanner(slo_itl_s=0.040, decode_slots=64, total=4)
+    assert p.decide(load(10, 2000, 100), prefill=2, decode=2) is None
+    assert p.needs(LoadWindow(seconds=10)) is None
