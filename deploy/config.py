@@ -142,6 +142,19 @@ class EngineConfig(BaseModel):
         description="A handoff whose KV cannot be fetched (its prefill worker died, the transfer "
         "failed or timed out): recompute the request from its tokens, or end it with an error.",
     )
+    pool_planner: bool = Field(
+        False,
+        description="Disaggregated mode: every planner_window_s, move a worker between the "
+        "prefill and decode pools when the measured load needs it (the pools keep their sum).",
+    )
+    slo_itl_ms: float = Field(
+        50.0,
+        gt=0,
+        description="The inter-token latency the pool planner sizes decode batches for.",
+    )
+    planner_window_s: float = Field(
+        10.0, gt=0, description="The pool planner's window: how often it looks at the load."
+    )
     prefix_cache_tokens: int = Field(
         16384,
         ge=0,
@@ -269,6 +282,9 @@ class EngineConfig(BaseModel):
             cache_routing=self.cache_routing,
             max_burst_ms=self.max_burst_ms,
             kv_transfer_failure=self.kv_transfer_failure,
+            pool_planner=self.pool_planner,
+            slo_itl_ms=self.slo_itl_ms,
+            planner_window_s=self.planner_window_s,
         )
 
 

@@ -112,6 +112,7 @@ class PoolPlanner:
     mean_output: float | None = None
     pending: PoolTarget | None = None
     seen: int = 0
+    last_needs: tuple[float, float] | None = None  # what the last window needed
 
     def needs(self, window: LoadWindow) -> tuple[float, float] | None:
         """(prefill workers, decode workers) the window's load needs; None when not measurable
@@ -135,6 +136,7 @@ class PoolPlanner:
         """The pools' next sizes (one worker moved at most), or None to leave them."""
         self.speeds.observe(window)
         need = self.needs(window)
+        self.last_needs = None if need is None else (round(need[0], 2), round(need[1], 2))
         if need is None:
             return None
         want = self._target(*need)

@@ -44,6 +44,9 @@ class StubWorker:
     def ready(self) -> dict[str, Any]:
         return {"index": self.index, "stub": True}
 
+    def connect(self, peers: list[dict[str, Any]]) -> str:
+        return "none"  # (its handoffs carry no bytes)
+
     def step(self, packed: bytes, imports: list[KVImport]) -> list[StepResult]:
         results = []
         for plan in unpack_plans(packed):

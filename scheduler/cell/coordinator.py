@@ -488,6 +488,7 @@ class Coordinator:
                 "leaving": {w.name: w.next_kind for w in self.workers if w.next_kind},
                 "role_changes": self.roles.count,
                 "decisions": self.pools.decisions,
+                "last_window": self.pools.last_window,
             },
             "max_waiting": self.config.max_waiting,
         }

@@ -108,6 +108,7 @@ class PoolPlans:
         self.window = LoadWindow()
         self.started_s = time.monotonic()
         self.decisions: list[dict[str, Any]] = []
+        self.last_window: dict[str, Any] = {}  # what the planner last saw, for /stats
 
     # hooks: the coordinator calls these as requests come and go and steps return
     def on_arrival(self, request: Request) -> None:
@@ -143,6 +144,12 @@ class PoolPlans:
         prefill = sum(_counts_as(w, "prefill") for w in cell.workers)
         decode = sum(_counts_as(w, "decode") for w in cell.workers)
         target = self.planner.decide(window, prefill, decode)
+        self.last_window = {
+            "seconds": round(window.seconds, 3),
+            "arrivals": window.arrivals,
+            "finished": window.finished,
+            "needs": self.planner.last_needs,
+        }
         if target is None:
             return None
         shrinking = "prefill" if target.prefill < prefill else "decode"

@@ -1,0 +1,355 @@
+"""`python -m deploy.bench.gpu_sim`: how many prefill and decode workers a traffic pattern needs,
+and what the pool planner buys, answered by the real scheduler and planner on Ray actors driving
+stub workers whose steps take the time a GPU would.
+
+A stub worker computes nothing: for each step plan it sleeps the step's cost under a cost model,
+times `--time-scale`, and samples a fixed token (requests end by length). Prefill step =
+a + b x tokens + c x (tokens x context attended); decode step = d + e x batch + f x KV tokens read;
+a handoff's import = its KV bytes / the link's bandwidth. Everything the scheduler sees (step
+times, arrivals, the planner's window and its ITL SLO) runs on the scaled clock; latencies are
+reported back in GPU seconds. The control plane's own costs (Ray calls, planning, about a
+millisecond a call) are not scaled: at --time-scale 0.25 they weigh four times what they would.
+
+    python -m deploy.bench.gpu_sim --workers 4 --splits 1:3,2:2,3:1 --planner --minutes 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import ray
+
+from deploy.bench.ceiling import RoundRobin
+from deploy.engine_client import EngineClient, complete
+from scheduler.cell.actor import CellActor
+from scheduler.cell.state import CellConfig
+from scheduler.messages import KVImport, KVPiece, Samples, StepResult, unpack_plans
+from scheduler.plan import StepPlan
+from scheduler.request import Request
+from workers.arrivals import ArrivalSchedule, run_at_arrivals
+
+SIM_TOKEN = 5
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Step times of one model on one GPU, in seconds."""
+
+    name: str
+    prefill_fixed_s: float  # a
+    prefill_per_token_s: float  # b
+    prefill_per_token_context_s: float  # c: per (query token, key token) pair
+    decode_fixed_s: float  # d
+    decode_per_seq_s: float  # e
+    decode_per_kv_token_s: float  # f
+    kv_bytes_per_token: int
+    kv_tokens: int  # KV cache room per worker
+    link_bytes_per_s: float  # prefill -> decode
+    source: str
+
+    def step_s(self, plan: StepPlan) -> float:
+        """One forward: the weights are read once, whatever the step holds."""
+        seconds = 0.0
+        if plan.prefill:
+            tokens = sum(c.num_tokens for c in plan.prefill)
+            pairs = sum(c.num_tokens * (c.start_pos + c.num_tokens / 2) for c in plan.prefill)
+            seconds += (
+                self.prefill_fixed_s
+                + self.prefill_per_token_s * tokens
+                + self.prefill_per_token_context_s * pairs
+            )
+        if plan.decode:
+            kv = sum(c.start_pos + 1 for c in plan.decode)
+            fixed = 0.0 if plan.prefill else self.decode_fixed_s
+            seconds += (
+                fixed + self.decode_per_seq_s * len(plan.decode) + self.decode_per_kv_token_s * kv
+            )
+        return seconds
+
+
+# Llama-3.1-8B (bf16: 8.03e9 parameters, 16.06 GB; 32 layers, 32 heads and 8 KV heads of 128:
+# 131,072 KV bytes per token; its config.json) on an NVIDIA A10 (24 GB at 600 GB/s, 125 TFLOPS
+# dense BF16: NVIDIA's A10 datasheet), at an assumed 80% of the bandwidth and 60% (prompts) or
+# 50% (attention) of the FLOPS. d: the weights once = 16.06e9 / 480e9; e: 2 x 8.03e9 FLOPs of a
+# sequence's token at 50%; f: 131,072 bytes per KV token read; b: 2 x 8.03e9 per prompt token at
+# 60%; c: 4 x 32 layers x 4096 per (query, key) pair at 50%; a: the weights once. KV room: 24 GB -
+# 16.06 GB weights - 2 GB activations and workspace ~ 5.9 GB = 45,000 tokens. The link: 100 Gb/s.
+A10_LLAMA_8B = CostModel(
+    name="a10-llama-3.1-8b",
+    prefill_fixed_s=0.0335,
+    prefill_per_token_s=2 * 8.03e9 / (0.6 * 125e12),
+    prefill_per_token_context_s=4 * 32 * 4096 / (0.5 * 125e12),
+    decode_fixed_s=16.06e9 / 480e9,
+    decode_per_seq_s=2 * 8.03e9 / (0.5 * 125e12),
+    decode_per_kv_token_s=131_072 / 480e9,
+    kv_bytes_per_token=131_072,
+    kv_tokens=45_000,
+    link_bytes_per_s=12.5e9,
+    source="NVIDIA A10 datasheet (600 GB/s, 125 TFLOPS BF16 dense); Llama-3.1-8B config.json; "
+    "efficiencies assumed: 80% bandwidth, 60%/50% FLOPS",
+)
+MODELS = {A10_LLAMA_8B.name: A10_LLAMA_8B}
+
+
+class SimWorker:
+    """A worker of either pool that sleeps each step's modelled time (x the time scale)."""
+
+    def __init__(self, index: int, cost: CostModel, scale: float) -> None:
+        self.index = index
+        self.cost = cost
+        self.scale = scale
+
+    def ready(self) -> dict[str, Any]:
+        return {"index": self.index, "sim": self.cost.name}
+
+    def connect(self, peers: list[dict[str, Any]]) -> str:
+        return "sim"
+
+    def prefetch(self, pieces: list[KVPiece]) -> None:
+        pass
+
+    def step(self, packed: bytes, imports: list[KVImport]) -> list[StepResult]:
+        start = time.perf_counter()
+        num_bytes = sum(
+            p.num_bytes for i in imports for p in i.handoff.pieces[i.handoff.imported :]
+        )
+        import_s = num_bytes / self.cost.link_bytes_per_s * self.scale
+        results = []
+        for plan in unpack_plans(packed):
+            seconds = self.cost.step_s(plan) * self.scale + import_s
+            import_s = 0.0
+            _sleep_until(start + seconds)
+            sampled = {c.req_id: SIM_TOKEN for c in plan.chunks if c.sample}
+            pieces = [
+                KVPiece(
+                    r, first, end - first, None, self.cost.kv_bytes_per_token * (end - first), 0
+                )
+                for r, _, first, end in plan.exports
+            ]
+            elapsed = time.perf_counter() - start
+            results.append(StepResult(Samples(sampled), kv_pieces=pieces, step_s=elapsed))
+            start = time.perf_counter()
+        results[0].import_s = {i.handoff.req_id: 0.0 for i in imports if i.final}
+        return results
+
+
+def _sleep_until(deadline: float) -> None:
+    while (left := deadline - time.perf_counter()) > 0:
+        time.sleep(left if left > 0.002 else 0)
+
+
+def spawn_sim(
+    cost: CostModel, scale: float, kind: str, index: int, num_blocks: int, block_size: int
+) -> Any:
+    actor = ray.remote(SimWorker).options(num_cpus=0, enable_task_events=False)
+    return actor.remote(index, cost, scale)
+
+
+# ---- the trace
+
+
+def shifting_trace(
+    minutes: float, seed: int, phases: list[tuple[float, tuple[int, int], tuple[int, int]]]
+) -> list[tuple[float, int, int]]:
+    """(arrival s, prompt tokens, output tokens) of Poisson arrivals whose mix moves through
+    `phases` of equal length: (requests/s, prompt range, output range) each."""
+    rng = random.Random(seed)
+    length = minutes * 60 / len(phases)
+    trace = []
+    for number, (rate, prompt, output) in enumerate(phases):
+        t = number * length
+        while True:
+            t += rng.expovariate(rate)
+            if t >= (number + 1) * length:
+                break
+            trace.append((t, rng.randint(*prompt), rng.randint(*output)))
+    return trace
+
+
+# prompt-heavy (RAG: long prompts, short answers), output-heavy (chat: short prompts, long answers),
+# prompt-heavy again; rates near what four A10s serve with the right split
+SHIFTING_PHASES = [
+    (2.4, (2000, 4000), (16, 64)),
+    (1.6, (100, 300), (300, 700)),
+    (2.4, (2000, 4000), (16, 64)),
+]
+
+
+def run(
+    trace: list[tuple[float, int, int]],
+    prefill: int,
+    decode: int,
+    planner: bool,
+    cost: CostModel,
+    scale: float,
+    slo_ttft_s: float,
+    slo_itl_s: float,
+    window_s: float,
+) -> dict[str, Any]:
+    """Replay the trace through one cell; per request TTFT and ITL (GPU seconds), and the pools'
+    sizes every window."""
+    block_size = 16
+    config = CellConfig(
+        mode="disaggregated",
+        num_decode_workers=decode,
+        num_prefill_workers=prefill,
+        decode_slots=64,
+        prefill_slots=8,
+        capacity=8192,
+        token_budget=2048,
+        prefill_chunk=2048,
+        decode_blocks=cost.kv_tokens // block_size,
+        prefill_blocks=cost.kv_tokens // block_size,
+        block_size=block_size,
+        pool_planner=planner,
+        slo_itl_ms=slo_itl_s * 1000 * scale,
+        planner_window_s=window_s * scale,
+    )
+    handle = (
+        ray.remote(CellActor)
+        .options(num_cpus=0, max_concurrency=100_000, enable_task_events=False)
+        .remote(config, functools.partial(spawn_sim, cost, scale))
+    )
+    ray.get(handle.ready.remote())
+    client = EngineClient(RoundRobin([handle]))
+    requests = [
+        Request(f"r{i}", [7] * prompt, output) for i, (_, prompt, output) in enumerate(trace)
+    ]
+    arrivals = {r.req_id: t * scale for r, (t, _, _) in zip(requests, trace, strict=True)}
+    pools: list[dict[str, Any]] = []
+
+    async def replay() -> list[Any]:
+        done = asyncio.Event()
+
+        async def watch() -> None:
+            start = time.perf_counter()
+            while not done.is_set():
+                stats = await handle.stats.remote()
+                line = stats["pools"]
+                at = (time.perf_counter() - start) / scale
+                pools.append(
+                    {"at_s": round(at, 1), "prefill": line["prefill"]} | {"decode": line["decode"]}
+                )
+                await asyncio.sleep(window_s * scale / 2)
+
+        watcher = asyncio.create_task(watch())
+        schedule = ArrivalSchedule.by_key(requests, arrivals, None)
+        results = await run_at_arrivals(schedule, lambda r: complete(client, r))
+        done.set()
+        await watcher
+        return results
+
+    try:
+        completions = asyncio.run(replay())
+        stats = ray.get(handle.stats.remote())
+    finally:
+        ray.get(handle.shutdown.remote())
+        ray.kill(handle)
+    by_id = {c.req_id: c for c in completions}
+    per_request = []
+    for request, (arrival, _, output) in zip(requests, trace, strict=True):
+        completion = by_id[request.req_id]
+        metrics = completion.metrics
+        ttft = metrics["ttft_s"] / scale
+        itl = metrics["tpot_s"] / scale
+        per_request.append(
+            {
+                "arrival_s": arrival,
+                "finish_s": arrival + metrics["e2e_s"] / scale,
+                "ttft_s": ttft,
+                "itl_s": itl,
+                "ok": completion.error is None and len(completion.token_ids) == output,
+                "good": ttft <= slo_ttft_s and itl <= slo_itl_s,
+            }
+        )
+    return {
+        "split": f"{prefill}:{decode}",
+        "planner": planner,
+        "requests": per_request,
+        "pools": pools,
+        "role_changes": stats["pools"]["role_changes"],
+        "decisions": stats["pools"]["decisions"],
+    }
+
+
+def summarize(result: dict[str, Any], minutes: float, window_s: float) -> dict[str, Any]:
+    requests = result["requests"]
+    duration = minutes * 60
+    windows = int(duration // window_s) + 1
+    good = [0] * windows
+    for line in requests:
+        if line["good"]:
+            good[min(windows - 1, int(line["finish_s"] // window_s))] += 1
+    return {
+        "split": result["split"],
+        "planner": result["planner"],
+        "requests": len(requests),
+        "lost": sum(not line["ok"] for line in requests),
+        "goodput_req_s": round(sum(line["good"] for line in requests) / duration, 3),
+        "slo_attainment": round(sum(line["good"] for line in requests) / len(requests), 3),
+        "role_changes": result["role_changes"],
+        "role_changes_per_min": round(result["role_changes"] / minutes, 2),
+        "goodput_per_window": [round(g / window_s, 3) for g in good],
+        "pools": result["pools"],
+        "decisions": result["decisions"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m deploy.bench.gpu_sim", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--model", default=A10_LLAMA_8B.name, choices=sorted(MODELS))
+    parser.add_argument("--workers", type=int, default=4, help="prefill + decode workers")
+    parser.add_argument("--splits", default="1:3,2:2,3:1", help="fixed P:D splits to run")
+    parser.add_argument("--planner", action="store_true", help="also run with the pool planner")
+    parser.add_argument("--minutes", type=float, default=12.0, help="trace length, GPU time")
+    parser.add_argument("--time-scale", type=float, default=0.25, help="wall s per GPU s")
+    parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    parser.add_argument("--slo-itl-ms", type=float, default=60.0)
+    parser.add_argument("--window-s", type=float, default=20.0, help="planner window, GPU time")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", help="JSON lines: a summary per run")
+    args = parser.parse_args(argv)
+    cost = MODELS[args.model]
+    trace = shifting_trace(args.minutes, args.seed, SHIFTING_PHASES)
+    splits = [split for split in args.splits.split(",") if split]
+    runs = [(*map(int, split.split(":")), False) for split in splits]
+    if args.planner:
+        half = args.workers // 2
+        runs.append((half, args.workers - half, True))
+    ray.init(include_dashboard=False, log_to_driver=False)
+    print(json.dumps({"model": asdict(cost), "trace_requests": len(trace)}), flush=True)
+    try:
+        for prefill, decode, planner in runs:
+            result = run(
+                trace,
+                prefill,
+                decode,
+                planner,
+                cost,
+                args.time_scale,
+                args.slo_ttft_ms / 1000,
+                args.slo_itl_ms / 1000,
+                args.window_s,
+            )
+            line = summarize(result, args.minutes, args.window_s)
+            print(json.dumps(line), flush=True)
+            if args.output:
+                with open(args.output, "a") as f:
+                    f.write(json.dumps(line) + "\n")
+    finally:
+        ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
