@@ -86,11 +86,14 @@ class OpenAIIngress:
         self._ready = False
         self.totals = CellTotals()  # every cell's counters, for /metrics
         self.drain = Drain(self.client, self.config.drain_timeout_s)
-        self.drain_watch = asyncio.create_task(self.drain.watch(self.app_name))
+        context = serve.get_replica_context()
+        self.drain_watch = asyncio.create_task(
+            self.drain.watch(self.app_name, context.deployment, context.replica_id.unique_id)
+        )
         freeze_startup_objects()
 
     async def __del__(self) -> None:
-        """Being stopped by Serve: drain as on SIGTERM (Serve has stopped routing here)."""
+        """Being stopped by Serve: the drain its watch began (or begin it now) has ended."""
         await self.drain.run()
 
     async def _body(self, request: Request, schema: type[BaseModel]) -> Any:

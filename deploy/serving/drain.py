@@ -2,10 +2,13 @@
 
 `pdserve serve` asks for a drain on SIGTERM (or Ctrl-C) by setting a mark in Ray's internal
 key-value store, which every ingress replica of the app watches (`Drain.watch`), so one signal
-reaches every replica however many there are; a replica being stopped by Serve drains in its
-`__del__` too. Draining, a replica answers `/ready` and every new request with 503 and
-`Retry-After`, lets its open streams run for `drain_timeout_s`, then ends those still open with an
-error event (`code: shutting_down`) and `data: [DONE]`, never a cut connection.
+reaches every replica however many there are. A replica that Serve stops (a scale-down, a new
+version) drains too: the watch sees Serve list it as no longer running (Serve has stopped routing
+to it and waits for its open requests), and its `__del__` waits for the drain.
+
+Draining, a replica answers `/ready` and every new request with 503 and `Retry-After`, lets its
+open streams run for `drain_timeout_s`, then ends those still open with an error event
+(`code: shutting_down`) and `data: [DONE]`, never a cut connection.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from deploy.serving.schemas import APIError
 log = logging.getLogger(__name__)
 _NAMESPACE = "pdserve"
 _WATCH_PERIOD_S = 0.25
+_SERVE_CHECKS = 4  # Serve's list of replicas is read every this many watch periods
 
 
 def _key(app_name: str) -> bytes:
@@ -40,6 +44,14 @@ def clear_drain(app_name: str) -> None:
     from ray.experimental.internal_kv import _internal_kv_del
 
     _internal_kv_del(_key(app_name), namespace=_NAMESPACE)
+
+
+def _running_in_serve(app_name: str, deployment: str, replica_id: str) -> bool:
+    from ray.serve.context import _get_global_client
+
+    details = _get_global_client().get_serve_details()
+    replicas = details["applications"][app_name]["deployments"][deployment]["replicas"]
+    return any(r["replica_id"] == replica_id and r["state"] == "RUNNING" for r in replicas)
 
 
 def _drain_requested(app_name: str) -> bool:
@@ -108,13 +120,26 @@ class Drain:
         log.warning("drained; %d streams ended at the drain timeout", ended)
         self.done.set()
 
-    async def watch(self, app_name: str) -> None:
-        """Drain when `request_drain(app_name)` is called anywhere on the Ray."""
+    async def watch(self, app_name: str, deployment: str, replica_id: str) -> None:
+        """Drain when `request_drain(app_name)` is called anywhere on the Ray, or when Serve stops
+        this replica."""
+        running = False  # Serve has listed it as running (before, it is starting)
+        checks = 0
         while not self.draining:
             try:
                 if await asyncio.to_thread(_drain_requested, app_name):
                     await self.run()
                     return
-            except Exception as e:  # the store not answering: look again
+                checks += 1
+                if checks % _SERVE_CHECKS == 0:
+                    now = await asyncio.to_thread(
+                        _running_in_serve, app_name, deployment, replica_id
+                    )
+                    if running and not now:
+                        log.warning("Serve is stopping this replica: draining")
+                        await self.run()
+                        return
+                    running = running or now
+            except Exception as e:  # the store or the controller not answering: look again
                 log.warning("drain watch: %s", e)
             await asyncio.sleep(_WATCH_PERIOD_S)

@@ -1,5 +1,6 @@
-"""`pdserve serve` drains on SIGTERM: not ready at once, new requests refused with 503 and
-Retry-After, open streams finish within --drain-timeout-s, the rest end with an error event."""
+"""An ingress drains on SIGTERM to `pdserve serve` and when Serve stops it: not ready at once, new
+requests refused with 503 and Retry-After, open streams finish within --drain-timeout-s, the rest
+end with an error event."""
 
 import json
 import os
@@ -111,3 +112,59 @@ def test_sigterm_lets_streams_finish_up_to_the_drain_timeout_then_ends_the_rest(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.slow
+def test_an_ingress_replica_serve_scales_down_drains_its_streams(ray_session, tiny_checkpoint):
+    """Two ingress replicas, one slot, 16 streams queued behind each other (each about 0.5 s):
+    when Serve scales the ingress down to one replica, the one it stops ends its streams still
+    open after the drain timeout with an error event; nothing is cut, nothing hangs."""
+    from ray import serve
+
+    from deploy.config import ServiceConfig
+    from deploy.serving.app import OpenAIIngress
+    from deploy.serving.cells import Cell
+
+    args = {"model": tiny_checkpoint, "served_model_name": "tiny", "mode": "colocated"}
+    args |= {"slots": 1, "max_model_len": 1024, "drain_timeout_s": DRAIN_TIMEOUT_S}
+    config = ServiceConfig(**args)
+
+    def app(num_ingress: int) -> serve.Application:
+        cells = Cell.options(num_replicas=1).bind(config.engine().model_dump())
+        ingress = OpenAIIngress.options(
+            num_replicas=num_ingress, graceful_shutdown_timeout_s=DRAIN_TIMEOUT_S + 30
+        )
+        return ingress.bind(cells, config.model_dump())
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        serve.run(app(2), name="scaled", route_prefix="/")
+        records = [{} for _ in range(16)]
+        started = [threading.Event() for _ in range(16)]
+        threads = [
+            threading.Thread(target=stream, args=(base, 1000, started[i], records[i]))
+            for i in range(16)
+        ]
+        for thread in threads:
+            thread.start()
+        time.sleep(1.0)  # every stream placed (most still wait for the one slot)
+        scaled_s = time.monotonic()
+        serve.run(app(1), name="scaled", route_prefix="/")  # Serve stops one replica
+        for thread in threads:
+            thread.join(timeout=120)
+            assert not thread.is_alive(), "a stream hung"
+        drained = []
+        for record in records:
+            assert record["status"] == 200 and record["events"][-1] == "[DONE]", record
+            tokens, error = tokens_and_error(record)
+            if error is None:
+                assert tokens == 1000
+            else:
+                assert error["code"] == "shutting_down", error
+                drained.append(record["ended_s"] - scaled_s)
+        # the stopped replica's streams still waiting at its drain timeout ended then, not before
+        assert drained and min(drained) >= DRAIN_TIMEOUT_S - 0.2, drained
+    finally:
+        serve.shutdown()
