@@ -146,20 +146,18 @@ def cell_gauges(cells: Iterable[dict[str, Any]]) -> Counter[Key]:
 
 class CellTotals:
     """The counters of every cell this ingress replica has seen: the live cells' as they answer,
-    and the last answer of each cell that is gone."""
+    and the last answer of each cell that did not answer since (gone, or only slow: when it
+    answers again, its new counts replace the old)."""
 
     def __init__(self) -> None:
-        self.last: dict[str, Counter[Key]] = {}  # live cell -> its counters at its last answer
-        self.gone: Counter[Key] = Counter()  # cells no longer listed: their last counters
+        # every cell seen -> its counters at its last answer
+        self.last: dict[str, Counter[Key]] = {}
 
     def update(self, cells: dict[str, dict[str, Any]]) -> Counter[Key]:
         """Every counter summed over every cell seen, with the gauges of those answering now."""
-        for name in list(self.last):
-            if name not in cells:
-                self.gone.update(self.last.pop(name))
         for name, cell in cells.items():
             self.last[name] = cell_counters(cell)
-        total: Counter[Key] = Counter(self.gone)
+        total: Counter[Key] = Counter()
         for counters in self.last.values():
             total.update(counters)
         total.update(cell_gauges(cells.values()))

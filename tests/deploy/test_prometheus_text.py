@@ -68,11 +68,14 @@ def test_cells_sum_into_vllm_names_and_a_gone_cell_keeps_its_counts():
         base = metric.name.removesuffix("_total")
         assert families.get(base) == metric.kind, metric.name
 
-    # cell b is gone (scaled down): its counters stay, its gauges do not
+    # cell b is gone (scaled down) or did not answer: its counters stay, its gauges do not
     got = samples(render(totals.update({"a": cell_answer(4, kv_transfer=transfer)}), "tiny"))
     assert got["vllm:request_success_total", (("finished_reason", "stop"),)] == 4 + 2
     assert got["vllm:e2e_request_latency_seconds_count", ()] == 6
     assert got["vllm:num_requests_running", ()] == 3 and got["pdserve:cells", ()] == 1
+    # b answers again, having served one more: counted once
+    got = samples(render(totals.update({"a": cell_answer(4), "b": cell_answer(3)}), "tiny"))
+    assert got["vllm:request_success_total", (("finished_reason", "stop"),)] == 4 + 3
 
 
 def test_no_cell_yet_still_names_every_unlabelled_metric():
