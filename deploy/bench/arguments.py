@@ -40,13 +40,15 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", default="16:256", help="N or MIN:MAX (uniform), tokens")
     parser.add_argument(
         "--workload",
-        choices=("random", "shared-prefix", "chat", "interference"),
+        choices=("random", "shared-prefix", "chat", "interference", "shifting"),
         default="random",
         help="random prompts; shared-prefix: --groups system prompts of --prefix-len tokens, "
         "each request one of them plus a suffix of --prompt-len; chat: --groups conversations "
         "of --turns turns, each turn's prompt holding the turns before it (user turns of "
         "--prompt-len, replies of --output-len); interference: --steady decoding streams "
-        "while --num-requests long prompts (--prompt-len, --output-len) arrive at --rate",
+        "while --num-requests long prompts (--prompt-len, --output-len) arrive at --rate; "
+        "shifting: prompt-heavy, then output-heavy, then prompt-heavy thirds (the upper and "
+        "lower halves of the length ranges), arriving at --rate",
     )
     parser.add_argument(
         "--steady", type=int, default=16, help="interference: steady streams, all started at once"

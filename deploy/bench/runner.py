@@ -34,6 +34,7 @@ from deploy.bench.workload import (
     make_workload,
     parse_list,
     shared_prefix_workload,
+    shifting_workload,
     warmup_request,
 )
 from deploy.config import MODES, EngineConfig
@@ -263,6 +264,10 @@ def _prepare(
             args.seed,
             args.long_start_s,
             args.steady_generations,
+        )
+    elif args.workload == "shifting":
+        base = shifting_workload(
+            args.num_requests, args.prompt_len, args.output_len, vocab, args.seed
         )
     elif args.workload == "chat":
         base = chat_workload(

@@ -97,6 +97,29 @@ def make_workload(
     return Workload(prompts, output_lens, poisson_arrivals(num_requests, rate, seed), urgent)
 
 
+def shifting_workload(
+    num_requests: int, prompt_len: str, output_len: str, vocab_size: int, seed: int
+) -> Workload:
+    """A mix that moves: the first third prompt-heavy (prompts from the upper half of
+    `prompt_len`, outputs from the lower half of `output_len`), the second output-heavy (the
+    other halves), the last prompt-heavy again; in that order, so arrivals at a rate follow the
+    phases."""
+    rng = random.Random(seed)
+    p_lo, p_hi = parse_range(prompt_len)
+    o_lo, o_hi = parse_range(output_len)
+    p_mid = (p_lo + p_hi) // 2
+    o_mid = (o_lo + o_hi) // 2
+    low_id = min(100, vocab_size // 4)
+    prompts, output_lens = [], []
+    for i in range(num_requests):
+        output_heavy = num_requests // 3 <= i < 2 * num_requests // 3
+        prompt = rng.randint(p_lo, p_mid) if output_heavy else rng.randint(p_mid, p_hi)
+        output = rng.randint(o_mid, o_hi) if output_heavy else rng.randint(o_lo, o_mid)
+        prompts.append([rng.randrange(low_id, vocab_size) for _ in range(prompt)])
+        output_lens.append(output)
+    return Workload(prompts, output_lens, [0.0] * num_requests, [False] * num_requests)
+
+
 def shared_prefix_workload(
     num_requests: int,
     groups: int,

@@ -127,6 +127,20 @@ class CellActor:
             self.coordinator.roles.finish()
             await self._after_role_changes()
 
+    async def change_role(self, name: str, kind: str) -> dict[str, Any]:
+        """Move the worker now named `name` to pool `kind`: it takes no new work from now on and
+        joins that pool once what it holds has run to the end. Raises ValueError for a worker or
+        pool that does not exist, or when its pool would keep no worker taking new work."""
+        worker = next((w for w in self.coordinator.workers if w.name == name), None)
+        if worker is None or kind not in ("prefill", "decode") or not self.coordinator.prefill:
+            raise ValueError(f"cannot move {name!r} to a {kind!r} pool in this cell")
+        pool = self.coordinator.prefill if worker.kind == "prefill" else self.coordinator.decode
+        if kind != worker.kind and sum(w.accepts for w in pool if w is not worker) < 1:
+            raise ValueError(f"the {worker.kind} pool keeps one worker that takes new work")
+        self.coordinator.roles.begin(worker, kind)
+        await self._after_role_changes()
+        return {"actor": worker.actor, "name": worker.name, "leaving_for": worker.next_kind}
+
     async def _after_role_changes(self) -> None:
         """A worker that changed pools: each prefill worker chooses its transport again (a
         worker that joined sends KV now; one that joined the decode pool is a new peer)."""

@@ -158,3 +158,15 @@ def test_interference_and_prefix_reports(ray_session, tiny_checkpoint, tmp_path)
         if "rid" not in s
     }
     assert "prefix_hit_rate" not in runs[False] and runs[True]["prefix_hit_rate"] > 0.5
+
+
+def test_the_shifting_workload_moves_from_prompts_to_outputs_and_back():
+    from deploy.bench.workload import shifting_workload
+
+    work = shifting_workload(30, "16:512", "16:256", 384, seed=3).at_rate(5.0, seed=3)
+    thirds = [range(0, 10), range(10, 20), range(20, 30)]
+    prompts = [[len(work.prompts[i]) for i in part] for part in thirds]
+    outputs = [[work.output_lens[i] for i in part] for part in thirds]
+    assert min(prompts[0] + prompts[2]) >= 264 >= max(prompts[1])
+    assert max(outputs[0] + outputs[2]) <= 136 <= min(outputs[1])
+    assert work.arrival_s == sorted(work.arrival_s) and work.arrival_s[-1] > 0

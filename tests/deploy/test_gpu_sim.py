@@ -1,0 +1,50 @@
+"""The GPU-cost simulation: the cost model's arithmetic, and a short shifting trace through the
+real scheduler and planner on Ray with no request lost."""
+
+import pytest
+
+from deploy.bench.gpu_sim import A10_LLAMA_8B, CostModel, run, shifting_trace, summarize
+from scheduler.plan import Chunk, StepPlan
+
+MODEL = CostModel("toy", 0.010, 0.001, 1e-6, 0.020, 0.002, 1e-5, 100, 10_000, 1e9, "by hand")
+
+
+def chunk(req_id, tokens, start):
+    return Chunk(req_id, [0], [1] * tokens, start, True, 0, None)
+
+
+def test_step_times_follow_the_cost_model():
+    prefill = StepPlan(decode=[], prefill=[chunk("a", 100, 0), chunk("b", 50, 200)])
+    pairs = 100 * 50 + 50 * (200 + 25)  # each token attends to the context before it
+    assert MODEL.step_s(prefill) == pytest.approx(0.010 + 0.001 * 150 + 1e-6 * pairs)
+    decode = StepPlan(decode=[chunk("a", 1, 99), chunk("b", 1, 9)], prefill=[])
+    assert MODEL.step_s(decode) == pytest.approx(0.020 + 0.002 * 2 + 1e-5 * (100 + 10))
+    # one forward reads the weights once: a mixed step pays one fixed cost
+    mixed = StepPlan(decode=[chunk("a", 1, 99)], prefill=[chunk("b", 10, 0)])
+    assert MODEL.step_s(mixed) == pytest.approx(
+        0.010 + 0.001 * 10 + 1e-6 * 10 * 5 + 0.002 + 1e-5 * 100
+    )
+    # the A10 figures: the weights' read dominates a small decode step (about 33 ms)
+    small = StepPlan(decode=[chunk("a", 1, 511)], prefill=[])
+    assert 0.033 < A10_LLAMA_8B.step_s(small) < 0.035
+
+
+def test_the_shifting_trace_moves_through_its_phases():
+    phases = [(2.0, (1000, 2000), (10, 20)), (1.0, (10, 20), (300, 400))]
+    trace = shifting_trace(2.0, seed=1, phases=phases)
+    first = [t for t in trace if t[0] < 60]
+    second = [t for t in trace if t[0] >= 60]
+    assert 90 < len(first) < 150 and 40 < len(second) < 80  # Poisson at 2/s, then 1/s
+    assert all(p >= 1000 and o <= 20 for _, p, o in first)
+    assert all(p <= 20 and o >= 300 for _, p, o in second)
+
+
+@pytest.mark.slow
+def test_a_short_trace_through_the_planner_loses_nothing(ray_session):
+    phases = [(3.0, (1500, 2500), (8, 16)), (1.0, (50, 100), (100, 200))]
+    trace = shifting_trace(0.5, seed=2, phases=phases)
+    result = run(trace, 2, 2, True, A10_LLAMA_8B, 0.5, 2.0, 0.08, window_s=5.0)
+    line = summarize(result, 0.5, 5.0)
+    assert line["requests"] == len(trace) and line["lost"] == 0
+    assert line["pools"] and all(p["prefill"] + p["decode"] == 4 for p in line["pools"])
+    assert 0 < line["goodput_req_s"] and len(line["goodput_per_window"]) == 7
