@@ -73,6 +73,7 @@ def prometheus(app, tmp_path_factory):
     )
     base = f"http://127.0.0.1:{port}"
     try:
+        wait_for(lambda: answers(f"{base}/-/ready"), 60, work / "prometheus.log")
         wait_for(lambda: value(base, 'up{job="pdserve"}') == 1, 60, work / "prometheus.log")
         yield base
     finally:
@@ -83,6 +84,14 @@ def prometheus(app, tmp_path_factory):
             proc.kill()
             proc.wait()
         log.close()
+
+
+def answers(url: str) -> bool:
+    """200 from a server that may not listen yet."""
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def query(base: str, expr: str) -> list:
