@@ -155,6 +155,15 @@ class EngineConfig(BaseModel):
     planner_window_s: float = Field(
         10.0, gt=0, description="The pool planner's window: how often it looks at the load."
     )
+    max_prefill_workers: int | None = Field(
+        None,
+        ge=1,
+        description="With pool_planner: the planner also starts prefill workers up to this many "
+        "(on free resources) and releases idle ones down to one; unset: role changes only.",
+    )
+    max_decode_workers: int | None = Field(
+        None, ge=1, description="Likewise for the decode pool."
+    )
     prefix_cache_tokens: int = Field(
         16384,
         ge=0,
@@ -285,6 +294,8 @@ class EngineConfig(BaseModel):
             pool_planner=self.pool_planner,
             slo_itl_ms=self.slo_itl_ms,
             planner_window_s=self.planner_window_s,
+            max_prefill_workers=self.max_prefill_workers,
+            max_decode_workers=self.max_decode_workers,
         )
 
 

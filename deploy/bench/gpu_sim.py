@@ -193,6 +193,7 @@ def run(
     slo_ttft_s: float,
     slo_itl_s: float,
     window_s: float,
+    max_workers: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """Replay the trace through one cell; per request TTFT and ITL (GPU seconds), and the pools'
     sizes every window."""
@@ -210,6 +211,8 @@ def run(
         prefill_blocks=cost.kv_tokens // block_size,
         block_size=block_size,
         pool_planner=planner,
+        max_prefill_workers=max_workers[0] if max_workers else None,
+        max_decode_workers=max_workers[1] if max_workers else None,
         slo_itl_ms=slo_itl_s * 1000 * scale,
         planner_window_s=window_s * scale,
     )
@@ -271,7 +274,8 @@ def run(
             }
         )
     return {
-        "split": f"{prefill}:{decode}",
+        "split": f"{prefill}:{decode}"
+        + (f" up to {max_workers[0]}:{max_workers[1]}" if max_workers else ""),
         "planner": planner,
         "requests": per_request,
         "pools": pools,
@@ -288,9 +292,15 @@ def summarize(result: dict[str, Any], minutes: float, window_s: float) -> dict[s
     for line in requests:
         if line["good"]:
             good[min(windows - 1, int(line["finish_s"] // window_s))] += 1
+    pools = result["pools"]
+    worker_s = sum(
+        (b["at_s"] - a["at_s"]) * (a["prefill"] + a["decode"])
+        for a, b in zip(pools, pools[1:], strict=False)
+    )
     return {
         "split": result["split"],
         "planner": result["planner"],
+        "worker_seconds": round(worker_s, 1),
         "requests": len(requests),
         "lost": sum(not line["ok"] for line in requests),
         "goodput_req_s": round(sum(line["good"] for line in requests) / duration, 3),
@@ -311,6 +321,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=4, help="prefill + decode workers")
     parser.add_argument("--splits", default="1:3,2:2,3:1", help="fixed P:D splits to run")
     parser.add_argument("--planner", action="store_true", help="also run with the pool planner")
+    parser.add_argument(
+        "--scaling",
+        default=None,
+        help="P:D: also run the planner with pools that start at 1:1 and may grow to P:D",
+    )
     parser.add_argument("--minutes", type=float, default=12.0, help="trace length, GPU time")
     parser.add_argument("--time-scale", type=float, default=0.25, help="wall s per GPU s")
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
@@ -326,10 +341,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.planner:
         half = args.workers // 2
         runs.append((half, args.workers - half, True))
+    scaling = tuple(map(int, args.scaling.split(":"))) if args.scaling else None
+    if scaling:
+        runs.append((1, 1, True))
     ray.init(include_dashboard=False, log_to_driver=False)
     print(json.dumps({"model": asdict(cost), "trace_requests": len(trace)}), flush=True)
     try:
-        for prefill, decode, planner in runs:
+        for number, (prefill, decode, planner) in enumerate(runs):
             result = run(
                 trace,
                 prefill,
@@ -340,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.slo_ttft_ms / 1000,
                 args.slo_itl_ms / 1000,
                 args.window_s,
+                scaling if scaling and number == len(runs) - 1 else None,
             )
             line = summarize(result, args.minutes, args.window_s)
             print(json.dumps(line), flush=True)

@@ -65,6 +65,7 @@ class CellActor:
         self.instance = uuid.uuid4().hex
         self.config = config
         self.consumer_timeout_s = consumer_timeout_s
+        self.spawn_worker = spawn_worker
         self.handles = {
             w.actor: spawn_worker(
                 w.kind, w.index, w.sched.blocks.num_blocks, w.sched.blocks.block_size
@@ -84,6 +85,7 @@ class CellActor:
         # set (then replaced) when such a step's results are applied
         self.handoff_applied = asyncio.Event()
         self.tasks: list[asyncio.Task[None]] = []
+        self.loops: dict[str, asyncio.Task[None]] = {}  # each worker's stepping loop
         # prefetch calls in flight (held until answered)
         self.prefetching: set[asyncio.Future[Any]] = set()
         self.bursts = BurstSizer(config.max_burst_ms / 1000)
@@ -100,7 +102,10 @@ class CellActor:
             await self._connect(worker)
         if not self.tasks:
             freeze_startup_objects()
-            self.tasks = [asyncio.create_task(self._loop(w)) for w in self.coordinator.workers]
+            self.loops = {
+                w.actor: asyncio.create_task(self._loop(w)) for w in self.coordinator.workers
+            }
+            self.tasks = list(self.loops.values())
             self.tasks.append(asyncio.create_task(self._reap_consumers()))
             if self.config.pool_planner:
                 self.tasks.append(asyncio.create_task(self._plan_pools()))
@@ -127,6 +132,21 @@ class CellActor:
             self.coordinator.roles.finish()
             await self._after_role_changes()
 
+    async def _start(self, worker: WorkerState) -> None:
+        """A worker the planner added: once its actor answers (Ray places it when resources are
+        free; on an autoscaling cluster, a node is started for it), it joins its pool and steps."""
+        worker.placement = await self.handles[worker.actor].ready.remote()
+        worker.status = WorkerStatus.UP
+        log.info("%s started in the %s pool", worker.actor, worker.kind)
+        if worker.kind == "prefill":
+            await self._connect(worker)
+        else:
+            for prefill in self.coordinator.prefill:
+                if prefill.status is WorkerStatus.UP:
+                    await self._connect(prefill)
+        self.coordinator.wake(worker)
+        await self._loop(worker)
+
     async def change_role(self, name: str, kind: str) -> dict[str, Any]:
         """Move the worker now named `name` to pool `kind`: it takes no new work from now on and
         joins that pool once what it holds has run to the end. Raises ValueError for a worker or
@@ -144,9 +164,24 @@ class CellActor:
     async def _after_role_changes(self) -> None:
         """A worker that changed pools: each prefill worker chooses its transport again (a
         worker that joined sends KV now; one that joined the decode pool is a new peer)."""
-        moved = self.coordinator.roles.take_switched()
+        roles = self.coordinator.roles
+        moved = roles.take_switched()
         for worker in moved:
             log.info("%s joined the %s pool as %s", worker.actor, worker.kind, worker.name)
+        for worker in roles.take_released():
+            log.info("%s left the cell", worker.actor)
+            if (loop := self.loops.pop(worker.actor, None)) is not None:
+                loop.cancel()
+            ray.kill(self.handles.pop(worker.actor))
+        for worker in [w for w in self.coordinator.workers if w.actor not in self.handles]:
+            blocks = worker.sched.blocks
+            self.handles[worker.actor] = self.spawn_worker(
+                worker.kind, worker.index, blocks.num_blocks, blocks.block_size
+            )
+            self.wakeups[worker.actor] = asyncio.Event()
+            task = asyncio.create_task(self._start(worker))
+            self.loops[worker.actor] = task
+            self.tasks.append(task)
         if moved:
             for worker in self.coordinator.prefill:
                 if worker.status is WorkerStatus.UP:

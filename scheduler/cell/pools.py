@@ -31,16 +31,45 @@ if TYPE_CHECKING:
 _DECISIONS_KEPT = 50
 
 
+RELEASE = "release"  # a worker's `next_kind` when it leaves the cell
+
+
 class RoleChanges:
-    """Workers on their way from one pool to the other."""
+    """Workers on their way from one pool to the other, joining the cell, or leaving it."""
 
     def __init__(self, coordinator: Coordinator) -> None:
         self.cell = coordinator
         self.switched: list[WorkerState] = []  # since the actor shell last took them
+        self.released: list[WorkerState] = []  # likewise: their actors are to be stopped
         self.count = 0
+        self.added = 0
+        self.removed = 0
+
+    def add(self, kind: str) -> WorkerState:
+        """A new worker for pool `kind`, not yet started (`RESTARTING` until its actor answers
+        `ready`; the actor shell starts it)."""
+        cell = self.cell
+        pool = cell.prefill if kind == "prefill" else cell.decode
+        taken = {w.index for w in pool}
+        index = next(i for i in itertools.count() if i not in taken)
+        actors = {w.actor for w in cell.workers} | {w.actor for w in self.released}
+        actor = next(
+            name
+            for n in itertools.count()
+            if (name := f"{kind}-{index}" + (f"-{n}" if n else "")) not in actors
+        )
+        blocks = cell.config.decode_blocks if kind == "decode" else cell.config.prefill_blocks
+        worker = WorkerState(
+            kind, index, cell.new_planner(kind, blocks), WorkerStatus.RESTARTING, actor=actor
+        )
+        pool.append(worker)
+        cell.workers = cell.prefill + cell.decode
+        self.added += 1
+        return worker
 
     def begin(self, worker: WorkerState, kind: str) -> None:
-        """Start moving `worker` to pool `kind`: no new work from now on."""
+        """Start moving `worker` to pool `kind` (or out of the cell: `RELEASE`): no new work from
+        now on."""
         if kind == worker.kind or worker.next_kind is not None:
             return
         worker.next_kind = kind
@@ -70,6 +99,14 @@ class RoleChanges:
             if not self.holds_nothing(worker):
                 continue
             source = cell.prefill if worker.kind == "prefill" else cell.decode
+            if worker.next_kind == RELEASE:
+                source.remove(worker)
+                cell.workers = cell.prefill + cell.decode
+                worker.status = WorkerStatus.GONE
+                worker.next_kind = None
+                self.removed += 1
+                self.released.append(worker)
+                continue
             target = cell.decode if worker.next_kind == "decode" else cell.prefill
             source.remove(worker)
             taken = {w.index for w in target}
@@ -88,6 +125,10 @@ class RoleChanges:
         switched, self.switched = self.switched, []
         return switched
 
+    def take_released(self) -> list[WorkerState]:
+        released, self.released = self.released, []
+        return released
+
 
 class PoolPlans:
     """The planner's inputs over a window, and its decisions."""
@@ -95,12 +136,15 @@ class PoolPlans:
     def __init__(self, coordinator: Coordinator) -> None:
         self.cell = coordinator
         config = coordinator.config
-        # with the workers it started with: role changes only (the pools keep their sum)
+        # role changes only (the pools keep the sum they started with), unless a pool may grow
+        scaling = config.max_prefill_workers is not None or config.max_decode_workers is not None
         self.planner = (
             PoolPlanner(
                 slo_itl_s=config.slo_itl_ms / 1000,
                 decode_slots=config.decode_slots,
-                total=len(coordinator.workers),
+                total=None if scaling else len(coordinator.workers),
+                max_prefill=config.max_prefill_workers or config.num_prefill_workers,
+                max_decode=config.max_decode_workers or config.num_decode_workers,
             )
             if config.pool_planner
             else None
@@ -152,24 +196,48 @@ class PoolPlans:
         }
         if target is None:
             return None
-        shrinking = "prefill" if target.prefill < prefill else "decode"
-        pool = cell.prefill if shrinking == "prefill" else cell.decode
-        candidates = [w for w in pool if w.accepts]
-        if len(candidates) < 2:
-            return None  # a pool keeps a worker that takes new work
-        worker = min(candidates, key=lambda w: len(w.sched.running) + w.sched.num_waiting)
-        growing = "decode" if shrinking == "prefill" else "prefill"
         decision = {
             "at_s": round(now_s, 3),
-            "worker": worker.name,
-            "to": growing,
             "prefill": target.prefill,
             "decode": target.decode,
             "reason": target.reason,
         }
-        self.decisions = (self.decisions + [decision])[-_DECISIONS_KEPT:]
+        if target.prefill + target.decode != prefill + decode:  # a pool grows or shrinks
+            kind = "prefill" if target.prefill != prefill else "decode"
+            if (target.prefill if kind == "prefill" else target.decode) > (
+                prefill if kind == "prefill" else decode
+            ):
+                decision |= {"worker": cell.roles.add(kind).name, "to": kind}
+                self._record(decision)
+                return decision
+            worker = self._least_loaded_accepting(kind)
+            if worker is None:
+                return None
+            decision |= {"worker": worker.name, "to": RELEASE}
+            self._record(decision)
+            cell.roles.begin(worker, RELEASE)
+            return decision
+        shrinking = "prefill" if target.prefill < prefill else "decode"
+        worker = self._least_loaded_accepting(shrinking)
+        if worker is None:
+            return None
+        growing = "decode" if shrinking == "prefill" else "prefill"
+        decision |= {"worker": worker.name, "to": growing}
+        self._record(decision)
         cell.roles.begin(worker, growing)
         return decision
+
+    def _least_loaded_accepting(self, kind: str) -> WorkerState | None:
+        """The worker of pool `kind` holding the least, if the pool keeps another that takes new
+        work."""
+        pool = self.cell.prefill if kind == "prefill" else self.cell.decode
+        candidates = [w for w in pool if w.accepts]
+        if len(candidates) < 2:
+            return None
+        return min(candidates, key=lambda w: len(w.sched.running) + w.sched.num_waiting)
+
+    def _record(self, decision: dict[str, Any]) -> None:
+        self.decisions = (self.decisions + [decision])[-_DECISIONS_KEPT:]
 
 
 def _counts_as(worker: WorkerState, kind: str) -> bool:

@@ -46,6 +46,9 @@ class CellConfig:
     pool_planner: bool = False
     slo_itl_ms: float = 50.0  # the planner sizes decode batches to keep steps under this
     planner_window_s: float = 10.0
+    # set: the planner also starts and releases workers, each pool within 1..max
+    max_prefill_workers: int | None = None
+    max_decode_workers: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv_transfer_failure not in ("recompute", "fail"):

@@ -140,3 +140,41 @@ def test_starting_to_leave_twice_or_for_its_own_pool_changes_nothing(kind):
     worker = (coordinator.prefill if kind == "prefill" else coordinator.decode)[0]
     coordinator.roles.begin(worker, kind)
     assert worker.next_kind is None and worker.kind == kind
+
+
+def test_with_room_to_grow_the_planner_starts_a_worker_and_releases_an_idle_one():
+    coordinator = cell(
+        num_prefill_workers=1,
+        num_decode_workers=1,
+        pool_planner=True,
+        max_prefill_workers=3,
+        max_decode_workers=3,
+    )
+    planner = coordinator.pools.planner
+    assert planner.total is None and planner.max_prefill == 3
+    planner.speeds = Speeds(prefill_tok_s=10_000, decode_fixed_s=0.010, decode_per_seq_s=0.001)
+    planner.patience = 1
+    start = coordinator.pools.started_s
+
+    def end(prompt_tokens, output_tokens, at):
+        coordinator.pools.window = LoadWindow(
+            seconds=10,
+            arrivals=100,
+            prompt_tokens=prompt_tokens,
+            finished=100,
+            output_tokens=output_tokens,
+        )
+        return coordinator.pools.end_window(now_s=start + at)
+
+    # 10 req/s of 2,000-token prompts: 20,000 tok/s of prefill needs 2.5 workers
+    decision = end(200_000, 2_000, 10)
+    assert decision["to"] == "prefill" and decision["worker"] == "prefill-1"
+    added = coordinator.prefill[1]
+    assert added.status is WorkerStatus.RESTARTING and not added.accepts  # until its actor answers
+    # the load falls away: an idle prefill worker is released (the pool keeps one)
+    added.status = WorkerStatus.UP
+    decision = end(1_000, 2_000, 20)
+    assert decision["to"] == "release"
+    released = coordinator.roles.take_released()
+    assert len(released) == 1 and released[0].status is WorkerStatus.GONE
+    assert len(coordinator.prefill) == 1 and coordinator.roles.removed == 1
