@@ -238,9 +238,8 @@ def run(
                 stats = await handle.stats.remote()
                 line = stats["pools"]
                 at = (time.perf_counter() - start) / scale
-                pools.append(
-                    {"at_s": round(at, 1), "prefill": line["prefill"]} | {"decode": line["decode"]}
-                )
+                sizes = {"prefill": line["prefill"], "decode": line["decode"]}
+                pools.append({"at_s": round(at, 1)} | sizes | {"window": line["last_window"]})
                 await asyncio.sleep(window_s * scale / 2)
 
         watcher = asyncio.create_task(watch())

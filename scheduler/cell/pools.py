@@ -143,8 +143,13 @@ class PoolPlans:
                 slo_itl_s=config.slo_itl_ms / 1000,
                 decode_slots=config.decode_slots,
                 total=None if scaling else len(coordinator.workers),
-                max_prefill=config.max_prefill_workers or config.num_prefill_workers,
-                max_decode=config.max_decode_workers or config.num_decode_workers,
+                # (a pool without a maximum keeps the size it started with)
+                max_prefill=(config.max_prefill_workers or config.num_prefill_workers)
+                if scaling
+                else len(coordinator.workers) - 1,
+                max_decode=(config.max_decode_workers or config.num_decode_workers)
+                if scaling
+                else len(coordinator.workers) - 1,
             )
             if config.pool_planner
             else None

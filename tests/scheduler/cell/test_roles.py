@@ -178,3 +178,16 @@ def test_with_room_to_grow_the_planner_starts_a_worker_and_releases_an_idle_one(
     released = coordinator.roles.take_released()
     assert len(released) == 1 and released[0].status is WorkerStatus.GONE
     assert len(coordinator.prefill) == 1 and coordinator.roles.removed == 1
+
+
+def test_with_a_fixed_total_a_pool_may_grow_past_the_size_it_started_with():
+    coordinator = cell(num_prefill_workers=2, num_decode_workers=2, pool_planner=True)
+    planner = coordinator.pools.planner
+    planner.speeds = Speeds(prefill_tok_s=10_000, decode_fixed_s=0.010, decode_per_seq_s=0.001)
+    planner.patience = 1
+    # prompt-heavy: 20,000 tok/s of prompts needs 2.5 prefill workers, decode almost nothing
+    coordinator.pools.window = LoadWindow(
+        seconds=10, arrivals=100, prompt_tokens=200_000, finished=100, output_tokens=100
+    )
+    decision = coordinator.pools.end_window(now_s=coordinator.pools.started_s + 10)
+    assert decision is not None and (decision["prefill"], decision["decode"]) == (3, 1)
