@@ -48,12 +48,16 @@ def scheduler_args(config: EngineConfig, info: TokenizerInfo | None = None) -> t
 
 
 def create_scheduler(
-    config: EngineConfig, info: TokenizerInfo | None = None, **options: Any
+    config: EngineConfig,
+    info: TokenizerInfo | None = None,
+    cell: dict[str, Any] | None = None,
+    **options: Any,
 ) -> Any:
     """Create the scheduler actor (which creates the workers); `options` are Ray actor options (a
-    name)."""
+    name), `cell` more of CellActor's own arguments (`worker_namespace`, `owner`)."""
     options = {"num_cpus": 0, "max_concurrency": 100_000, "enable_task_events": False} | options
-    return ray.remote(CellActor).options(**options).remote(*scheduler_args(config, info))
+    actor = ray.remote(CellActor).options(**options)
+    return actor.remote(*scheduler_args(config, info), **(cell or {}))
 
 
 def start_scheduler(

@@ -84,6 +84,13 @@ class Worker:
             self.sender = KVSender(cache, make_transport(name, cache.k.device, staging))
         return name
 
+    def reset(self) -> None:
+        """Forget every request (a restarted scheduler knows none): their sampling states and
+        last samples. The KV blocks stay as they are: the new scheduler plans them afresh."""
+        states = self.runner.states
+        states.drop([*states.params, *states.states])
+        self.runner.last_sampled = {}
+
     def prefetch(self, pieces: list[KVPiece]) -> None:
         """Pull KV pieces of prompts still prefilling on another node to this one, in the
         background: their import then reads local memory. Returns at once; a piece that cannot be
@@ -126,7 +133,15 @@ class Worker:
         return results
 
 
-def spawn_worker(config: Any, kind: str, index: int, num_blocks: int, block_size: int) -> Any:
+def spawn_worker(
+    config: Any,
+    kind: str,
+    index: int,
+    num_blocks: int,
+    block_size: int,
+    name: str | None = None,
+    namespace: str | None = None,
+) -> Any:
     """Start one worker actor of a pool (`kind` "prefill" or "decode"); returns its handle at once.
 
     `config` is deploy's EngineConfig (model, dtype, device, resources, restarts, CPUs per worker).
@@ -134,6 +149,10 @@ def spawn_worker(config: Any, kind: str, index: int, num_blocks: int, block_size
     number of KV blocks it plans for this worker, so it owns its workers. A worker takes
     `gpus_per_worker` GPUs (one where the cluster has GPUs, by default), `num_cpus_per_worker` CPUs
     and as many torch threads; Ray restarts it `max_worker_restarts` times.
+
+    With a `name`, the worker is a detached actor of that name (in `namespace`), or the live one
+    already so named: it outlives the scheduler that made it, and a restarted scheduler finds it
+    again. Whoever named it stops it (`ray.kill`).
     """
     gpus = config.gpus_for(ray.cluster_resources().get("GPU", 0))
     options = {
@@ -144,6 +163,13 @@ def spawn_worker(config: Any, kind: str, index: int, num_blocks: int, block_size
         "num_gpus": gpus,
         "resources": config.prefill_resources if kind == "prefill" else config.decode_resources,
     }
+    if name is not None:
+        options |= {
+            "name": name,
+            "namespace": namespace,
+            "lifetime": "detached",
+            "get_if_exists": True,
+        }
     return (
         ray.remote(Worker)
         .options(**options)

@@ -13,10 +13,11 @@ Each replica reports its scheduler's open requests to Serve's autoscaler
 requests (`CellClosed`: the ingress places them on another cell) and the replica stops when the last
 open one has ended.
 
-The scheduler actor is owned by its replica: if the replica goes, so do the scheduler and the
-workers, and when the scheduler dies, the replica's health check fails and Serve replaces the cell.
-Either way the ingress's polls fail, and it continues the cell's streams on another cell
-(`EngineClient`).
+The scheduler and its workers do not fate-share with the replica (`deploy/serving/cell_actors.py`):
+a killed replica's scheduler serves on, and the replica Serve starts in its place adopts it. A
+killed scheduler is restarted by Ray and finds its workers again; the ingress's polls see another
+instance, and its streams continue by recompute, on the same cell when no other runs
+(`EngineClient`). A cell whose worker pool is gone fails its health check and Serve replaces it.
 """
 
 from __future__ import annotations
@@ -29,17 +30,23 @@ from typing import Any
 
 import ray
 from ray import serve
+from ray.exceptions import ActorDiedError
 from ray.serve.config import RequestRouterConfig
 
 from deploy.config import EngineConfig
 from deploy.engine_client import Placement, unwrap
-from deploy.ray_engine import create_scheduler
+from deploy.serving.cell_actors import (
+    NAMESPACE,
+    adopt_or_create,
+    cell_name,
+    find_scheduler,
+    stop_cell,
+)
 from deploy.serving.cell_choice import CellChooser, live_cells
 from deploy.submissions import Submissions
 from scheduler.request import Request
 
 log = logging.getLogger(__name__)
-NAMESPACE = "pdserve-cells"  # the scheduler actors are named "<app>-cell-<replica id>" there
 # how long requests avoid a cell that was lost or refused them (Serve stops listing it sooner or
 # later)
 AVOID_S = 60.0
@@ -60,20 +67,24 @@ AVOID_S = 60.0
     ),
 )
 class Cell:
-    """One scheduler (a named actor this replica owns) and the workers it creates."""
+    """One scheduler (a named detached actor: adopted from a dead replica, or created) and the
+    workers it creates."""
 
     async def __init__(self, config: dict[str, Any]) -> None:
         context = serve.get_replica_context()
-        self.name = cell_name(context.app_name, context.replica_id.unique_id)
-        self.scheduler = create_scheduler(
-            EngineConfig(**config), name=self.name, namespace=NAMESPACE
+        self.replica = context.replica_id.unique_id
+        self.me = ray.get_runtime_context().current_actor
+        self.name, self.scheduler = await adopt_or_create(
+            EngineConfig(**config), context.app_name, self.replica, self.me
         )
         await self.scheduler.ready.remote()
         log.info("cell %s ready", self.name)
 
     async def check_health(self) -> None:
-        """Unhealthy when the scheduler is gone or a worker pool has no worker left: Serve replaces
-        the cell."""
+        """Unhealthy when a worker pool has no worker left, or another replica serves the
+        scheduler: Serve replaces the cell. (While the scheduler restarts, the check waits.)"""
+        if await self.scheduler.adopt.remote(self.replica, self.me) == "held":
+            raise RuntimeError(f"another replica serves {self.name}")
         await self.scheduler.check_health.remote()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
@@ -81,26 +92,26 @@ class Cell:
         return {"open_requests": await self.scheduler.num_open.remote()}
 
     async def __del__(self) -> None:
-        """Being stopped (scaled down): refuse new requests and wait for the open ones to end."""
+        """Being stopped (scaled down, shut down): refuse new requests, wait for the open ones to
+        end, then stop the scheduler and its workers."""
         try:
             await self.scheduler.drain.remote()
         except Exception as e:  # the scheduler is gone: nothing left to wait for
             log.info("cell %s: no drain (%s)", self.name, e)
-
-
-def cell_name(app_name: str, replica: str) -> str:
-    return f"{app_name}-cell-{replica}"
+        await stop_cell(self.name, self.scheduler)
 
 
 class ServeCells:
     """Places requests on the running cells of a `Cell` deployment (see `EngineClient`).
 
-    A cell that refuses a request (it is draining) or cannot be reached is avoided for `AVOID_S`,
-    and the request tried on another until `failover_timeout_s`, as while no cell runs (one died and
-    Serve has not replaced it yet). A request the engine refuses (ValueError) fails at once, and so
-    does a full queue (QueueFullError), except for a continuation, which waits for room like the
-    rest. A submission not answered within `attempt_timeout_s` is given up and tried on another
-    cell.
+    A cell that refuses a request (it is draining) or cannot be reached, or whose streams were lost,
+    is avoided for `AVOID_S` while another runs, and the request tried on another until
+    `failover_timeout_s`, as while no cell runs (one died and Serve has not replaced it yet). With
+    no other, the cell is tried again (a restarted scheduler answers), and a lost stream's
+    continuation goes back to the scheduler it was on even while no replica is listed. A request
+    the engine refuses (ValueError) fails at once, and so does a full queue (QueueFullError), except
+    for a continuation, which waits for room like the rest. A submission not answered within
+    `attempt_timeout_s` is given up and tried on another cell.
     """
 
     attempt_timeout_s = 5.0
@@ -118,27 +129,31 @@ class ServeCells:
 
     def lost(self, placement: Placement) -> None:
         if placement.replica is not None:
-            self._avoid(placement.replica)
+            self.gone[placement.replica] = time.monotonic()
 
     def done(self, req_id: str) -> None:
         cell = self.where.pop(req_id, None)
         if cell is not None:
             self.load[cell] -= 1
 
-    def _avoid(self, cell: str) -> None:
+    def _avoid(self, cell: str, error: BaseException) -> None:
         self.gone[cell] = time.monotonic()
-        self.links.pop(cell, None)
+        if isinstance(error, ActorDiedError | LookupError):  # not restarting: look it up again
+            self.links.pop(cell, None)
         self.chooser.forget(cell)
 
     async def place(self, request: Request, consumer: str, failing_over: bool = False) -> Placement:
         deadline = time.monotonic() + self.failover_timeout_s
         delay = 0.05
+        previous = self.where.get(request.req_id) if failing_over else None
         while True:
             self.gone = {c: t for c, t in self.gone.items() if time.monotonic() - t < AVOID_S}
             live = live_cells(self.app_name)
             if live is None:  # Serve's router for the cells starts with a first call through it
                 self.handle.check_health.remote()
-            cells = [c for c in live or () if c not in self.gone]
+            cells = [c for c in live or () if c not in self.gone] or list(live or ())
+            if not cells and previous in self.links:  # (its replica died; its scheduler may not)
+                cells = [previous]
             error: BaseException = RuntimeError("no cell is running")
             if cells:
                 cell = self.chooser.choose(request, cells, self.load)
@@ -150,6 +165,7 @@ class ServeCells:
                     self.done(request.req_id)  # (a continuation: it left the cell it was on)
                     self.where[request.req_id] = cell
                     self.load[cell] += 1
+                    self.gone.pop(cell, None)
                     return Placement(instance, scheduler, replica=cell)
                 # (QueueFullError too; a continuation was admitted once: it can only wait)
                 except ValueError as e:
@@ -158,7 +174,7 @@ class ServeCells:
                     error = e
                 except Exception as e:  # draining (CellClosed), gone, or not answering
                     error = unwrap(e)
-                    self._avoid(cell)
+                    self._avoid(cell, error)
             if time.monotonic() + delay > deadline:
                 raise error
             log.warning(
@@ -177,9 +193,7 @@ class ServeCells:
         return await asyncio.shield(self.links[cell])
 
     async def _connect(self, cell: str) -> tuple[Any, Submissions]:
-        scheduler = await asyncio.to_thread(
-            ray.get_actor, cell_name(self.app_name, cell), NAMESPACE
-        )
+        scheduler = await find_scheduler(self.app_name, cell)
         return scheduler, Submissions(scheduler)
 
 

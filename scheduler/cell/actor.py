@@ -9,6 +9,12 @@ one call returns every output of all their requests since the last poll, so a st
 per consumer, not one per token per request. A consumer that stops polling for `consumer_timeout_s`
 is taken for gone and its requests are aborted. `drain` closes the scheduler to new requests (a cell
 being scaled down) and returns when its open ones have ended.
+
+A Serve cell's scheduler is a detached actor that Ray restarts (`deploy/serving/cell_actors.py`):
+with a `worker_namespace`, its workers are detached too, named after it, so a restarted scheduler
+finds them again by name (`spawn_worker(..., name=...)`), has them forget every request, and
+starts afresh; the consumers continue their streams by recompute. `adopt` hands the scheduler to
+another replica when its owner has died.
 """
 
 from __future__ import annotations
@@ -16,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import time
 import uuid
@@ -27,28 +32,31 @@ import ray
 import ray.util.metrics
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from scheduler.cell.bursts import BurstSizer, plan_call
+from scheduler.cell.bursts import BurstSizer
 from scheduler.cell.call_clock import CallClock
 from scheduler.cell.coordinator import Coordinator
 from scheduler.cell.deadlines import expire
 from scheduler.cell.gc_pauses import freeze_startup_objects
+from scheduler.cell.mailboxes import Mailboxes
 from scheduler.cell.serving_metrics import ServingMetrics
 from scheduler.cell.state import CellClosed, CellConfig, WorkerState, WorkerStatus
+from scheduler.cell.stepping import CellSteps
 from scheduler.cell.timeline import StepTimeline
-from scheduler.messages import pack_plans
-from scheduler.outputs import RequestOutput, coalesce
+from scheduler.outputs import RequestOutput
 from scheduler.request import Request
 
 log = logging.getLogger(__name__)
 
-_WORKER_ERRORS = (RayActorError, ActorUnavailableError)
+_WORKER_ERRORS = (RayActorError, ActorUnavailableError)  # a worker died (or restarts)
 _RESTART_TIMEOUT_S = 300.0
 _EXPIRY_PERIOD_S = 0.1  # how often deadlines are checked (how late a request may end past one)
 
 
-class CellActor:
+class CellActor(CellSteps):
     """Creates the workers of a cell and runs one stepping loop per worker, so a decode step never
     waits for a prefill step. Decisions are the coordinator's; this class only moves messages."""
+
+    worker_errors = _WORKER_ERRORS
 
     def __init__(
         self,
@@ -57,6 +65,8 @@ class CellActor:
         tokenizer: Any = None,
         metrics_backend: Any = None,
         consumer_timeout_s: float = 30.0,
+        worker_namespace: str | None = None,
+        owner: tuple[str, Any] | None = None,
     ) -> None:
         self.coordinator = Coordinator(
             config, tokenizer, metrics_backend or ray.util.metrics, wake=self._wake
@@ -66,16 +76,18 @@ class CellActor:
         self.config = config
         self.consumer_timeout_s = consumer_timeout_s
         self.spawn_worker = spawn_worker
-        self.handles = {
-            w.actor: spawn_worker(
-                w.kind, w.index, w.sched.blocks.num_blocks, w.sched.blocks.block_size
-            )
-            for w in self.coordinator.workers
-        }
+        context = ray.get_runtime_context()
+        # Ray restarted this actor: its workers (found again by name) hold requests it never knew
+        self.restarted = context.was_current_actor_reconstructed
+        self.num_restarts = _num_restarts(context.get_actor_id()) if self.restarted else 0
+        # named workers: "<this actor's name>/<worker actor>" in `worker_namespace`, detached
+        self.worker_namespace = worker_namespace
+        self.adopting = asyncio.Lock()
+        self.owner = owner  # (replica id, its actor handle): the Serve replica this cell serves
+        self.handles = {w.actor: self._spawn(w) for w in self.coordinator.workers}
         self.wakeups = {w.actor: asyncio.Event() for w in self.coordinator.workers}
-        self.mailboxes: dict[str, list[RequestOutput]] = {}  # consumer -> outputs not yet polled
-        self.mail: dict[str, asyncio.Event] = {}
-        self.last_poll_s: dict[str, float] = {}
+        self.mailboxes = Mailboxes()
+        self.started: asyncio.Future[None] | None = None  # workers ready, loops running
         # set (then replaced) when a request's last output is published
         self.request_ended = asyncio.Event()
         self.timeline = StepTimeline()
@@ -93,28 +105,69 @@ class CellActor:
         self.serving = ServingMetrics()  # what /metrics reads (vLLM's names)
 
     # ---- lifecycle
+    def _spawn(self, worker: WorkerState) -> Any:
+        blocks = worker.sched.blocks
+        named: dict[str, Any] = {}
+        if self.worker_namespace is not None:
+            name = f"{ray.get_runtime_context().get_actor_name()}/{worker.actor}"
+            named = {"name": name, "namespace": self.worker_namespace}
+        return self.spawn_worker(
+            worker.kind, worker.index, blocks.num_blocks, blocks.block_size, **named
+        )
+
     async def ready(self) -> dict[str, Any]:
-        """Wait until every worker has loaded the model; start the loops. Returns where workers
-        run."""
-        for worker in self.coordinator.workers:
-            worker.placement = await self.handles[worker.actor].ready.remote()
-        for worker in self.coordinator.prefill:
-            await self._connect(worker)
-        if not self.tasks:
-            freeze_startup_objects()
-            self.loops = {
-                w.actor: asyncio.create_task(self._loop(w)) for w in self.coordinator.workers
-            }
-            self.tasks = list(self.loops.values())
-            self.tasks.append(asyncio.create_task(self._reap_consumers()))
-            if self.config.pool_planner:
-                self.tasks.append(asyncio.create_task(self._plan_pools()))
-            self.tasks.append(asyncio.create_task(self._expire_deadlines()))
+        """Wait until every worker has loaded the model; start the loops (once). Returns where
+        workers run."""
+        self._resume(force=True)
+        assert self.started is not None
+        await asyncio.shield(self.started)
         return {w.name: w.placement for w in self.coordinator.workers} | {
             "capacity": self.config.capacity,
             "scheduler_worker_id": ray.get_runtime_context().get_worker_id(),
             "scheduler_pid": os.getpid(),
         }
+
+    def _resume(self, force: bool = False) -> None:
+        """Start the cell (once): at `ready`, or at the first call a restarted actor gets."""
+        if self.started is None and (force or self.restarted):
+            self.started = asyncio.ensure_future(self._start_cell())
+
+    async def _start_cell(self) -> None:
+        for worker in self.coordinator.workers:
+            handle = self.handles[worker.actor]
+            worker.placement = await handle.ready.remote()
+            if self.restarted:
+                await handle.reset.remote()
+        for worker in self.coordinator.prefill:
+            await self._connect(worker)
+        freeze_startup_objects()
+        self.loops = {w.actor: asyncio.create_task(self._loop(w)) for w in self.coordinator.workers}
+        self.tasks = list(self.loops.values())
+        self.tasks.append(asyncio.create_task(self._reap_consumers()))
+        if self.config.pool_planner:
+            self.tasks.append(asyncio.create_task(self._plan_pools()))
+        self.tasks.append(asyncio.create_task(self._expire_deadlines()))
+        if self.restarted:
+            log.warning("scheduler restarted (%d); its workers re-adopted", self.num_restarts)
+
+    async def adopt(self, replica: str, handle: Any) -> str:
+        """Serve `replica` (its actor `handle`) from now on, unless another live replica does:
+        "adopted", "held" (by another), or "broken" (a worker pool is gone: stop it instead)."""
+        self._resume()
+        if self.coordinator.pool_exhausted():
+            return "broken"
+        async with self.adopting:
+            if self.owner is not None and self.owner[0] != replica:
+                try:
+                    await asyncio.wait_for(self.owner[1].__ray_ready__.remote(), 5.0)
+                    return "held"
+                except Exception:  # its owner is gone
+                    log.warning("cell adopted by %s (%s is gone)", replica, self.owner[0])
+            self.owner = (replica, handle)
+        return "adopted"
+
+    async def owner_replica(self) -> str | None:
+        return None if self.owner is None else self.owner[0]
 
     async def _connect(self, worker: WorkerState) -> None:
         """Have a prefill worker choose the transport of the KV it sends to the decode pool (the
@@ -174,10 +227,7 @@ class CellActor:
                 loop.cancel()
             ray.kill(self.handles.pop(worker.actor))
         for worker in [w for w in self.coordinator.workers if w.actor not in self.handles]:
-            blocks = worker.sched.blocks
-            self.handles[worker.actor] = self.spawn_worker(
-                worker.kind, worker.index, blocks.num_blocks, blocks.block_size
-            )
+            self.handles[worker.actor] = self._spawn(worker)
             self.wakeups[worker.actor] = asyncio.Event()
             task = asyncio.create_task(self._start(worker))
             self.loops[worker.actor] = task
@@ -194,6 +244,7 @@ class CellActor:
             ray.kill(handle)
 
     async def check_health(self) -> None:
+        self._resume()
         if self.coordinator.pool_exhausted():
             raise RuntimeError("a worker pool has no worker left")
 
@@ -217,8 +268,9 @@ class CellActor:
         too many wait, CellClosed while the cell drains."""
         if self.closed:
             raise CellClosed("this cell is draining: it takes no new request")
+        self._resume()
         request.arrival_s = time.perf_counter()
-        self.last_poll_s.setdefault(consumer, time.monotonic())
+        self.mailboxes.seen(consumer)
         self.coordinator.admit(request, consumer)
         self.serving.on_admit(len(request.prompt_ids), request.is_continuation)
         self._deliver()
@@ -242,16 +294,8 @@ class CellActor:
         """This scheduler's instance id and every output for the consumer's requests since its last
         poll, each request's successive outputs joined into one; waits up to `timeout_s` for one (an
         empty list means none came)."""
-        self.last_poll_s[consumer] = time.monotonic()
-        event = self.mail.setdefault(consumer, asyncio.Event())
-        if not self.mailboxes.get(consumer):
-            event.clear()
-            try:
-                await asyncio.wait_for(event.wait(), timeout_s)
-            except TimeoutError:
-                pass
-        self.last_poll_s[consumer] = time.monotonic()
-        return self.instance, coalesce(self.mailboxes.pop(consumer, []))
+        self._resume()
+        return self.instance, await self.mailboxes.take(consumer, timeout_s)
 
     async def abort(self, req_id: str) -> bool:
         aborted = self.coordinator.abort(req_id)
@@ -263,8 +307,7 @@ class CellActor:
         for consumer, outputs in self.coordinator.take_outputs().items():
             for out in outputs:
                 self.serving.on_output(out, now)
-            self.mailboxes.setdefault(consumer, []).extend(outputs)
-            self.mail.setdefault(consumer, asyncio.Event()).set()
+            self.mailboxes.put(consumer, outputs)
             if any(out.finished for out in outputs):
                 self.request_ended.set()
                 self.request_ended = asyncio.Event()
@@ -274,19 +317,12 @@ class CellActor:
         died)."""
         while True:
             await asyncio.sleep(min(5.0, self.consumer_timeout_s / 2))
-            now = time.monotonic()
-            for consumer, last in list(self.last_poll_s.items()):
-                if now - last > self.consumer_timeout_s:
-                    aborted = self.coordinator.abort_consumer(consumer)
-                    if aborted:
-                        log.warning(
-                            "consumer %s stopped polling; aborted its %d requests",
-                            consumer,
-                            aborted,
-                        )
-                    del self.last_poll_s[consumer]
-                    self.mailboxes.pop(consumer, None)
-                    self.mail.pop(consumer, None)
+            for consumer in self.mailboxes.take_silent(self.consumer_timeout_s):
+                aborted = self.coordinator.abort_consumer(consumer)
+                if aborted:
+                    log.warning(
+                        "consumer %s stopped polling; aborted its %d requests", consumer, aborted
+                    )
 
     async def _expire_deadlines(self) -> None:
         """End the requests past their queue deadline or their own timeout
@@ -298,153 +334,6 @@ class CellActor:
                 self.serving.on_timeout(deadline)
             if passed:
                 self._deliver()
-
-    # ---- stepping
-    def _wake(self, worker: WorkerState) -> None:
-        self.wakeups[worker.actor].set()
-
-    async def _loop(self, worker: WorkerState) -> None:
-        """Keep one call in flight ahead: call N+1 is planned and sent before call N's results are
-        applied, so planning, applying and publishing overlap the worker's forward. The policy plans
-        N+1 as if N's tokens were known (the worker feeds them in), never past max_tokens, and drops
-        what N+1 samples for a request that stopped in N. A decode worker plans N+1 late when a
-        handoff is due before N ends (`_await_handoff`), so the handed-off request joins N+1, not
-        N+2. A call carries several decode steps (a burst, `scheduler/cell/bursts.py`) when the
-        worker only decodes."""
-        handle = self.handles[worker.actor]
-        wakeup = self.wakeups[worker.actor]
-        in_flight: tuple[Any, ...] | None = None  # (plans, result ref, planning seconds, send time)
-        while True:
-            if worker.kind == "decode" and in_flight is not None:
-                await self._await_handoff(worker, in_flight[0], in_flight[1], in_flight[3])
-            t0 = time.perf_counter()
-            call = plan_call(self.coordinator, worker, self.bursts.length(worker.name))
-            sent = None
-            if call is not None:
-                plans, imports = call
-                t1 = time.perf_counter()
-                sent = (plans, handle.step.remote(pack_plans(plans), imports), t1 - t0, t1)
-                if worker.kind == "prefill" and any(c.sample for c in plans[0].prefill):
-                    self.clock.finishing_sent(
-                        worker.name, t1, _tokens(plans), queued=in_flight is not None
-                    )
-            elif in_flight is None:
-                self._deliver()  # a preempted request's reroute may have failed it
-                wakeup.clear()
-                await wakeup.wait()
-                continue
-            if in_flight is not None:
-                if not await self._finish_step(worker, *in_flight):
-                    if sent is not None:  # the worker died: the call sent after it is lost too
-                        await asyncio.gather(sent[1], return_exceptions=True)
-                    sent = None
-                elif sent is not None:  # it starts now
-                    self.clock.started(worker.name, sent[3], _tokens(sent[0]), time.perf_counter())
-            in_flight = sent
-
-    async def _await_handoff(
-        self, worker: WorkerState, plans: list[Any], ref: Any, sent_s: float
-    ) -> None:
-        """Before planning a decode worker's next step while its step N runs: if a prefill worker's
-        call that finishes a prompt is expected back before N ends (`CallClock.handoff_due`), wait
-        for that handoff, or for N, whichever comes first. Waiting never changes an output, only
-        which step a handed-off request joins; when no handoff is due it costs nothing."""
-        start = max(sent_s, self.last_result_s.get(worker.name, sent_s))
-        n_ends = self.clock.ends(worker.name, _tokens(plans), start)
-        if n_ends == math.inf or not self.clock.handoff_due(n_ends):
-            return
-        arrived = asyncio.ensure_future(self.handoff_applied.wait())
-        done = asyncio.ensure_future(asyncio.gather(ref, return_exceptions=True))
-        await asyncio.wait(
-            [arrived, done],
-            timeout=max(0.0, n_ends - time.perf_counter()) + 0.05,
-            return_when=asyncio.FIRST_COMPLETED,
-        )
-        for task in (arrived, done):
-            task.cancel()
-        # (retrieved: no "never retrieved" logs)
-        await asyncio.gather(arrived, done, return_exceptions=True)
-
-    async def _finish_step(
-        self, worker: WorkerState, plans: list[Any], ref: Any, plan_s: float, sent_s: float
-    ) -> bool:
-        """Wait for a call's results and apply them step by step; False if the worker died (then it
-        has been recovered)."""
-        try:
-            results = await ref
-        except _WORKER_ERRORS as e:
-            self.clock.lost(worker.name)
-            await self._recover(worker, e)
-            return False
-        # the step raised (a bug): end this worker's requests with it, keep serving
-        except Exception as e:
-            self.clock.lost(worker.name)
-            self._fail_requests(worker, "a step", e)
-            self._deliver()
-            return False
-        t2 = time.perf_counter()
-        worker_s = sum(r.step_s for r in results)
-        tokens = _tokens(plans)
-        self.clock.observe(worker.name, worker_s, tokens)
-        try:
-            for plan, result in zip(plans, results, strict=True):
-                self.coordinator.apply(worker, plan, result)
-        # a bug: say so loudly, end this worker's requests, keep the loop alive
-        except Exception as e:
-            self._fail_requests(worker, "applying a step", e)
-        # pieces for a decode worker's node
-        for name, pieces in self.coordinator.kv.take_prefetches().items():
-            self._send_prefetch(name, pieces)
-        await self._after_role_changes()
-        t3 = time.perf_counter()
-        # handoffs are queued: wake
-        if worker.kind == "prefill" and any(c.sample for c in plans[0].prefill):
-            self.handoff_applied.set()
-            self.handoff_applied = asyncio.Event()
-        self.clock.returned(worker.name, sent_s)
-        self._deliver()
-        period = t2 - max(sent_s, self.last_result_s.get(worker.name, 0.0))
-        self.last_result_s[worker.name] = t2
-        if tokens:
-            self.bursts.observe(worker.name, len(plans), period, worker_s)
-            self.timeline.record(
-                worker.kind,
-                steps=len(plans),
-                period=period,
-                plan=plan_s,
-                round_trip=t2 - sent_s,
-                worker_step=worker_s,
-                forward=sum(r.forward_s for r in results),
-                apply=t3 - t2,
-                publish=time.perf_counter() - t3,
-                tokens=tokens,
-            )
-        return True
-
-    def _fail_requests(self, worker: WorkerState, what: str, error: Exception) -> None:
-        """End a worker's requests after a bug: each client gets a short message naming its
-        request id; the traceback (paths, hosts, process ids: the server's business) goes to this
-        actor's log under those ids."""
-        cause = getattr(error, "cause", None) or error  # a RayTaskError's: the worker's own
-        req_ids = self.coordinator.fail_worker_requests(
-            worker, f"internal error on {worker.name} ({type(cause).__name__})"
-        )
-        log.error(
-            "%s of %s failed; requests ended with an error: %s",
-            what,
-            worker.name,
-            ", ".join(req_ids) or "none",
-            exc_info=error,
-        )
-
-    def _send_prefetch(self, name: str, pieces: list[Any]) -> None:
-        """Name pieces to the decode worker that will import them; a failed call only costs the head
-        start."""
-        task = asyncio.ensure_future(
-            asyncio.gather(self.handles[name].prefetch.remote(pieces), return_exceptions=True)
-        )
-        self.prefetching.add(task)
-        task.add_done_callback(self.prefetching.discard)
 
     async def _recover(self, worker: WorkerState, error: Exception) -> None:
         """A worker died: the coordinator moves its requests; wait for Ray to restart it. Once its
@@ -475,12 +364,19 @@ class CellActor:
 
     async def stats(self) -> dict[str, Any]:
         """Slots and queues per worker, live handoffs, counts, and the step timeline."""
-        return self.coordinator.stats() | {"timeline": self.timeline.summary()}
+        stats = self.coordinator.stats() | {"timeline": self.timeline.summary()}
+        stats["counters"] |= self._restart_counts()
+        return stats
 
     async def metrics(self) -> dict[str, Any]:
         """What `/metrics` reads of this cell: its stats (gauges, counts) and its vLLM-style
         counters and histograms (`ServingMetrics.snapshot`)."""
-        return {"stats": self.coordinator.stats(), "serving": self.serving.snapshot()}
+        stats = self.coordinator.stats()
+        stats["counters"] |= self._restart_counts()
+        return {"stats": stats, "serving": self.serving.snapshot()}
+
+    def _restart_counts(self) -> dict[str, int]:
+        return {"scheduler_restarts": self.num_restarts}
 
     async def reset_timeline(self) -> None:
         """Start the step timeline and the prefix caches' hit counts afresh (a benchmark after its
@@ -491,5 +387,11 @@ class CellActor:
             worker.sched.peak_running = len(worker.sched.running)
 
 
-def _tokens(plans: list[Any]) -> int:
-    return sum(p.num_tokens for p in plans)
+def _num_restarts(actor_id: str) -> int:
+    """How many times Ray has restarted this actor (GCS's actor table; at least once here)."""
+    try:
+        from ray._private.state import actors
+
+        return max(1, int(actors(actor_id)["NumRestarts"]))
+    except Exception:  # (a private table: its shape may change)
+        return 1

@@ -175,3 +175,46 @@ def test_a_burst_goes_in_one_call_per_cell_and_a_refused_request_goes_to_a_runni
         assert "q10" not in cells.where and cells.load == {"a": 10, "b": 1}
 
     asyncio.run(main())
+
+
+def test_a_lost_stream_goes_back_to_its_restarted_scheduler_when_no_other_cell_runs():
+    """One cell: its scheduler restarted (the stream was lost there), then its replica died too and
+    Serve lists none; the continuation goes back to the same scheduler both times, and a new
+    request may use the cell again at once."""
+
+    async def main():
+        a, b = FakeScheduler(), FakeScheduler()
+        cells = serve_cells({"a": a, "b": b}, live=["a"])
+        first = await cells.place(request(0), "c")
+        cells.lost(first)
+        assert "a" in cells.gone
+        # the only running cell: tried again though it was just lost
+        again = await cells.place(request(0), "c", failing_over=True)
+        assert again.replica == "a" and a.submissions == [["q0"], ["q0"]]
+        assert "a" not in cells.gone  # it answered
+        assert (await cells.place(request(1), "c")).replica == "a"
+        # its replica is gone and no other is listed yet: the continuation still reaches it
+        cells.lost(again)
+        cell_choice.set_live("app", ())
+        back = await cells.place(request(0), "c", failing_over=True)
+        assert back.replica == "a" and a.submissions[-1] == ["q0"] and b.submissions == []
+        # a new request waits for a running cell (none: it gives up after the timeout)
+        cells.failover_timeout_s = 0.3
+        with pytest.raises(RuntimeError, match="no cell is running"):
+            await cells.place(request(2), "c")
+
+    asyncio.run(main())
+
+
+def test_a_lost_cell_is_avoided_while_another_runs():
+    async def main():
+        a, b = FakeScheduler(), FakeScheduler()
+        cells = serve_cells({"a": a, "b": b}, live=["a", "b"])
+        cells.chooser.choose = lambda req, choices, load: choices[0]
+        first = await cells.place(request(0), "c")
+        assert first.replica == "a"
+        cells.lost(first)
+        assert (await cells.place(request(0), "c", failing_over=True)).replica == "b"
+        assert (await cells.place(request(1), "c")).replica == "b"
+
+    asyncio.run(main())
