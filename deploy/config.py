@@ -147,10 +147,16 @@ class EngineConfig(BaseModel):
         description="Disaggregated mode: every planner_window_s, move a worker between the "
         "prefill and decode pools when the measured load needs it (the pools keep their sum).",
     )
-    slo_itl_ms: float = Field(
+    planner_slo_itl_ms: float = Field(
         50.0,
         gt=0,
         description="The inter-token latency the pool planner sizes decode batches for.",
+    )
+    planner_slo_ttft_ms: float = Field(
+        2000.0,
+        gt=0,
+        description="The time to first token the pool planner defends: when a window's p90 "
+        "passes it and the load needs more prefill workers, it moves one at once.",
     )
     planner_window_s: float = Field(
         10.0, gt=0, description="The pool planner's window: how often it looks at the load."
@@ -161,9 +167,7 @@ class EngineConfig(BaseModel):
         description="With pool_planner: the planner also starts prefill workers up to this many "
         "(on free resources) and releases idle ones down to one; unset: role changes only.",
     )
-    max_decode_workers: int | None = Field(
-        None, ge=1, description="Likewise for the decode pool."
-    )
+    max_decode_workers: int | None = Field(None, ge=1, description="Likewise for the decode pool.")
     prefix_cache_tokens: int = Field(
         16384,
         ge=0,
@@ -292,7 +296,8 @@ class EngineConfig(BaseModel):
             max_burst_ms=self.max_burst_ms,
             kv_transfer_failure=self.kv_transfer_failure,
             pool_planner=self.pool_planner,
-            slo_itl_ms=self.slo_itl_ms,
+            slo_itl_ms=self.planner_slo_itl_ms,
+            slo_ttft_ms=self.planner_slo_ttft_ms,
             planner_window_s=self.planner_window_s,
             max_prefill_workers=self.max_prefill_workers,
             max_decode_workers=self.max_decode_workers,

@@ -13,7 +13,8 @@ planner and DistServe's placement use, from measurements instead of a profile:
 
 With a fixed number of workers the split follows the ratio of the two needs; with scaling on each
 pool is sized to its need within its bounds. Hysteresis: a new target must be seen in
-`patience` windows running before it is acted on, and each decision moves one worker.
+`patience` windows running before it is acted on (at once when the pool it grows misses its SLO:
+the window's p90 TTFT for prefill, p90 ITL for decode), and each decision moves one worker.
 """
 
 from __future__ import annotations
@@ -81,6 +82,13 @@ class Speeds:
         return batch / max(1e-9, self.decode_fixed_s + self.decode_per_seq_s * batch)
 
 
+def _p90(values: list[float]) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+
+
 def fit_line(points: list[tuple[int, float]]) -> tuple[float, float] | None:
     """Least-squares (d, e) of y = d + e x; None with fewer than two distinct x."""
     if len({x for x, _ in points}) < 2:
@@ -100,6 +108,7 @@ class PoolPlanner:
 
     slo_itl_s: float
     decode_slots: int
+    slo_ttft_s: float | None = None
     min_prefill: int = 1
     max_prefill: int = 64
     min_decode: int = 1
@@ -152,11 +161,20 @@ class PoolPlanner:
         else:
             self.pending = want
             self.seen = 1
-        if self.seen < self.patience:
+        if self.seen < self.patience and not self._missing_slo(window, want, prefill, decode):
             return None
         self.pending = None
         self.seen = 0
         return _one_step(want, prefill, decode, self.total is not None)
+
+    def _missing_slo(self, window: LoadWindow, want: PoolTarget, prefill: int, decode: int) -> bool:
+        """The pool the target grows is missing its SLO now (p90 of the window's finished
+        requests): act without waiting for the target to persist."""
+        if want.prefill > prefill and self.slo_ttft_s is not None:
+            return _p90(window.ttft_s) > self.slo_ttft_s
+        if want.decode > decode:
+            return _p90(window.itl_s) > self.slo_itl_s
+        return False
 
     def _target(self, prefill_need: float, decode_need: float) -> PoolTarget:
         reason = (

@@ -214,6 +214,7 @@ def run(
         max_prefill_workers=max_workers[0] if max_workers else None,
         max_decode_workers=max_workers[1] if max_workers else None,
         slo_itl_ms=slo_itl_s * 1000 * scale,
+        slo_ttft_ms=slo_ttft_s * 1000 * scale,
         planner_window_s=window_s * scale,
     )
     handle = (

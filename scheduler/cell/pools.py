@@ -141,6 +141,7 @@ class PoolPlans:
         self.planner = (
             PoolPlanner(
                 slo_itl_s=config.slo_itl_ms / 1000,
+                slo_ttft_s=config.slo_ttft_ms / 1000,
                 decode_slots=config.decode_slots,
                 total=None if scaling else len(coordinator.workers),
                 # (a pool without a maximum keeps the size it started with)

@@ -45,6 +45,7 @@ class CellConfig:
     # move workers between the pools as the load asks (scheduler/pool_planner.py), every window
     pool_planner: bool = False
     slo_itl_ms: float = 50.0  # the planner sizes decode batches to keep steps under this
+    slo_ttft_ms: float = 2000.0  # past it (p90 of a window), the planner grows prefill at once
     planner_window_s: float = 10.0
     # set: the planner also starts and releases workers, each pool within 1..max
     max_prefill_workers: int | None = None

@@ -86,3 +86,19 @@ def test_nothing_is_decided_before_the_speeds_and_lengths_are_known():
     p = PoolPlanner(slo_itl_s=0.040, decode_slots=64, total=4)
     assert p.decide(load(10, 2000, 100), prefill=2, decode=2) is None
     assert p.needs(LoadWindow(seconds=10)) is None
+
+
+def test_a_pool_missing_its_slo_grows_without_waiting_a_second_window():
+    p = planner(total=4, slo_ttft_s=2.0)
+    window = load(10, 2000, 20)
+    window.ttft_s = [0.5] * 8 + [3.0, 4.0]  # p90 over the SLO: prompts are queueing
+    target = p.decide(window, prefill=1, decode=3)
+    assert (target.prefill, target.decode) == (2, 2)
+    calm = load(10, 2000, 20)
+    calm.ttft_s = [0.5] * 10
+    assert p.decide(calm, prefill=2, decode=2) is None  # within its SLO: patience again
+    # decode likewise, by the ITL SLO (40 ms here)
+    chatty = load(2, 50, 800)
+    chatty.itl_s = [0.06] * 10
+    target = p.decide(chatty, prefill=2, decode=2)
+    assert (target.prefill, target.decode) == (1, 3)
