@@ -11,8 +11,11 @@ planner and DistServe's placement use, from measurements instead of a profile:
   step time (fitted as d + e x batch from its steps) stays under the inter-token SLO, and supplies
   that batch / that step time tokens per second, again below `utilization`.
 
-With a fixed number of workers the split follows the ratio of the two needs; with scaling on each
-pool is sized to its need within its bounds. Hysteresis: a new target must be seen in
+A pool whose window p90 (TTFT for prefill, ITL for decode) is past its SLO although the model
+says it suffices has its need scaled up by a correction that moves halfway to the observed
+overshoot each window (at most 4x) and halves back toward 1 within the SLO. With a fixed number
+of workers the split follows the ratio of the two needs; with scaling on each pool is sized to
+its need within its bounds. Hysteresis: a new target must be seen in
 `patience` windows running before it is acted on (at once when the pool it grows misses its SLO:
 the window's p90 TTFT for prefill, p90 ITL for decode), and each decision moves one worker.
 """
@@ -82,6 +85,15 @@ class Speeds:
         return batch / max(1e-9, self.decode_fixed_s + self.decode_per_seq_s * batch)
 
 
+_MAX_CORRECTION = 4.0
+
+
+def _corrected(correction: float, ratio: float) -> float:
+    if ratio <= 1:
+        return max(1.0, correction / 2)
+    return max(1.0, (correction + min(_MAX_CORRECTION, ratio)) / 2)
+
+
 def _p90(values: list[float]) -> float:
     if not values:
         return 0.0
@@ -122,6 +134,10 @@ class PoolPlanner:
     pending: PoolTarget | None = None
     seen: int = 0
     last_needs: tuple[float, float] | None = None  # what the last window needed
+    # observed over predicted: a pool that misses its SLO although the model says it suffices
+    # needs more than the model says (Dynamo's planner corrects its profile the same way)
+    prefill_correction: float = 1.0
+    decode_correction: float = 1.0
 
     def needs(self, window: LoadWindow) -> tuple[float, float] | None:
         """(prefill workers, decode workers) the window's load needs; None when not measurable
@@ -139,11 +155,22 @@ class PoolPlanner:
         rate = window.arrival_rate
         prefill = rate * self.mean_prompt / (self.speeds.prefill_tok_s * self.utilization)
         decode = rate * self.mean_output / (decode_rate * self.utilization)
-        return prefill, decode
+        return prefill * self.prefill_correction, decode * self.decode_correction
+
+    def correct(self, window: LoadWindow) -> None:
+        """Move each correction halfway to how far the window's p90 is past its SLO (at most 4);
+        within the SLO, halve it (never below 1)."""
+        if window.ttft_s and self.slo_ttft_s is not None:
+            ratio = _p90(window.ttft_s) / self.slo_ttft_s
+            self.prefill_correction = _corrected(self.prefill_correction, ratio)
+        if window.itl_s:
+            ratio = _p90(window.itl_s) / self.slo_itl_s
+            self.decode_correction = _corrected(self.decode_correction, ratio)
 
     def decide(self, window: LoadWindow, prefill: int, decode: int) -> PoolTarget | None:
         """The pools' next sizes (one worker moved at most), or None to leave them."""
         self.speeds.observe(window)
+        self.correct(window)
         need = self.needs(window)
         self.last_needs = None if need is None else (round(need[0], 2), round(need[1], 2))
         if need is None:

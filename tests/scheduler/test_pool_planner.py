@@ -102,3 +102,17 @@ def test_a_pool_missing_its_slo_grows_without_waiting_a_second_window():
     chatty.itl_s = [0.06] * 10
     target = p.decide(chatty, prefill=2, decode=2)
     assert (target.prefill, target.decode) == (1, 3)
+
+
+def test_a_pool_that_misses_its_slo_needs_more_than_the_model_says():
+    p = planner(total=None, max_decode=8)
+    window = load(2, 50, 300)  # the model: 600 tok/s of decode, under one worker at 80%
+    baseline = p.needs(window)[1]
+    window.itl_s = [0.030] * 7 + [0.120] * 3  # yet the p90 ITL is 3x the SLO
+    p.correct(window)
+    assert p.decode_correction == pytest.approx(2.0)  # halfway from 1 to 3
+    assert p.needs(window)[1] == pytest.approx(2 * baseline)
+    calm = load(2, 50, 300)
+    calm.itl_s = [0.030] * 10
+    p.correct(calm)
+    assert p.decode_correction == pytest.approx(1.0)  # back within the SLO
