@@ -30,7 +30,7 @@ from typing import Any
 
 import ray
 from ray import serve
-from ray.exceptions import ActorDiedError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 
 from deploy.config import EngineConfig
@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 # how long requests avoid a cell that was lost or refused them (Serve stops listing it sooner or
 # later)
 AVOID_S = 60.0
+_RESTART_WAIT_S = 20.0  # a health check waits this long for a restarting scheduler
 
 
 @serve.deployment(
@@ -74,6 +75,7 @@ class Cell:
         context = serve.get_replica_context()
         self.replica = context.replica_id.unique_id
         self.me = ray.get_runtime_context().current_actor
+        self.scheduler: Any = None  # (until then, a stop has nothing to stop)
         self.name, self.scheduler = await adopt_or_create(
             EngineConfig(**config), context.app_name, self.replica, self.me
         )
@@ -81,11 +83,24 @@ class Cell:
         log.info("cell %s ready", self.name)
 
     async def check_health(self) -> None:
-        """Unhealthy when a worker pool has no worker left, or another replica serves the
-        scheduler: Serve replaces the cell. (While the scheduler restarts, the check waits.)"""
-        if await self.scheduler.adopt.remote(self.replica, self.me) == "held":
+        """Unhealthy when a worker pool has no worker left, the scheduler is gone for good, or
+        another replica serves it: Serve replaces the cell. While the scheduler restarts, the check
+        waits for it."""
+        deadline = time.monotonic() + _RESTART_WAIT_S
+        while True:
+            try:
+                answer = await self.scheduler.adopt.remote(self.replica, self.me)
+                await self.scheduler.check_health.remote()
+                break
+            # (raised as is, Serve would take it for the death of this replica's own actor)
+            except ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the scheduler of {self.name} does not answer") from None
+                await asyncio.sleep(0.2)
+            except RayActorError as e:
+                raise RuntimeError(f"the scheduler of {self.name} is gone: {e}") from None
+        if answer == "held":
             raise RuntimeError(f"another replica serves {self.name}")
-        await self.scheduler.check_health.remote()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """The scheduler's open requests: what autoscaling counts per cell."""
@@ -94,7 +109,11 @@ class Cell:
     async def __del__(self) -> None:
         """Being stopped (scaled down, shut down): refuse new requests, wait for the open ones to
         end, then stop the scheduler and its workers."""
+        if getattr(self, "scheduler", None) is None:  # it never started
+            return
         try:
+            if await self.scheduler.owner_replica.remote() not in (self.replica, None):
+                return  # another replica serves it now
             await self.scheduler.drain.remote()
         except Exception as e:  # the scheduler is gone: nothing left to wait for
             log.info("cell %s: no drain (%s)", self.name, e)

@@ -55,6 +55,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("pdserve:failovers_total", "counter", "Streams continued on another cell."),
     Metric("pdserve:recomputes_total", "counter", "Requests recomputed after a lost cache."),
     Metric("pdserve:worker_failures_total", "counter", "Worker actors that stopped answering."),
+    Metric("pdserve:scheduler_restarts_total", "counter", "Scheduler actors restarted by Ray."),
     Metric("pdserve:request_timeouts_total", "counter", "Requests ended by a deadline."),
 )
 _BY_NAME = {m.name: m for m in METRICS}
@@ -92,6 +93,7 @@ def cell_counters(cell: dict[str, Any]) -> Counter[Key]:
     out[_key("pdserve:kv_handoff_bytes_total")] += counts.get("handoff_bytes", 0)
     out[_key("pdserve:recomputes_total")] += counts.get("recomputes", 0)
     out[_key("pdserve:worker_failures_total")] += counts.get("worker_failures", 0)
+    out[_key("pdserve:scheduler_restarts_total")] += counts.get("scheduler_restarts", 0)
     for _, line in _workers(stats):
         cache = line.get("kv_cache", {})
         out[_key("vllm:prefix_cache_queries_total")] += cache.get("queried_tokens", 0)

@@ -41,8 +41,8 @@ def test_a_killed_scheduler_loses_no_stream_and_a_cell_without_workers_takes_no_
         and fault["texts"] == reference["texts"]
     )
     assert seen["killed_cell_streams"] >= 1 and seen["failovers"] >= seen["killed_cell_streams"]
-    # replaced
-    assert seen["killed"] not in seen["cells_after_kill"] and len(seen["cells_after_kill"]) == 2
+    # restarted in place by Ray (same scheduler, its workers found again), not replaced
+    assert seen["killed"] in seen["cells_after_kill"] and len(seen["cells_after_kill"]) == 2
     # a cell whose workers are all gone: requests sent after it all succeed (each its text's start),
     # and Serve replaces the cell
     later = seen["later"]

@@ -1,0 +1,159 @@
+"""Run by test_cell_restarts in its own process: the default single-cell Serve app under 12 greedy
+streams while its scheduler, its `Cell` replica or both are SIGKILLed.
+
+`python -m tests.deploy.restart_scenario CHECKPOINT [FAULT ...]` prints one JSON line: the no-fault
+run, then per fault each stream's text, errors and longest gap between two chunks, the scheduler
+actors seen after it, and the actors of pdserve left after a scale-down and after the app is
+deleted. Faults: replica, scheduler, both, handoff (the scheduler killed while a prompt's KV is
+handed off), burst (the replica killed while a burst of requests is being admitted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import ray
+import yaml
+from ray import serve
+
+from deploy.serving.app import build_app
+from deploy.serving.cell_actors import NAMESPACE, WORKER_NAMESPACE, named_actors
+from tests.deploy.cells_scenario import outcome, prompts, stream_all
+from tests.factories import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+APP = "restarts"
+NUM_STREAMS = 12
+MAX_TOKENS = 900  # streams still run seconds after the kill
+
+
+def default_args(checkpoint: str, **more: Any) -> dict[str, Any]:
+    """deploy/serve_config.yaml's app, on the tiny checkpoint."""
+    config = yaml.safe_load((ROOT / "deploy/serve_config.yaml").read_text())
+    args = dict(config["applications"][0]["args"])
+    return args | {"model": checkpoint, "served_model_name": "tiny", "max_model_len": 1024} | more
+
+
+def get(base: str, path: str) -> dict[str, Any]:
+    reply = httpx.get(f"{base}{path}", timeout=30)
+    assert reply.status_code == 200, f"{path} answered {reply.status_code}: {reply.text[:300]}"
+    return reply.json()
+
+
+def pdserve_actors() -> list[str]:
+    return named_actors(NAMESPACE, "") + named_actors(WORKER_NAMESPACE, "")
+
+
+def cell_replica() -> str:
+    (name,) = [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == "serve" and f"{APP}#Cell#" in a["name"]
+    ]
+    return name
+
+
+def replica_pid() -> int:
+    replica = ray.get_actor(cell_replica(), "serve")
+    return ray.get(replica.__ray_call__.remote(lambda self: os.getpid()))
+
+
+def scheduler_pid() -> int:
+    (name,) = named_actors(NAMESPACE, "")
+    return ray.get(ray.get_actor(name, NAMESPACE).ready.remote(), timeout=60)["scheduler_pid"]
+
+
+def wait_healthy(base: str, replaced: str | None, timeout_s: float = 120) -> None:
+    """One Cell replica running (not `replaced`), every pool up, answering a request."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        cell = serve.status().applications[APP].deployments["Cell"]
+        running = cell.replica_states.get("RUNNING", 0)
+        if replaced is not None and replaced in [
+            a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+        ]:
+            running = 0
+        if cell.status == "HEALTHY" and running == 1 and sum(cell.replica_states.values()) == 1:
+            done = asyncio.run(stream_all(base, ["hello"], 2))
+            if not done[0].error:
+                return
+        time.sleep(0.5)
+    raise TimeoutError("the cell did not come back")
+
+
+async def with_fault(base: str, fault: str, texts: list[str]) -> tuple[list[Any], dict[str, Any]]:
+    """Stream `texts`, kill what `fault` says mid-stream; returns the streams and what was seen
+    at the kill (seconds after the streams started, handoffs in flight, the replica)."""
+    pids = await asyncio.to_thread(lambda: (replica_pid(), scheduler_pid()))
+    start = time.monotonic()
+    run = asyncio.ensure_future(stream_all(base, texts, MAX_TOKENS))
+    handoffs = 0
+    if fault == "burst":
+        await asyncio.sleep(0.05)  # requests still arriving and being admitted
+    elif fault == "handoff":
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            handoffs = (await asyncio.to_thread(get, base, "/stats"))["live_handoffs"]
+            if handoffs > 0:
+                break
+    else:
+        await asyncio.sleep(0.5)  # every stream has tokens by now
+    killed_s = time.monotonic() - start
+    if fault in ("replica", "both", "burst"):
+        os.kill(pids[0], signal.SIGKILL)
+    if fault in ("scheduler", "both", "handoff"):
+        os.kill(pids[1], signal.SIGKILL)
+    return await run, {"killed_s": round(killed_s, 2), "handoffs_at_kill": handoffs}
+
+
+def main(checkpoint: str, faults: list[str]) -> dict[str, Any]:
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    base = f"http://127.0.0.1:{port}"
+    serve.run(build_app(default_args(checkpoint)), name=APP, route_prefix="/")
+    texts = prompts(NUM_STREAMS)
+    start = time.monotonic()
+    reference = asyncio.run(stream_all(base, texts, MAX_TOKENS))
+    result: dict[str, Any] = {"reference": outcome(reference)}
+    result["reference"]["seconds"] = round(time.monotonic() - start, 2)
+    result["actors_before"] = pdserve_actors()
+    for fault in faults:
+        replica = cell_replica()
+        done, seen = asyncio.run(with_fault(base, fault, texts))
+        wait_healthy(base, replica if fault in ("replica", "both", "burst") else None)
+        result[fault] = outcome(done) | seen | {"actors": pdserve_actors()}
+    result["counters"] = get(base, "/stats")["counters"]
+    result["metrics"] = [
+        line
+        for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines()
+        if line.startswith("pdserve:scheduler_restarts_total")
+    ]
+    print(json.dumps(result), flush=True)  # (what the faults gave, whatever comes after)
+    # a scale-down stops the cell it removes, with its workers
+    serve.run(build_app(default_args(checkpoint, cells=2)), name=APP, route_prefix="/")
+    result["actors_two_cells"] = pdserve_actors()
+    serve.run(build_app(default_args(checkpoint, cells=1)), name=APP, route_prefix="/")
+    deadline = time.monotonic() + 120
+    while len(named_actors(NAMESPACE, "")) > 1 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    result["actors_scaled_down"] = pdserve_actors()
+    serve.delete(APP)
+    result["actors_deleted"] = pdserve_actors()
+    return result
+
+
+if __name__ == "__main__":
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    try:
+        print(json.dumps(main(sys.argv[1], sys.argv[2:])))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
