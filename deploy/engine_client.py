@@ -265,8 +265,9 @@ class EngineClient:
                 continue
             stream.moving = True
             stream.lost_s = stream.lost_s or time.monotonic()
-            # in case it is still there
-            self.placements[cell].scheduler.abort.remote(stream.request.req_id)
+            # in case it is still there (on that instance only: a restarted scheduler, reached
+            # through the same handle, may be running its continuation by then)
+            self.placements[cell].scheduler.abort.remote(stream.request.req_id, instance=cell)
             background(self._fail_over(stream, error))
 
     async def _fail_over(self, stream: _Stream, error: str) -> None:

@@ -297,7 +297,11 @@ class CellActor(CellSteps):
         self._resume()
         return self.instance, await self.mailboxes.take(consumer, timeout_s)
 
-    async def abort(self, req_id: str) -> bool:
+    async def abort(self, req_id: str, instance: str | None = None) -> bool:
+        """End a request here; with `instance`, only if this is the scheduler instance that took
+        it (a restarted scheduler may already run the request's continuation under its id)."""
+        if instance is not None and instance != self.instance:
+            return False
         aborted = self.coordinator.abort(req_id)
         self._deliver()
         return aborted

@@ -52,13 +52,20 @@ def pdserve_actors() -> list[str]:
     return named_actors(NAMESPACE, "") + named_actors(WORKER_NAMESPACE, "")
 
 
-def cell_replica() -> str:
-    (name,) = [
-        a["name"]
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["namespace"] == "serve" and f"{APP}#Cell#" in a["name"]
-    ]
-    return name
+def cell_replica(timeout_s: float = 60.0) -> str:
+    """The Cell replica's actor name, once Serve lists exactly one (a replica that died is being
+    replaced)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        names = [
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == "serve" and f"{APP}#Cell#" in a["name"]
+        ]
+        if len(names) == 1 or time.monotonic() > deadline:
+            (name,) = names
+            return name
+        time.sleep(0.2)
 
 
 def replica_pid() -> int:

@@ -20,8 +20,8 @@ class _Method:
     def __init__(self, fn):
         self.fn = fn
 
-    def remote(self, *args):
-        return asyncio.ensure_future(self.fn(*args))
+    def remote(self, *args, **kwargs):
+        return asyncio.ensure_future(self.fn(*args, **kwargs))
 
 
 class FakeScheduler:

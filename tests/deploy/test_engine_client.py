@@ -12,8 +12,8 @@ class Call:
     def __init__(self, fn):
         self.fn = fn
 
-    def remote(self, *args):  # like a Ray call: sent at once, awaited or not
-        return asyncio.ensure_future(self.fn(*args))
+    def remote(self, *args, **kwargs):  # like a Ray call: sent at once, awaited or not
+        return asyncio.ensure_future(self.fn(*args, **kwargs))
 
 
 class FakeScheduler:
@@ -53,7 +53,7 @@ class FakeScheduler:
         self.pending = [out for out in self.pending if not any(out is b for b in batch)]
         return self.instance, batch
 
-    async def _abort(self, req_id):
+    async def _abort(self, req_id, instance=None):
         self.aborted.append(req_id)
         return True
 
@@ -275,7 +275,7 @@ def test_an_abort_the_client_did_not_ask_for_moves_the_stream_instead_of_ending_
     client = EngineClient(FakeCells([slow]))
     original_slow = slow._abort
 
-    async def abort_publishes(req_id):  # as the scheduler does: a final `abort` output
+    async def abort_publishes(req_id, instance=None):  # as the scheduler: a final `abort` output
         slow.pending = [RequestOutput(req_id, finish_reason="abort")]
         return await original_slow(req_id)
 
