@@ -107,13 +107,16 @@ class Cell:
         return {"open_requests": await self.scheduler.num_open.remote()}
 
     async def __del__(self) -> None:
-        """Being stopped (scaled down, shut down): refuse new requests, wait for the open ones to
-        end, then stop the scheduler and its workers."""
+        """Being stopped (scaled down, shut down, or unhealthy): refuse new requests, wait for the
+        open ones to end (not in a cell whose pool is gone), then stop the scheduler and its
+        workers."""
         if getattr(self, "scheduler", None) is None:  # it never started
             return
         try:
             if await self.scheduler.owner_replica.remote() not in (self.replica, None):
                 return  # another replica serves it now
+            # a cell with a pool gone (what its health check said) has nothing that could finish
+            await self.scheduler.check_health.remote()
             await self.scheduler.drain.remote()
         except Exception as e:  # the scheduler is gone: nothing left to wait for
             log.info("cell %s: no drain (%s)", self.name, e)
