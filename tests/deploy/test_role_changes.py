@@ -9,18 +9,10 @@ from deploy.config import EngineConfig
 from deploy.driver import RayEngine, open_engine
 from deploy.engine_client import EngineClient, complete
 from scheduler.request import SamplingParams
-from tests.factories import TEST_DEVICE, make_requests
+from tests.deploy.test_modes import BASE
+from tests.factories import make_requests
 
 pytestmark = pytest.mark.slow
-
-BASE = dict(
-    slots=3,
-    max_model_len=160,
-    token_budget=16,
-    prefill_chunk=8,
-    prefill_slots=2,
-    device=TEST_DEVICE,
-)
 
 
 def workload():
