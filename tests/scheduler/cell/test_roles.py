@@ -32,6 +32,29 @@ def run_steps(coordinator, streams, steps, seen=None):
             streams.take(coordinator)
 
 
+def planned_cell(patience=2, **kw):
+    """A cell with the pool planner on, its workers measured at: 10,000 prompt tokens per busy
+    second of a prefill worker, decode steps of 10 ms + 1 ms per sequence."""
+    coordinator = cell(pool_planner=True, **kw)
+    planner = coordinator.pools.planner
+    planner.speeds = Speeds(prefill_tok_s=10_000, decode_fixed_s=0.010, decode_per_seq_s=0.001)
+    planner.patience = patience
+    return coordinator
+
+
+def close_window(coordinator, prompt_tokens, output_tokens, at=10):
+    """A 10 s window of 100 arrivals and 100 finished requests with these token counts, closed at
+    `at` s from the start; the planner's decision."""
+    coordinator.pools.window = LoadWindow(
+        seconds=10,
+        arrivals=100,
+        prompt_tokens=prompt_tokens,
+        finished=100,
+        output_tokens=output_tokens,
+    )
+    return coordinator.pools.end_window(now_s=coordinator.pools.started_s + at)
+
+
 def test_a_prefill_worker_becomes_a_decode_worker_under_load_and_nothing_changes():
     coordinator = cell(num_prefill_workers=2, num_decode_workers=1, decode_slots=4)
     streams = Streams()
@@ -93,26 +116,11 @@ def test_a_decode_worker_finishes_its_requests_then_prefills_and_new_work_uses_i
 
 
 def test_the_planner_moves_a_worker_to_the_pool_the_load_needs():
-    coordinator = cell(num_prefill_workers=2, num_decode_workers=2, pool_planner=True)
-    planner = coordinator.pools.planner
-    assert planner is not None and planner.total == 4
-    # measured: a prefill worker computes 10,000 prompt tokens per busy second; a decode step
-    # takes 10 ms + 1 ms per sequence
-    planner.speeds = Speeds(prefill_tok_s=10_000, decode_fixed_s=0.010, decode_per_seq_s=0.001)
-
-    def window():  # output-heavy: 10 requests/s of 100 prompt tokens and 500 output tokens
-        return LoadWindow(
-            seconds=10,
-            arrivals=100,
-            prompt_tokens=100 * 100,
-            finished=100,
-            output_tokens=100 * 500,
-        )
-
-    coordinator.pools.window = window()
-    assert coordinator.pools.end_window(now_s=coordinator.pools.started_s + 10) is None  # patience
-    coordinator.pools.window = window()
-    decision = coordinator.pools.end_window(now_s=coordinator.pools.started_s + 10)
+    coordinator = planned_cell(num_prefill_workers=2, num_decode_workers=2)
+    assert coordinator.pools.planner.total == 4
+    # output-heavy: 10 requests/s of 100 prompt tokens and 500 output tokens
+    assert close_window(coordinator, 100 * 100, 100 * 500) is None  # patience
+    decision = close_window(coordinator, 100 * 100, 100 * 500)
     assert decision is not None and decision["to"] == "decode"
     assert (decision["prefill"], decision["decode"]) == (1, 3)
     assert "prefill needs" in decision["reason"]
@@ -123,14 +131,8 @@ def test_the_planner_moves_a_worker_to_the_pool_the_load_needs():
 
 
 def test_a_pool_keeps_one_worker_that_takes_new_work():
-    coordinator = cell(num_prefill_workers=1, num_decode_workers=1, pool_planner=True)
-    planner = coordinator.pools.planner
-    planner.speeds = Speeds(prefill_tok_s=10_000, decode_fixed_s=0.010, decode_per_seq_s=0.001)
-    planner.patience = 1
-    coordinator.pools.window = LoadWindow(
-        seconds=10, arrivals=100, prompt_tokens=10_000, finished=100, output_tokens=50_000
-    )
-    assert coordinator.pools.end_window(now_s=coordinator.pools.started_s + 10) is None
+    coordinator = planned_cell(patience=1, num_prefill_workers=1, num_decode_workers=1)
+    assert close_window(coordinator, 10_000, 50_000) is None
     assert [w.kind for w in coordinator.workers] == ["prefill", "decode"]
 
 
@@ -143,37 +145,24 @@ def test_starting_to_leave_twice_or_for_its_own_pool_changes_nothing(kind):
 
 
 def test_with_room_to_grow_the_planner_starts_a_worker_and_releases_an_idle_one():
-    coordinator = cell(
+    coordinator = planned_cell(
+        patience=1,
         num_prefill_workers=1,
         num_decode_workers=1,
-        pool_planner=True,
         max_prefill_workers=3,
         max_decode_workers=3,
     )
     planner = coordinator.pools.planner
     assert planner.total is None and planner.max_prefill == 3
-    planner.speeds = Speeds(prefill_tok_s=10_000, decode_fixed_s=0.010, decode_per_seq_s=0.001)
-    planner.patience = 1
-    start = coordinator.pools.started_s
-
-    def end(prompt_tokens, output_tokens, at):
-        coordinator.pools.window = LoadWindow(
-            seconds=10,
-            arrivals=100,
-            prompt_tokens=prompt_tokens,
-            finished=100,
-            output_tokens=output_tokens,
-        )
-        return coordinator.pools.end_window(now_s=start + at)
 
     # 10 req/s of 2,000-token prompts: 20,000 tok/s of prefill needs 2.5 workers
-    decision = end(200_000, 2_000, 10)
+    decision = close_window(coordinator, 200_000, 2_000, 10)
     assert decision["to"] == "prefill" and decision["worker"] == "prefill-1"
     added = coordinator.prefill[1]
     assert added.status is WorkerStatus.RESTARTING and not added.accepts  # until its actor answers
     # the load falls away: an idle prefill worker is released (the pool keeps one)
     added.status = WorkerStatus.UP
-    decision = end(1_000, 2_000, 20)
+    decision = close_window(coordinator, 1_000, 2_000, 20)
     assert decision["to"] == "release"
     released = coordinator.roles.take_released()
     assert len(released) == 1 and released[0].status is WorkerStatus.GONE
@@ -181,13 +170,7 @@ def test_with_room_to_grow_the_planner_starts_a_worker_and_releases_an_idle_one(
 
 
 def test_with_a_fixed_total_a_pool_may_grow_past_the_size_it_started_with():
-    coordinator = cell(num_prefill_workers=2, num_decode_workers=2, pool_planner=True)
-    planner = coordinator.pools.planner
-    planner.speeds = Speeds(prefill_tok_s=10_000, decode_fixed_s=0.010, decode_per_seq_s=0.001)
-    planner.patience = 1
+    coordinator = planned_cell(patience=1, num_prefill_workers=2, num_decode_workers=2)
     # prompt-heavy: 20,000 tok/s of prompts needs 2.5 prefill workers, decode almost nothing
-    coordinator.pools.window = LoadWindow(
-        seconds=10, arrivals=100, prompt_tokens=200_000, finished=100, output_tokens=100
-    )
-    decision = coordinator.pools.end_window(now_s=coordinator.pools.started_s + 10)
+    decision = close_window(coordinator, 200_000, 100)
     assert decision is not None and (decision["prefill"], decision["decode"]) == (3, 1)
