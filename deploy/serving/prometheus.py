@@ -4,7 +4,9 @@ Each cell's scheduler answers `metrics()` with its stats and its `ServingMetrics
 ingress replica that gets the scrape asks every live cell and sums them: counters and histograms
 add up, gauges of requests add up, KV cache usage is blocks in use over all blocks. A cell's
 counters outlive it: when a cell is no longer listed (scaled down, or dead and replaced), its
-last counts stay in the totals (`CellTotals`), so a counter never goes back because a cell went.
+last counts stay in the totals (`CellTotals`), so a counter never goes back because a cell went;
+likewise a scheduler that Ray restarted (a new instance under the same name) adds to its
+predecessor's last counts.
 """
 
 from __future__ import annotations
@@ -52,7 +54,11 @@ METRICS: tuple[Metric, ...] = (
     Metric("pdserve:kv_transfer_bytes_total", "counter", "KV bytes fetched, per transport."),
     Metric("pdserve:kv_transfer_seconds_total", "counter", "Seconds fetching KV, per transport."),
     Metric("pdserve:kv_transfer_failures_total", "counter", "Failed KV transfers, per transport."),
-    Metric("pdserve:failovers_total", "counter", "Streams continued on another cell."),
+    Metric(
+        "pdserve:failovers_total",
+        "counter",
+        "Streams continued on another cell or on their restarted scheduler.",
+    ),
     Metric("pdserve:recomputes_total", "counter", "Requests recomputed after a lost cache."),
     Metric("pdserve:worker_failures_total", "counter", "Worker actors that stopped answering."),
     Metric("pdserve:scheduler_restarts_total", "counter", "Scheduler actors restarted by Ray."),
@@ -93,7 +99,6 @@ def cell_counters(cell: dict[str, Any]) -> Counter[Key]:
     out[_key("pdserve:kv_handoff_bytes_total")] += counts.get("handoff_bytes", 0)
     out[_key("pdserve:recomputes_total")] += counts.get("recomputes", 0)
     out[_key("pdserve:worker_failures_total")] += counts.get("worker_failures", 0)
-    out[_key("pdserve:scheduler_restarts_total")] += counts.get("scheduler_restarts", 0)
     for _, line in _workers(stats):
         cache = line.get("kv_cache", {})
         out[_key("vllm:prefix_cache_queries_total")] += cache.get("queried_tokens", 0)
@@ -149,19 +154,28 @@ def cell_gauges(cells: Iterable[dict[str, Any]]) -> Counter[Key]:
 class CellTotals:
     """The counters of every cell this ingress replica has seen: the live cells' as they answer,
     and the last answer of each cell that did not answer since (gone, or only slow: when it
-    answers again, its new counts replace the old)."""
+    answers again, its new counts replace the old).
+
+    A cell is one scheduler instance: a scheduler that Ray restarted starts its counts at zero
+    under the same cell name and a new `instance`, so its predecessor's last answer stays in the
+    totals beside it and no counter goes back across a restart."""
 
     def __init__(self) -> None:
-        # every cell seen -> its counters at its last answer
-        self.last: dict[str, Counter[Key]] = {}
+        # every (cell, scheduler instance) seen -> its counters at its last answer
+        self.last: dict[tuple[str, str], Counter[Key]] = {}
+        # cell -> Ray's count of its scheduler's restarts (a count over instances, not in one)
+        self.restarts: dict[str, int] = {}
 
     def update(self, cells: dict[str, dict[str, Any]]) -> Counter[Key]:
         """Every counter summed over every cell seen, with the gauges of those answering now."""
         for name, cell in cells.items():
-            self.last[name] = cell_counters(cell)
+            self.last[name, str(cell.get("instance", ""))] = cell_counters(cell)
+            restarts = cell["stats"].get("counters", {}).get("scheduler_restarts", 0)
+            self.restarts[name] = max(self.restarts.get(name, 0), restarts)
         total: Counter[Key] = Counter()
         for counters in self.last.values():
             total.update(counters)
+        total[_key("pdserve:scheduler_restarts_total")] += sum(self.restarts.values())
         total.update(cell_gauges(cells.values()))
         return total
 

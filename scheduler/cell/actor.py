@@ -374,10 +374,11 @@ class CellActor(CellSteps):
 
     async def metrics(self) -> dict[str, Any]:
         """What `/metrics` reads of this cell: its stats (gauges, counts) and its vLLM-style
-        counters and histograms (`ServingMetrics.snapshot`)."""
+        counters and histograms (`ServingMetrics.snapshot`), and its instance id (a restarted
+        scheduler counts afresh under a new one)."""
         stats = self.coordinator.stats()
         stats["counters"] |= self._restart_counts()
-        return {"stats": stats, "serving": self.serving.snapshot()}
+        return {"stats": stats, "serving": self.serving.snapshot(), "instance": self.instance}
 
     def _restart_counts(self) -> dict[str, int]:
         return {"scheduler_restarts": self.num_restarts}

@@ -13,11 +13,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+import ray
 
+from deploy.serving.cell_actors import NAMESPACE, WORKER_NAMESPACE, cell_name, named_actors
 from deploy.serving.prometheus import METRICS
 from tests.factories import free_port, served_app
 
 pytestmark = pytest.mark.slow
+APP = "scraped"
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "pdserve.json"
 ARGS = dict(
@@ -44,7 +47,7 @@ def prometheus_binary() -> str:
 
 @pytest.fixture(scope="module")
 def app(ray_session, tiny_checkpoint):
-    with served_app(tiny_checkpoint, "scraped", **ARGS) as url:
+    with served_app(tiny_checkpoint, APP, **ARGS) as url:
         yield url
 
 
@@ -135,38 +138,25 @@ def test_prometheus_reads_every_metric_and_the_counts_clients_saw(app, prometheu
     plan = [([5, 6, 7], 8), (shared, 12), (list(range(50, 70)), 5), (shared, 6)]
     for prompt, max_tokens in plan:
         assert complete(app, prompt, max_tokens).json()["usage"]["completion_tokens"] == max_tokens
-    # 2. load that lasts: four long requests of low priority on two decode slots, then two urgent
-    # ones, which preempt them
-    answers: list = []
-
-    def send(prompt, max_tokens, **extra):
-        answers.append(complete(app, prompt, max_tokens, **extra))
-
-    threads = [
-        threading.Thread(target=send, args=([9, i + 1], 1000), kwargs={"priority": 1})
-        for i in range(4)
-    ]
-    for thread in threads:
-        thread.start()
+    # 2. load that lasts: ten long requests of low priority on two decode slots (eight wait for
+    # seconds), then two urgent ones, which preempt them
+    pending = send_all(app, [([9, i + 1], 1000, {"priority": 1}) for i in range(10)])
     time.sleep(0.3)
-    threads += [threading.Thread(target=send, args=([8, i], 20)) for i in range(2)]
-    for thread in threads[4:]:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    assert sorted(a.json()["usage"]["completion_tokens"] for a in answers) == [20] * 2 + [1000] * 4
+    pending += send_all(app, [([8, i], 20, {}) for i in range(2)])
+    answers = [answer() for answer in pending]
+    assert sorted(a.json()["usage"]["completion_tokens"] for a in answers) == [20] * 2 + [1000] * 10
     num_requests = len(plan) + len(answers)
-    prompt_tokens = sum(len(p) for p, _ in plan) + 6 * 2
-    generated = sum(n for _, n in plan) + 4 * 1000 + 2 * 20
+    prompt_tokens = sum(len(p) for p, _ in plan) + 12 * 2
+    generated = sum(n for _, n in plan) + 10 * 1000 + 2 * 20
 
     def got(name: str, **labels: str) -> float:
         selector = ",".join(f'{k}="{v}"' for k, v in ({"model_name": "tiny"} | labels).items())
         return value(prometheus, f"{name}{{{selector}}}")
 
     # Prometheus has scraped the last counts (a scrape reads every counter of one answer)
-    wait_for(lambda: got("vllm:request_success_total", finished_reason="length") == 10, 60)
+    wait_for(lambda: got("vllm:request_success_total", finished_reason="length") == 16, 60)
     stats = httpx.get(f"{app}/stats").json()
-    assert num_requests == 10
+    assert num_requests == 16
     assert got("vllm:prompt_tokens_total") == prompt_tokens
     assert got("vllm:generation_tokens_total") == generated
     for histogram in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
@@ -191,9 +181,17 @@ def test_prometheus_reads_every_metric_and_the_counts_clients_saw(app, prometheu
     caches = [w["kv_cache"] for w in stats["workers"].values()]
     assert got("vllm:prefix_cache_hits_total") == sum(c["hit_tokens"] for c in caches) >= 32
     assert got("vllm:prefix_cache_queries_total") == sum(c["queried_tokens"] for c in caches)
-    # the gauges moved under load and are back at rest
-    assert value(prometheus, "max_over_time(vllm:num_requests_running[5m])") >= 2
-    assert value(prometheus, "max_over_time(vllm:kv_cache_usage_perc[5m])") > 0
+
+    # the gauges moved under load (eight requests waited on the decode worker for seconds) and
+    # are back at rest
+    def peak(expr: str) -> float:
+        return value(prometheus, f"max_over_time({expr}[5m])")
+
+    assert peak("vllm:num_requests_running") >= 2 and peak("vllm:num_requests_waiting") >= 2
+    assert peak('pdserve:num_requests_running{pool="decode"}') >= 2
+    assert peak('pdserve:num_requests_waiting{pool="decode"}') >= 2
+    assert peak("vllm:kv_cache_usage_perc") > 0
+    assert peak('pdserve:kv_cache_usage_perc{pool="decode"}') > 0
     assert got("vllm:num_requests_running") == 0 and got("vllm:num_requests_waiting") == 0
     assert got("pdserve:cells") == 1 and got("pdserve:workers_alive", pool="prefill") == 1
 
@@ -202,11 +200,57 @@ def test_prometheus_reads_every_metric_and_the_counts_clients_saw(app, prometheu
     assert timed_out.status_code == 504 and timed_out.json()["error"]["code"] == "timeout"
     wait_for(lambda: got("pdserve:request_timeouts_total", deadline="request") == 1, 30)
     assert got("vllm:request_success_total", finished_reason="error") == 1
+
+    # 4. faults under load: the scheduler, then the decode worker, killed mid-stream (Ray restarts
+    # both); every request still gets all its tokens
+    scheduler_name = named_actors(NAMESPACE, cell_name(APP, ""))[0]
+    before = got("vllm:generation_tokens_total")
+    for victim in ("scheduler", "decode-0"):
+        pending = send_all(app, [([4, i], 1000, {}) for i in range(3)])
+        time.sleep(0.4)  # every request has its first tokens
+        if victim == "scheduler":
+            ray.kill(ray.get_actor(scheduler_name, NAMESPACE), no_restart=False)
+        else:
+            ray.kill(
+                ray.get_actor(f"{scheduler_name}/{victim}", WORKER_NAMESPACE), no_restart=False
+            )
+        tokens = [answer().json()["usage"]["completion_tokens"] for answer in pending]
+        assert tokens == [1000] * 3, victim
+    wait_for(lambda: got("pdserve:worker_failures_total") >= 1, 60)
+    assert got("pdserve:scheduler_restarts_total") >= 1
+    assert got("pdserve:failovers_total") >= 1  # streams continued on the restarted scheduler
+    assert got("pdserve:recomputes_total") >= 1  # requests recomputed after the lost worker
+    # the restarted scheduler counts afresh; the totals keep its predecessor's counts
+    assert got("vllm:generation_tokens_total") > before
+    for counter in ("vllm:generation_tokens_total", "vllm:request_success_total"):
+        assert value(prometheus, f"resets({counter}[10m])") == 0, counter
     # every metric of the list is there, with the model's name
     names = {s["metric"]["__name__"] for s in query(prometheus, '{model_name="tiny"}')}
     for metric in METRICS:
         wanted = metric.name + ("_count" if metric.kind == "histogram" else "")
         assert wanted in names, metric.name
+
+
+def send_all(app: str, requests: list[tuple[list[int], int, dict]]) -> list:
+    """Send each (prompt, max_tokens, extra fields) from its own thread; returns one function per
+    request that waits for its answer."""
+    answers: dict[int, httpx.Response] = {}
+
+    def send(i: int, prompt: list[int], max_tokens: int, extra: dict) -> None:
+        answers[i] = complete(app, prompt, max_tokens, **extra)
+
+    threads = [threading.Thread(target=send, args=(i, *r)) for i, r in enumerate(requests)]
+    for thread in threads:
+        thread.start()
+
+    def waiter(i: int):
+        def answer() -> httpx.Response:
+            threads[i].join(timeout=180)
+            return answers[i]
+
+        return answer
+
+    return [waiter(i) for i in range(len(requests))]
 
 
 def dashboard_expressions() -> list[tuple[str, str]]:

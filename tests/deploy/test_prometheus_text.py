@@ -8,7 +8,7 @@ from scheduler.cell.serving_metrics import ServingMetrics
 from scheduler.outputs import RequestOutput
 
 
-def cell_answer(num_requests, running=1, waiting=2, kv_transfer=None):
+def cell_answer(num_requests, running=1, waiting=2, kv_transfer=None, instance="i0", restarts=0):
     book = ServingMetrics()
     metrics = {"ttft_s": 0.03, "e2e_s": 0.9, "queue_s": 0.0, "prefill_s": 0.03, "decode_s": 0.8}
     for i in range(num_requests):
@@ -21,11 +21,16 @@ def cell_answer(num_requests, running=1, waiting=2, kv_transfer=None):
             "prefill-0": {"alive": True, "running": running, "waiting": waiting, "kv_cache": cache},
             "decode-0": {"alive": True, "running": 2, "waiting": 0, "kv_cache": cache},
         },
-        "counters": {"preemptions": 1, "handoffs": num_requests, "handoff_bytes": 1000},
+        "counters": {
+            "preemptions": 1,
+            "handoffs": num_requests,
+            "handoff_bytes": 1000,
+            "scheduler_restarts": restarts,
+        },
     }
     if kv_transfer is not None:
         stats["kv_transfer"] = kv_transfer
-    return {"stats": stats, "serving": book.snapshot()}
+    return {"stats": stats, "serving": book.snapshot(), "instance": instance}
 
 
 def samples(text):
@@ -81,3 +86,19 @@ def test_cells_sum_into_vllm_names_and_a_gone_cell_keeps_its_counts():
 def test_no_cell_yet_still_names_every_unlabelled_metric():
     got = samples(render(CellTotals().update({}), "tiny"))
     assert got["vllm:num_requests_running", ()] == 0 and got["pdserve:cells", ()] == 0
+
+
+def test_a_restarted_scheduler_adds_to_its_predecessors_counts():
+    totals = CellTotals()
+    before = samples(render(totals.update({"a": cell_answer(5)}), "tiny"))
+    assert before["pdserve:scheduler_restarts_total", ()] == 0
+    # Ray restarted a's scheduler: a new instance under the same name, counting from zero
+    got = samples(render(totals.update({"a": cell_answer(2, instance="i1", restarts=1)}), "tiny"))
+    assert got["vllm:request_success_total", (("finished_reason", "stop"),)] == 5 + 2
+    assert got["vllm:prompt_tokens_total", ()] == 7 * 7
+    assert got["pdserve:scheduler_restarts_total", ()] == 1  # Ray's count, not one per instance
+    assert got["vllm:num_requests_running", ()] == 1 + 2  # gauges: the live instance only
+    # the new instance answers again: its counts replace its own last answer, not the old one's
+    got = samples(render(totals.update({"a": cell_answer(3, instance="i1", restarts=1)}), "tiny"))
+    assert got["vllm:request_success_total", (("finished_reason", "stop"),)] == 5 + 3
+    assert got["pdserve:scheduler_restarts_total", ()] == 1
