@@ -229,6 +229,7 @@ class OpenAIServer:
             echo=echo_texts,
             drop_generation=max_tokens == 0,
             choices_per_prompt=body.num_choices,
+            token_ids=body.return_token_ids,
         )
 
     def chat_job(self, body: ChatBody) -> Job:
@@ -251,6 +252,8 @@ class OpenAIServer:
             logprobs=logprobs is not None,
             tools=tools,
             reasoning=self.model.reasoning_parser,
+            choices_per_prompt=body.num_choices,  # one prompt, n choices: usage counts it once
+            token_ids=body.return_token_ids,
         )
 
     def _tool_use(self, body: ChatBody) -> ToolUse | None:

@@ -45,6 +45,8 @@ class Job:
     choices_per_prompt: int = 1
     tools: ToolUse | None = None  # chat with tools: how the text becomes content and tool calls
     reasoning: str | None = None  # chat: the server's reasoning parser (reasoning.py)
+    # vLLM's `return_token_ids`: choices carry their prompt's and their generated token ids
+    token_ids: bool = False
 
     def readers(self) -> list[MessageReader | None]:
         """One reader per choice, turning its text into message deltas (None: the text is the
@@ -213,9 +215,30 @@ class Replier:
         finish_reason: str | None,
         stream: bool,
         read: Delta | None = None,
+        ids: tuple[list[int] | None, list[int]] | None = None,
     ) -> dict:
         """One choice of a reply or chunk; `read`: the choice's text read as content, reasoning and
-        tool calls."""
+        tool calls; `ids`: its prompt's token ids (None after a stream's first chunk) and the ids
+        it generated, when the job returns them."""
+        return self._choice_fields(
+            index, text, logprobs, finish_reason, stream, read
+        ) | self._token_ids(ids)
+
+    def _token_ids(self, ids: tuple[list[int] | None, list[int]] | None) -> dict[str, Any]:
+        if not self.job.token_ids or ids is None:
+            return {}
+        prompt_ids, generated = ids
+        return {"prompt_token_ids": prompt_ids, "token_ids": generated}
+
+    def _choice_fields(
+        self,
+        index: int,
+        text: str,
+        logprobs: Any,
+        finish_reason: str | None,
+        stream: bool,
+        read: Delta | None,
+    ) -> dict:
         if not self.job.chat:
             return {
                 "index": index,
@@ -264,7 +287,10 @@ class Replier:
         }
 
     def _num_generated(self, out: RequestOutput) -> int:
-        return 0 if self.job.drop_generation else len(out.token_ids)
+        return len(self._generated_ids(out))
+
+    def _generated_ids(self, out: RequestOutput) -> list[int]:
+        return [] if self.job.drop_generation else list(out.token_ids)
 
     async def whole(self, merged: AsyncIterator[tuple[int, RequestOutput]]) -> dict[str, Any]:
         """The non-streaming body: every choice gathered to its end. A failed choice fails the
@@ -295,6 +321,7 @@ class Replier:
                     self._finish_reason(done, num_calls),
                     stream=False,
                     read=read,
+                    ids=(list(self.job.requests[index].prompt_ids), self._generated_ids(done)),
                 )
             )
         return {
@@ -363,19 +390,20 @@ class Replier:
                 num_tokens += self._num_generated(out)
                 if out.finished:
                     finished[index] = out
-                text, logprobs, num_piece_tokens = self._piece(
-                    index, out, not started[index], text_lens[index]
-                )
+                first = not started[index]
+                text, logprobs, num_piece_tokens = self._piece(index, out, first, text_lens[index])
                 started[index] = True
                 text_lens[index] += len(text)
                 read = None
                 if (reader := readers[index]) is not None:
                     read = reader.feed(text) + (reader.finish() if out.finished else Delta())
                     num_calls[index] += read.new_calls
+                generated = self._generated_ids(out)
                 if (
                     not (read if read is not None else text)
                     and not out.finished
                     and not (logprobs and num_piece_tokens)
+                    and not (self.job.token_ids and (generated or first))
                 ):
                     continue
                 logprobs = logprobs if num_piece_tokens else None
@@ -388,6 +416,10 @@ class Replier:
                             self._finish_reason(out, num_calls[index]),
                             stream=True,
                             read=read,
+                            ids=(
+                                list(self.job.requests[index].prompt_ids) if first else None,
+                                generated,
+                            ),
                         )
                     ],
                     so_far(num_tokens),

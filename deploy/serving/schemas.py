@@ -76,6 +76,11 @@ class _SamplingBody(GenerationParams):
     n: int | None = Field(
         None, ge=1, le=MAX_N, description=f"Choices to generate (at most {MAX_N})."
     )
+    return_token_ids: bool = Field(
+        False,
+        description="vLLM's extension: each choice carries `prompt_token_ids` (in its first "
+        "chunk when streaming) and the `token_ids` it generated (per chunk when streaming).",
+    )
 
     @property
     def num_choices(self) -> int:

@@ -323,3 +323,33 @@ def test_a_client_that_disconnects_cancels_every_choice():
 
     asyncio.run(disconnect_after_two_chunks())
     assert sorted(engine.aborted) == sorted(engine.requests) and len(engine.aborted) == 2
+
+
+@pytest.mark.parametrize("schema", [CompletionBody, ChatBody])
+def test_return_token_ids_gives_each_choice_its_prompt_and_generated_ids(schema):
+    """vLLM's `return_token_ids`: whole, every choice has `prompt_token_ids` and `token_ids`;
+    streamed, the first chunk of a choice has its prompt's ids and the chunks' `token_ids` add up
+    to the whole reply's (tokens whose text is held back still come)."""
+    server = make_server()
+    needed = {"messages": MESSAGES} if schema is ChatBody else {"prompt": "paris is in"}
+    body = dict(model="tiny", n=2, seed=3, max_tokens=7, return_token_ids=True) | needed
+    whole = reply(server, schema(**body))
+    plain = reply(server, schema(**(body | {"return_token_ids": False})))
+    assert all("token_ids" not in c and "prompt_token_ids" not in c for c in plain["choices"])
+    for choice in whole["choices"]:
+        assert len(choice["token_ids"]) == 7
+        assert len(choice["prompt_token_ids"]) == whole["usage"]["prompt_tokens"]
+        if schema is CompletionBody:
+            assert tiny_tokenizer().decode(choice["token_ids"]) == choice["text"]
+            assert tiny_tokenizer().decode(choice["prompt_token_ids"]) == "paris is in"
+    assert whole["choices"][0]["token_ids"] != whole["choices"][1]["token_ids"]
+    # usage counts the one prompt once, whatever n is (OpenAI's and vLLM's usage)
+    single = reply(server, schema(**(body | {"n": 1})))
+    assert whole["usage"]["prompt_tokens"] == single["usage"]["prompt_tokens"]
+    assert whole["usage"]["completion_tokens"] == 2 * single["usage"]["completion_tokens"]
+    by_index = streamed_choices(reply(server, schema(**(body | {"stream": True}))))
+    for index, choice in enumerate(whole["choices"]):
+        chunks = [c for c in by_index[index] if "token_ids" in c]
+        assert chunks[0]["prompt_token_ids"] == choice["prompt_token_ids"]
+        assert all(c["prompt_token_ids"] is None for c in chunks[1:])
+        assert sum((c["token_ids"] for c in chunks), []) == choice["token_ids"]
