@@ -44,8 +44,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         default="random",
         help="random prompts; shared-prefix: --groups system prompts of --prefix-len tokens, "
         "each request one of them plus a suffix of --prompt-len; chat: --groups conversations "
-        "of --turns turns, each turn's prompt holding the turns before it (user turns of "
-        "--prompt-len, replies of --output-len); interference: --steady decoding streams "
+        "of --turns turns, each turn sent when the one before ends, its prompt holding the "
+        "conversation so far with the model's replies (user turns of --prompt-len, replies of "
+        "--output-len; the first turns arrive at --rate); interference: --steady decoding streams "
         "while --num-requests long prompts (--prompt-len, --output-len) arrive at --rate; "
         "shifting: prompt-heavy, then output-heavy, then prompt-heavy thirds (the upper and "
         "lower halves of the length ranges), arriving at --rate",

@@ -65,6 +65,7 @@ async def stream_request(
     start = time.perf_counter()
     first: float | None = None
     completion_tokens = None
+    token_ids: list[int] = []
     finished = False
     try:
         async with http.post(url, json=body) as r:
@@ -84,8 +85,13 @@ async def stream_request(
                     return done
                 if data.get("usage"):
                     completion_tokens = data["usage"]["completion_tokens"]
+                    details = data["usage"].get("prompt_tokens_details") or {}
+                    if details.get("cached_tokens") is not None:
+                        done.metrics["cached_tokens"] = details["cached_tokens"]
                 for choice in data.get("choices", []):
                     now = time.perf_counter()
+                    if choice.get("token_ids"):  # asked for with `return_token_ids`
+                        token_ids.extend(choice["token_ids"])
                     text = choice.get("text") or (choice.get("delta") or {}).get("content")
                     if text:
                         first = first or now
@@ -107,9 +113,12 @@ async def stream_request(
         return done
     assert completion_tokens is not None
     first = first if first is not None else end
-    # the endpoint reports how many, not which (text is kept)
-    done.token_ids = [0] * completion_tokens
-    done.metrics = {
+    if body.get("return_token_ids") and len(token_ids) != completion_tokens:
+        done.error = f"{len(token_ids)} token ids for {completion_tokens} tokens"
+        return done
+    # which tokens, when asked for; else only how many (the text is kept)
+    done.token_ids = token_ids if body.get("return_token_ids") else [0] * completion_tokens
+    done.metrics |= {
         "ttft_s": first - start,
         "e2e_s": end - start,
         "tpot_s": (end - first) / (completion_tokens - 1) if completion_tokens > 1 else 0.0,
@@ -128,12 +137,15 @@ def run_http(
     on_finish: Callable[[Completion], None] | None = None,
     sequential: bool = False,
     after: list[int | None] | None = None,
+    token_ids: bool = False,
 ) -> tuple[dict[str, Completion], float]:
     """Send every request at its arrival offset, or when the request it follows (`after`, by index)
     ends, concurrently (`sequential`: one at a time, each when the one before has finished, the
     low-load case); return the completions of those sent by id ("0", "1", ...), and the seconds from
     the first request sent to the last one ended (the client's own set-up, such as its TLS context,
-    is not timed)."""
+    is not timed). A body is built when its request is sent, from `prompts[i]` as it is then
+    (`on_finish` may have written it: a chat's next turn). With `token_ids` the endpoint is asked
+    for the generated ids (vLLM's `return_token_ids`); otherwise a completion's ids are zeros."""
     url = url.rstrip("/")
 
     async def everything() -> tuple[list[Completion], float]:
@@ -151,6 +163,8 @@ def run_http(
                     "stream_options": {"include_usage": True},
                     "priority": priorities[i],
                 }
+                if token_ids:
+                    body["return_token_ids"] = True
                 done = await stream_request(
                     http, f"{url}/completions", body, str(i), len(prompts[i])
                 )

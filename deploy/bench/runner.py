@@ -32,6 +32,7 @@ from deploy.bench.workload import (
     interference_workload,
     load_workload,
     make_workload,
+    next_turns,
     parse_list,
     shared_prefix_workload,
     shifting_workload,
@@ -322,7 +323,8 @@ def _run_one(
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """One configuration, with a progress bar: its summary line and per-request lines (and, for the
     interference workload, the steady streams' ITL over time into `series`)."""
-    work = base.at_rate(run.rate, args.seed)
+    work = base.at_rate(run.rate, args.seed).copy_prompts()
+    next_turn = next_turns(work)  # a chat's next turns are sent with the model's replies
     chunk = min(config.prefill_chunk, run.token_budget) if run.token_budget else None
     extra: dict[str, Any] = {}
     workers = (
@@ -338,7 +340,11 @@ def _run_one(
         leave=False,
         disable=args.quiet,
     ) as bar:
-        on_finish = lambda _done: bar.update(1)
+
+        def on_finish(done: Completion) -> None:
+            next_turn(done)
+            bar.update(1)
+
         if run.mode == "url":
             from deploy.bench.http_client import run_http
 
@@ -353,6 +359,7 @@ def _run_one(
                 on_finish,
                 args.sequential,
                 list(work.after),
+                token_ids=bool(work.follows),  # a chat's next turn needs the reply's ids
             )
         else:
             cache_tokens = config.prefix_cache_tokens if run.prefix_cache else 0

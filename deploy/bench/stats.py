@@ -131,6 +131,8 @@ def summarize_run(
         }
         # (the steady streams are handed off too)
         summary |= handoff_gaps("long_handoff_gap_ms", long)
+    if work.follows:  # a chat: the turns that find the conversation so far cached, or not
+        summary |= later_turns(work, results, done)
     if any(work.urgent) and not all(work.urgent):
         for label, want in (("urgent", True), ("normal", False)):
             values = [
@@ -141,6 +143,35 @@ def summarize_run(
                 f"{label}_ttft_ms_p99": percentile(values, 99),
             }
     return summary
+
+
+def later_turns(
+    work: Workload, results: dict[str, Completion], done: list[Completion]
+) -> dict[str, float]:
+    """A chat's turns after the first: their TTFT, and the prompt tokens each computed beyond its
+    own new tokens (the new message, and the last reply token, whose KV the reply never made): 0
+    when the whole conversation before it came from the cache (needs the cached count: every
+    engine mode, and endpoints that report `prompt_tokens_details`)."""
+    later = [c for c in done if work.follows[int(c.req_id)] is not None]
+    out = {
+        "later_turn_ttft_ms_p50": percentile([1000 * c.metrics["ttft_s"] for c in later], 50),
+        "later_turn_ttft_ms_p90": percentile([1000 * c.metrics["ttft_s"] for c in later], 90),
+    }
+    extra = []
+    for c in later:
+        i = int(c.req_id)
+        j = work.follows[i]
+        assert j is not None
+        if "cached_tokens" not in c.metrics or str(j) not in results:
+            continue
+        new = len(work.prompts[i]) - len(work.prompts[j]) - len(results[str(j)].token_ids) + 1
+        extra.append(len(work.prompts[i]) - int(c.metrics["cached_tokens"]) - new)
+    if extra:
+        out |= {
+            "later_turn_extra_computed_mean": sum(extra) / len(extra),
+            "later_turn_extra_computed_max": max(extra),
+        }
+    return out
 
 
 def handoff_gaps(name: str, done: list[Completion]) -> dict[str, float]:

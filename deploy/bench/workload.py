@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from scheduler.outputs import Completion
 from scheduler.request import Request, SamplingParams
 
 
@@ -22,6 +24,10 @@ class Workload:
     long_start_s: float = 0.0  # interference: when the long prompts' Poisson arrivals begin
     # the request each one starts after (its end, not an arrival time)
     after: tuple[int | None, ...] = ()
+    # chat: the turn each request continues (it starts after it too); its prompt begins with that
+    # turn's prompt and a stand-in reply of that turn's output length, which `next_turns` replaces
+    # with the model's reply when that turn ends
+    follows: tuple[int | None, ...] = ()
 
     def at_rate(self, rate: float, seed: int) -> Workload:
         """Poisson arrivals at `rate` (all at once when 0); in an interference workload only the
@@ -32,6 +38,11 @@ class Workload:
         return replace(
             self, arrival_s=[0.0 if s else self.long_start_s + next(later) for s in self.steady]
         )
+
+    def copy_prompts(self) -> Workload:
+        """The same workload with prompt lists of its own (a chat's next turns are written into
+        them as the turns before end)."""
+        return replace(self, prompts=[list(p) for p in self.prompts])
 
     @property
     def num_output_tokens(self) -> int:
@@ -151,10 +162,11 @@ def shared_prefix_workload(
 def chat_workload(
     conversations: int, turns: int, turn_len: str, output_len: str, vocab_size: int, seed: int
 ) -> Workload:
-    """A multi-turn chat replay: turn k of a conversation is its turn k-1 prompt, a stand-in
-    assistant reply (random tokens of an output length) and a new user message of `turn_len` tokens,
-    so every prompt contains the turns before it. Requests are ordered turn by turn (all first
-    turns, then all second turns, ...), so a conversation's turns arrive in order."""
+    """A multi-turn chat: turn k of a conversation is sent when turn k-1 ends, its prompt turn
+    k-1's prompt, the reply the model gave and a new user message of `turn_len` tokens, so every
+    prompt holds the conversation so far, as a chat client sends it. The conversations' first
+    turns arrive at the workload's arrival times. Until a turn ends its reply is a stand-in (random
+    tokens of its output length), which `next_turns` replaces."""
     if conversations < 1 or turns < 1:
         raise ValueError(f"--groups and --turns must be >= 1, got {conversations} and {turns}")
     rng = random.Random(f"chat-{seed}")
@@ -169,7 +181,29 @@ def chat_workload(
             history[c] = history[c] + [rng.randrange(low_id, vocab_size) for _ in range(reply_len)]
         history[c] = history[c] + message
         prompts.append(list(history[c]))
-    return replace(base, prompts=prompts)
+    follows = tuple(i - conversations if i >= conversations else None for i in range(len(prompts)))
+    return replace(base, prompts=prompts, after=follows, follows=follows)
+
+
+def next_turns(work: Workload) -> Callable[[Completion], None]:
+    """For a chat (`follows`): what to call when a turn ends, before the turns that follow it are
+    sent (every driver calls `on_finish` first): it rewrites each next turn's prompt in place as
+    the ended turn's prompt, the token ids the model replied and the next turn's own message. The
+    prompts are lists the requests share (`engine_requests`, the HTTP client's bodies), so give
+    each run its own copies (`Workload.copy_prompts`)."""
+    messages: dict[int, list[int]] = {}
+    followers: dict[int, list[int]] = {}
+    for i, j in enumerate(work.follows):
+        if j is not None:
+            messages[i] = work.prompts[i][len(work.prompts[j]) + work.output_lens[j] :]
+            followers.setdefault(j, []).append(i)
+
+    def on_finish(done: Completion) -> None:
+        j = int(done.req_id)
+        for i in followers.get(j, []):
+            work.prompts[i][:] = work.prompts[j] + list(done.token_ids) + messages[i]
+
+    return on_finish
 
 
 def interference_workload(

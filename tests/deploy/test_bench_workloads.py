@@ -5,22 +5,39 @@ import json
 
 import pytest
 
-from deploy.bench.workload import chat_workload, interference_workload, shared_prefix_workload
+from deploy.bench.workload import (
+    chat_workload,
+    interference_workload,
+    next_turns,
+    shared_prefix_workload,
+)
 from deploy.cli import main
+from scheduler.outputs import Completion
+from tests.factories import served_app
 
 
 def test_shared_prefix_and_chat_workloads_share_what_they_say():
     work = shared_prefix_workload(20, 3, 50, "5:9", "4", 384, seed=1)
     prefixes = {tuple(p[:50]) for p in work.prompts}
     assert len(prefixes) == 3 and all(55 <= len(p) <= 59 for p in work.prompts)
-    chat = chat_workload(2, 3, "6", "5", 384, seed=1)
+    chat = chat_workload(2, 3, "6", "5", 384, seed=1).copy_prompts()
     assert len(chat.prompts) == 6
-    # each turn holds the turn before it, a 5-token reply, then a new 6-token message
+    # each turn holds the turn before it, a 5-token reply, then a new 6-token message; it is sent
+    # when that turn ends
     for i in range(2, 6):
         before = chat.prompts[i - 2]
         assert (
             chat.prompts[i][: len(before)] == before and len(chat.prompts[i]) == len(before) + 5 + 6
         )
+    assert chat.follows == chat.after == (None, None, 0, 1, 2, 3)
+    # when a turn ends, the next turn's prompt is rewritten with the reply the model gave
+    message = chat.prompts[2][-6:]
+    next_turn = next_turns(chat)
+    next_turn(Completion("0", 6, token_ids=[1, 2, 3]))  # a reply shorter than the stand-in
+    assert chat.prompts[2] == chat.prompts[0] + [1, 2, 3] + message
+    next_turn(Completion("2", len(chat.prompts[2]), token_ids=[7] * 5))
+    assert chat.prompts[4] == chat.prompts[2] + [7] * 5 + chat.prompts[4][-6:]
+    assert len(chat.prompts[4]) == 6 + 3 + 6 + 5 + 6
 
 
 def test_interference_arrivals_start_the_streams_then_the_long_prompts():
@@ -170,3 +187,25 @@ def test_the_shifting_workload_moves_from_prompts_to_outputs_and_back():
     assert min(prompts[0] + prompts[2]) >= 264 >= max(prompts[1])
     assert max(outputs[0] + outputs[2]) <= 136 <= min(outputs[1])
     assert work.arrival_s == sorted(work.arrival_s) and work.arrival_s[-1] > 0
+
+
+@pytest.mark.slow
+def test_a_chats_later_turns_compute_only_their_new_tokens_through_the_serve_app(
+    ray_session, tiny_checkpoint, tmp_path
+):
+    """The chat workload through the default deployment's shape (disaggregated, one prefill and
+    one decode worker) over HTTP: each later turn is sent with the model's reply (asked for with
+    `return_token_ids`) and finds the conversation before it cached, computing at most a block
+    more than its new message."""
+    out = tmp_path / "chat.jsonl"
+    args = dict(mode="disaggregated", slots=4, max_model_len=512, token_budget=64, prefill_chunk=32)
+    with served_app(tiny_checkpoint, "chat", **args) as url:
+        rc = main(
+            ["bench", "--url", f"{url}/v1", "--model", tiny_checkpoint, "--workload", "chat"]
+            + ["--groups", "3", "--turns", "3", "--prompt-len", "30:40", "--output-len", "20:40"]
+            + ["--baselines", "none", "--output", str(out), "--quiet"]
+        )
+    assert rc == 0
+    (summary,) = [s for s in map(json.loads, out.read_text().splitlines()) if "rid" not in s]
+    assert summary["failed_requests"] == 0 and summary["requests"] == 9
+    assert 0 <= summary["later_turn_extra_computed_max"] < 16  # the block size
