@@ -96,28 +96,45 @@ def wait_healthy(base: str, replaced: str | None, timeout_s: float = 120) -> Non
     raise TimeoutError("the cell did not come back")
 
 
+def decode_worker_pid() -> int:
+    (name,) = named_actors(NAMESPACE, "")
+    worker = ray.get_actor(f"{name}/decode-0", WORKER_NAMESPACE)
+    return ray.get(worker.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+
+
 async def with_fault(base: str, fault: str, texts: list[str]) -> tuple[list[Any], dict[str, Any]]:
     """Stream `texts`, kill what `fault` says mid-stream; returns the streams and what was seen
-    at the kill (seconds after the streams started, handoffs in flight, the replica)."""
+    at the kill (seconds after the streams started, handoffs in flight, the replica).
+
+    handoff: the decode worker is stopped (SIGSTOP) before the streams start, so the prompts'
+    KV, exported by the prefill worker, cannot be imported: the scheduler is killed with their
+    handoffs in flight, and the decode worker resumes (SIGCONT) after."""
     pids = await asyncio.to_thread(lambda: (replica_pid(), scheduler_pid()))
+    stopped = None
+    if fault == "handoff":
+        stopped = await asyncio.to_thread(decode_worker_pid)
+        os.kill(stopped, signal.SIGSTOP)
     start = time.monotonic()
     run = asyncio.ensure_future(stream_all(base, texts, MAX_TOKENS))
     handoffs = 0
-    if fault == "burst":
-        await asyncio.sleep(0.05)  # requests still arriving and being admitted
-    elif fault == "handoff":
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            handoffs = (await asyncio.to_thread(get, base, "/stats"))["live_handoffs"]
-            if handoffs > 0:
-                break
-    else:
-        await asyncio.sleep(0.5)  # every stream has tokens by now
-    killed_s = time.monotonic() - start
-    if fault in ("replica", "both", "burst"):
-        os.kill(pids[0], signal.SIGKILL)
-    if fault in ("scheduler", "both", "handoff"):
-        os.kill(pids[1], signal.SIGKILL)
+    try:
+        if fault == "burst":
+            await asyncio.sleep(0.05)  # requests still arriving and being admitted
+        elif fault == "handoff":
+            deadline = time.monotonic() + 60
+            while handoffs == 0 and time.monotonic() < deadline:
+                handoffs = (await asyncio.to_thread(get, base, "/stats"))["live_handoffs"]
+                await asyncio.sleep(0.05)
+        else:
+            await asyncio.sleep(0.5)  # every stream has tokens by now
+        killed_s = time.monotonic() - start
+        if fault in ("replica", "both", "burst"):
+            os.kill(pids[0], signal.SIGKILL)
+        if fault in ("scheduler", "both", "handoff"):
+            os.kill(pids[1], signal.SIGKILL)
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
     return await run, {"killed_s": round(killed_s, 2), "handoffs_at_kill": handoffs}
 
 

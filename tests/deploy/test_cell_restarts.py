@@ -37,6 +37,8 @@ def test_streams_continue_through_scheduler_and_replica_deaths_and_no_actor_is_l
         assert run["texts"] == reference["texts"], fault
         # the same scheduler and workers serve on: restarted or adopted, never replaced
         assert run["actors"] == seen["actors_before"], fault
+    # the decode worker was held stopped: the scheduler died with prompts' handoffs in flight
+    assert seen["handoff"]["handoffs_at_kill"] >= 1
     # Ray's restarts of the scheduler are counted (scheduler, both, handoff)
     assert seen["counters"]["scheduler_restarts"] >= 3
     assert seen["metrics"] and float(seen["metrics"][0].split()[-1]) >= 3
