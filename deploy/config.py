@@ -416,6 +416,13 @@ class ServiceConfig(ReplyConfig):
         description="How long a stream whose cell died waits for "
         "another cell before it ends with an error.",
     )
+    orphan_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="A cell's scheduler that no Cell replica has adopted for this long, with no "
+        "request open, stops itself and its workers (its app was deleted while its replica was "
+        "dead; a dead replica's replacement adopts it within seconds).",
+    )
     max_queue_time_s: float | None = Field(
         None,
         gt=0,

@@ -234,7 +234,9 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         config = ServiceConfig(**args)
     except ValidationError as e:
         raise ValueError(f"invalid pdserve config: {e}") from None
-    cells = Cell.options(**config.cell_options()).bind(config.engine().model_dump())
+    cells = Cell.options(**config.cell_options()).bind(
+        config.engine().model_dump(), config.orphan_timeout_s
+    )
     # Serve waits this long for a stopped replica's streams (and its drain) before it kills it
     grace_s = config.drain_timeout_s + 30
     ingress = OpenAIIngress.options(

@@ -38,10 +38,11 @@ def named_actors(namespace: str, prefix: str) -> list[str]:
 
 
 async def adopt_or_create(
-    config: EngineConfig, app_name: str, replica: str, me: Any
+    config: EngineConfig, app_name: str, replica: str, me: Any, orphan_timeout_s: float
 ) -> tuple[str, Any]:
     """The scheduler this replica serves: one whose replica has died (a broken one is stopped
-    instead), else a new one. Returns its name and handle."""
+    instead), else a new one, which stops itself once no replica has adopted it for
+    `orphan_timeout_s` with no request open. Returns its name and handle."""
     names = await asyncio.to_thread(named_actors, NAMESPACE, cell_name(app_name, ""))
     for name in names:
         try:
@@ -58,7 +59,11 @@ async def adopt_or_create(
     name = cell_name(app_name, replica)
     handle = create_scheduler(
         config,
-        cell={"worker_namespace": WORKER_NAMESPACE, "owner": (replica, me)},
+        cell={
+            "worker_namespace": WORKER_NAMESPACE,
+            "owner": (replica, me),
+            "orphan_timeout_s": orphan_timeout_s,
+        },
         name=name,
         namespace=NAMESPACE,
         lifetime="detached",

@@ -71,13 +71,13 @@ class Cell:
     """One scheduler (a named detached actor: adopted from a dead replica, or created) and the
     workers it creates."""
 
-    async def __init__(self, config: dict[str, Any]) -> None:
+    async def __init__(self, config: dict[str, Any], orphan_timeout_s: float = 60.0) -> None:
         context = serve.get_replica_context()
         self.replica = context.replica_id.unique_id
         self.me = ray.get_runtime_context().current_actor
         self.scheduler: Any = None  # (until then, a stop has nothing to stop)
         self.name, self.scheduler = await adopt_or_create(
-            EngineConfig(**config), context.app_name, self.replica, self.me
+            EngineConfig(**config), context.app_name, self.replica, self.me, orphan_timeout_s
         )
         await self.scheduler.ready.remote()
         log.info("cell %s ready", self.name)

@@ -67,6 +67,7 @@ class CellActor(CellSteps):
         consumer_timeout_s: float = 30.0,
         worker_namespace: str | None = None,
         owner: tuple[str, Any] | None = None,
+        orphan_timeout_s: float | None = None,
     ) -> None:
         self.coordinator = Coordinator(
             config, tokenizer, metrics_backend or ray.util.metrics, wake=self._wake
@@ -84,6 +85,11 @@ class CellActor(CellSteps):
         self.worker_namespace = worker_namespace
         self.adopting = asyncio.Lock()
         self.owner = owner  # (replica id, its actor handle): the Serve replica this cell serves
+        # a cell with an owner: stop once no replica has adopted it (its health check does, every
+        # few seconds) for this long and no request is open: its app was deleted while its
+        # replica was dead
+        self.orphan_timeout_s = orphan_timeout_s
+        self.adopted_s = time.monotonic()
         self.handles = {w.actor: self._spawn(w) for w in self.coordinator.workers}
         self.wakeups = {w.actor: asyncio.Event() for w in self.coordinator.workers}
         self.mailboxes = Mailboxes()
@@ -147,6 +153,8 @@ class CellActor(CellSteps):
         if self.config.pool_planner:
             self.tasks.append(asyncio.create_task(self._plan_pools()))
         self.tasks.append(asyncio.create_task(self._expire_deadlines()))
+        if self.orphan_timeout_s is not None:
+            self.tasks.append(asyncio.create_task(self._stop_when_orphaned()))
         if self.restarted:
             log.warning("scheduler restarted (%d); its workers re-adopted", self.num_restarts)
 
@@ -164,6 +172,7 @@ class CellActor(CellSteps):
                 except Exception:  # its owner is gone
                     log.warning("cell adopted by %s (%s is gone)", replica, self.owner[0])
             self.owner = (replica, handle)
+            self.adopted_s = time.monotonic()
         return "adopted"
 
     async def owner_replica(self) -> str | None:
@@ -327,6 +336,21 @@ class CellActor(CellSteps):
                     log.warning(
                         "consumer %s stopped polling; aborted its %d requests", consumer, aborted
                     )
+
+    async def _stop_when_orphaned(self) -> None:
+        """Stop this scheduler and its workers once no replica has adopted it for
+        `orphan_timeout_s` while no request is open (a replica that serves it adopts it at every
+        health check; a dead one is replaced and adopted again in seconds)."""
+        assert self.orphan_timeout_s is not None
+        while True:
+            await asyncio.sleep(min(1.0, self.orphan_timeout_s / 4))
+            alone_s = time.monotonic() - self.adopted_s
+            if alone_s > self.orphan_timeout_s and not self.coordinator.consumers:
+                break
+        log.warning("no replica adopted this cell for %.0f s: stopping it", alone_s)
+        for handle in self.handles.values():
+            ray.kill(handle, no_restart=True)
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     async def _expire_deadlines(self) -> None:
         """End the requests past their queue deadline or their own timeout

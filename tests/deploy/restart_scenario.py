@@ -1,11 +1,13 @@
 """Run by test_cell_restarts in its own process: the default single-cell Serve app under 12 greedy
-streams while its scheduler, its `Cell` replica or both are SIGKILLed.
+streams while its scheduler, its `Cell` replica, both, or its decode worker are SIGKILLed.
 
 `python -m tests.deploy.restart_scenario CHECKPOINT [FAULT ...]` prints one JSON line: the no-fault
 run, then per fault each stream's text, errors and longest gap between two chunks, the scheduler
-actors seen after it, and the actors of pdserve left after a scale-down and after the app is
-deleted. Faults: replica, scheduler, both, handoff (the scheduler killed while a prompt's KV is
-handed off), burst (the replica killed while a burst of requests is being admitted).
+actors seen after it, and the actors of pdserve left after a scale-down, after the app is
+deleted, and after it is deleted while its replica is dead. Faults: replica, scheduler, both,
+handoff (the scheduler killed while a prompt's KV is handed off), burst (the replica killed while
+a burst of requests is being admitted), worker (the decode worker killed mid-stream: its streams
+are recomputed on it once Ray restarts it).
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ async def with_fault(base: str, fault: str, texts: list[str]) -> tuple[list[Any]
     KV, exported by the prefill worker, cannot be imported: the scheduler is killed with their
     handoffs in flight, and the decode worker resumes (SIGCONT) after."""
     pids = await asyncio.to_thread(lambda: (replica_pid(), scheduler_pid()))
+    worker = await asyncio.to_thread(decode_worker_pid) if fault == "worker" else None
     stopped = None
     if fault == "handoff":
         stopped = await asyncio.to_thread(decode_worker_pid)
@@ -132,6 +135,8 @@ async def with_fault(base: str, fault: str, texts: list[str]) -> tuple[list[Any]
             os.kill(pids[0], signal.SIGKILL)
         if fault in ("scheduler", "both", "handoff"):
             os.kill(pids[1], signal.SIGKILL)
+        if worker is not None:
+            os.kill(worker, signal.SIGKILL)
     finally:
         if stopped is not None:
             os.kill(stopped, signal.SIGCONT)
@@ -171,6 +176,16 @@ def main(checkpoint: str, faults: list[str]) -> dict[str, Any]:
     result["actors_scaled_down"] = pdserve_actors()
     serve.delete(APP)
     result["actors_deleted"] = pdserve_actors()
+    # the app deleted while its only replica is dead: nobody stops the cell, which stops itself
+    serve.run(build_app(default_args(checkpoint, orphan_timeout_s=5)), name=APP, route_prefix="/")
+    wait_healthy(base, None)
+    os.kill(replica_pid(), signal.SIGKILL)
+    serve.delete(APP)
+    start = time.monotonic()
+    while pdserve_actors() and time.monotonic() < start + 60:
+        time.sleep(0.5)
+    result["actors_orphaned"] = pdserve_actors()
+    result["orphan_stopped_s"] = round(time.monotonic() - start, 1)
     return result
 
 

@@ -1,5 +1,6 @@
 """The default single-cell deployment survives the death of its scheduler, of its `Cell` replica,
-or of both: every stream ends with the no-fault run's text, and nothing is left behind."""
+of both, or of its decode worker: every stream ends with the no-fault run's text, and nothing is
+left behind."""
 
 import json
 import os
@@ -11,7 +12,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
-FAULTS = ["scheduler", "replica", "both", "handoff", "burst"]
+FAULTS = ["scheduler", "replica", "both", "handoff", "burst", "worker"]
 
 
 def test_streams_continue_through_scheduler_and_replica_deaths_and_no_actor_is_left(
@@ -39,6 +40,8 @@ def test_streams_continue_through_scheduler_and_replica_deaths_and_no_actor_is_l
         assert run["actors"] == seen["actors_before"], fault
     # the decode worker was held stopped: the scheduler died with prompts' handoffs in flight
     assert seen["handoff"]["handoffs_at_kill"] >= 1
+    # the decode worker's death (the last fault) is counted where its streams were recomputed
+    assert seen["counters"]["worker_failures"] >= 1 and seen["counters"]["recomputes"] >= 1
     # Ray's restarts of the scheduler are counted (scheduler, both, handoff)
     assert seen["counters"]["scheduler_restarts"] >= 3
     assert seen["metrics"] and float(seen["metrics"][0].split()[-1]) >= 3
@@ -47,3 +50,5 @@ def test_streams_continue_through_scheduler_and_replica_deaths_and_no_actor_is_l
     (cell,) = [name for name in seen["actors_scaled_down"] if "/" not in name]
     assert seen["actors_scaled_down"] == [cell, f"{cell}/decode-0", f"{cell}/prefill-0"]
     assert seen["actors_deleted"] == []
+    # deleted while its replica was dead: the cell stopped itself once no replica adopted it
+    assert seen["actors_orphaned"] == [], seen["orphan_stopped_s"]
