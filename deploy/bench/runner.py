@@ -324,7 +324,6 @@ def _run_one(
     """One configuration, with a progress bar: its summary line and per-request lines (and, for the
     interference workload, the steady streams' ITL over time into `series`)."""
     work = base.at_rate(run.rate, args.seed).copy_prompts()
-    next_turn = next_turns(work)  # a chat's next turns are sent with the model's replies
     chunk = min(config.prefill_chunk, run.token_budget) if run.token_budget else None
     extra: dict[str, Any] = {}
     workers = (
@@ -340,11 +339,8 @@ def _run_one(
         leave=False,
         disable=args.quiet,
     ) as bar:
-
-        def on_finish(done: Completion) -> None:
-            next_turn(done)
-            bar.update(1)
-
+        # (a chat's next turns are sent with the model's replies)
+        on_finish = next_turns(work, then=lambda _done: bar.update(1))
         if run.mode == "url":
             from deploy.bench.http_client import run_http
 

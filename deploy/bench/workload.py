@@ -185,12 +185,14 @@ def chat_workload(
     return replace(base, prompts=prompts, after=follows, follows=follows)
 
 
-def next_turns(work: Workload) -> Callable[[Completion], None]:
-    """For a chat (`follows`): what to call when a turn ends, before the turns that follow it are
-    sent (every driver calls `on_finish` first): it rewrites each next turn's prompt in place as
-    the ended turn's prompt, the token ids the model replied and the next turn's own message. The
-    prompts are lists the requests share (`engine_requests`, the HTTP client's bodies), so give
-    each run its own copies (`Workload.copy_prompts`)."""
+def next_turns(
+    work: Workload, then: Callable[[Completion], None] = lambda done: None
+) -> Callable[[Completion], None]:
+    """What a driver calls when a request ends (`on_finish`, called before the requests that
+    follow it are sent): for a chat (`follows`), it rewrites each next turn's prompt in place as
+    the ended turn's prompt, the token ids the model replied and the next turn's own message;
+    then it calls `then`. The prompts are lists the requests share (`engine_requests`, the HTTP
+    client's bodies), so give each run its own copies (`Workload.copy_prompts`)."""
     messages: dict[int, list[int]] = {}
     followers: dict[int, list[int]] = {}
     for i, j in enumerate(work.follows):
@@ -202,6 +204,7 @@ def next_turns(work: Workload) -> Callable[[Completion], None]:
         j = int(done.req_id)
         for i in followers.get(j, []):
             work.prompts[i][:] = work.prompts[j] + list(done.token_ids) + messages[i]
+        then(done)
 
     return on_finish
 
