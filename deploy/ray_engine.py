@@ -75,7 +75,27 @@ def start_scheduler(
         cause = error.cause
         raise (cause if isinstance(cause, Exception) else error) from None
     log.info("scheduler ready: %s", placement)
+    for line in kv_pool_lines(placement):
+        log.info("%s", line)
     return handle
+
+
+def kv_pool_lines(ready: dict[str, Any]) -> list[str]:
+    """What each worker's KV pool holds, from a scheduler's `ready()` answer: its blocks, tokens
+    and GiB, and how many requests of the cell's whole context (`max_model_len`) it could hold."""
+    capacity = ready["capacity"]
+    lines = []
+    for name, placement in sorted(ready.items()):
+        pool = placement.get("kv_cache") if isinstance(placement, dict) else None
+        if not pool:
+            continue
+        tokens = pool["blocks"] * pool["block_size"]
+        lines.append(
+            f"KV cache of {name}: {pool['blocks']:,} blocks of {pool['block_size']} = "
+            f"{tokens:,} tokens, {pool['bytes'] / 2**30:.2f} GiB; "
+            f"{tokens / capacity:.1f} requests of max_model_len {capacity:,}"
+        )
+    return lines
 
 
 def stop_scheduler(handle: Any) -> None:

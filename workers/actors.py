@@ -60,8 +60,8 @@ class Worker:
         freeze_startup_objects()
 
     def ready(self) -> dict[str, Any]:
-        """Where this worker runs and which KV transports it can use: answered once the model is
-        loaded."""
+        """Where this worker runs, which KV transports it can use and its KV pool: answered once the
+        model is loaded."""
         return {
             "index": self.index,
             "node_id": ray.get_runtime_context().get_node_id(),
@@ -70,6 +70,11 @@ class Worker:
             "gpu_ids": [str(i) for i in ray.get_gpu_ids()],
             "threads": torch.get_num_threads(),
             "transports": self.transports,
+            "kv_cache": {
+                "blocks": self.runner.cache.num_blocks,
+                "block_size": self.runner.cache.block_size,
+                "bytes": self.runner.cache.total_bytes,
+            },
         }
 
     def connect(self, peers: list[dict[str, Any]]) -> str:

@@ -35,6 +35,7 @@ from ray.serve.config import RequestRouterConfig
 
 from deploy.config import EngineConfig
 from deploy.engine_client import Placement, unwrap
+from deploy.ray_engine import kv_pool_lines
 from deploy.serving.cell_actors import (
     NAMESPACE,
     adopt_or_create,
@@ -47,6 +48,7 @@ from deploy.submissions import Submissions
 from scheduler.request import Request
 
 log = logging.getLogger(__name__)
+serve_log = logging.getLogger("ray.serve")
 # how long requests avoid a cell that was lost or refused them (Serve stops listing it sooner or
 # later)
 AVOID_S = 60.0
@@ -79,8 +81,10 @@ class Cell:
         self.name, self.scheduler = await adopt_or_create(
             EngineConfig(**config), context.app_name, self.replica, self.me, orphan_timeout_s
         )
-        await self.scheduler.ready.remote()
-        log.info("cell %s ready", self.name)
+        ready = await self.scheduler.ready.remote()
+        # (Serve's logger: its INFO lines reach `pdserve serve`'s and `serve run`'s console)
+        for line in [f"cell {self.name} ready", *kv_pool_lines(ready)]:
+            serve_log.info("%s", line)
 
     async def check_health(self) -> None:
         """Unhealthy when a worker pool has no worker left, the scheduler is gone for good, or

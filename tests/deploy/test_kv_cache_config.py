@@ -73,3 +73,15 @@ def test_workers_share_gpus_when_asked_and_too_few_gpus_fail_at_start_with_the_n
         config.gpus_for(1)
     shared = EngineConfig(mode="disaggregated", gpus_per_worker=0.5)
     assert shared.gpus_for(1) == 0.5  # a prefill and a decode worker on one GPU
+
+
+def test_start_up_says_what_each_workers_kv_pool_holds():
+    from deploy.ray_engine import kv_pool_lines
+
+    # a scheduler's `ready()` answer: each worker's placement with its pool, and the context
+    pool = {"blocks": 2912, "block_size": 16, "bytes": 2**30}
+    ready = {"decode-0": {"pid": 1, "kv_cache": pool}, "prefill-0": {"pid": 2}, "capacity": 4096}
+    assert kv_pool_lines(ready) == [
+        "KV cache of decode-0: 2,912 blocks of 16 = 46,592 tokens, 1.00 GiB; "
+        "11.4 requests of max_model_len 4,096"
+    ]
