@@ -29,3 +29,26 @@ def test_goodput_counts_requests_meeting_every_slo():
     assert goodput(ttft, tpot, 2.0, slo_ttft_ms=500) == 1.5  # 3 meet TTFT
     assert goodput(ttft, tpot, 2.0, slo_ttft_ms=500, slo_tpot_ms=20) == 1.0  # 2 meet both
     assert goodput(ttft, tpot, 2.0, slo_tpot_ms=5) == 0.0
+
+
+def test_a_chats_later_turns_report_their_ttft_and_the_tokens_they_computed_beyond_new_ones():
+    from deploy.bench.stats import later_turns
+    from deploy.bench.workload import chat_workload, next_turns
+    from scheduler.outputs import Completion
+
+    work = chat_workload(1, 3, "20", "8", 384, seed=0).copy_prompts()
+    next_turn = next_turns(work)
+    done = {}
+    # turn 2 found turn 1's prompt and reply cached but its last token (whole blocks: 16 of 28);
+    # turn 3 found nothing
+    for i, cached in enumerate((0, 16, 0)):
+        c = Completion(str(i), len(work.prompts[i]), token_ids=[7] * 8)
+        c.metrics = {"ttft_s": 0.1 * (i + 1), "cached_tokens": cached}
+        done[str(i)] = c
+        next_turn(c)
+    out = later_turns(work, done, list(done.values()))
+    assert out["later_turn_ttft_ms_p50"] == pytest.approx(250.0)
+    # turn 2: 48 tokens, 16 cached, 21 new (its message and the reply's last token): 11 more;
+    # turn 3: 76 tokens, none cached, 21 new: 55 more
+    assert out["later_turn_extra_computed_max"] == 55
+    assert out["later_turn_extra_computed_mean"] == pytest.approx((11 + 55) / 2)
