@@ -40,6 +40,9 @@ from workers.kernel_source import SOURCE
 log = logging.getLogger(__name__)
 
 
+# bf16 matmuls on CPUs with AMX go to torch's (oneDNN's AMX tiles): faster, but blocked by the
+# number of rows (tests turn it off to check the packed kernel there too)
+LIBRARY_BF16_ON_AMX = True
 _lock = threading.Lock()
 _module: Any = None
 _tried = False
@@ -76,6 +79,7 @@ def load_kernels() -> Any:
                         "silu_mul",
                         "packed_linear",
                         "packed_linear_available",
+                        "amx_bf16",
                     ]
                     _module = load_inline(
                         name=f"pdserve_kernels_{_machine_tag()}",
@@ -216,7 +220,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x [M, K], weight [N, K], bias)`, through the packed-weight kernel where this CPU
-    has one for x's dtype (AVX-512 for fp32, AVX512-BF16 without AMX for bf16).
+    has one for x's dtype (AVX-512 for fp32, AVX512-BF16 for bf16, unless the CPU has AMX and
+    `LIBRARY_BF16_ON_AMX` holds: oneDNN's AMX tiles then).
 
     The packed copy (64-column panels; as much memory again as the weight) is made on first use and
     kept as an attribute of `weight`, tagged with the weight's version counter: writing into the
@@ -229,6 +234,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         or x.dim() != 2
         or not module.packed_linear_available(bf16)
         or (bf16 and x.shape[1] % 2)
+        or (bf16 and LIBRARY_BF16_ON_AMX and module.amx_bf16())
     ):
         return F.linear(x, weight, bias)
     # inference tensors keep no version counter

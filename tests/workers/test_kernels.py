@@ -34,8 +34,9 @@ BLOCK = 16  # tokens per KV block
     ("out_features", "in_features", "bias"), [(64, 48, False), (100, 48, True), (200, 37, False)]
 )
 def test_packed_linear_matches_f_linear_and_repacks_after_a_write(
-    rows, out_features, in_features, bias, dtype
+    rows, out_features, in_features, bias, dtype, monkeypatch
 ):
+    monkeypatch.setattr(kernels, "LIBRARY_BF16_ON_AMX", False)  # the packed kernel, even there
     if not kernels.load_kernels().packed_linear_available(dtype == torch.bfloat16):
         pytest.skip("no packed matmul for this dtype on this CPU: F.linear does the work")
     g = torch.Generator().manual_seed(rows)
@@ -93,9 +94,11 @@ def test_fused_elementwise_kernels_match_the_eager_ops(dtype, monkeypatch):
 
 @pytest.mark.usefixtures("compiled")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_decode_rows_logits_do_not_depend_on_its_batch(dtype):
+def test_a_decode_rows_logits_do_not_depend_on_its_batch(dtype, monkeypatch):
     """Each kernel computes a row alone, in an order that does not depend on the number of rows (the
-    packed matmul sums k in order for any M), so batched decode rows equal solo ones bit for bit."""
+    packed matmul sums k in order for any M), so batched decode rows equal solo ones bit for bit
+    (with the packed matmul: bf16 on AMX CPUs takes oneDNN's by default)."""
+    monkeypatch.setattr(kernels, "LIBRARY_BF16_ON_AMX", False)
     if not kernels.load_kernels().packed_linear_available(dtype == torch.bfloat16):
         pytest.skip(
             "no packed matmul for this dtype on this CPU: the library matmul may block by batch "
@@ -245,3 +248,15 @@ def test_the_kernel_path_returns_none_where_it_does_not_apply(monkeypatch):
     )
     monkeypatch.setattr(kernels, "load_kernels", lambda: None)
     assert kernels.decode_attention(case.query, *case.shuffled, case.lengths) is None
+
+
+@pytest.mark.usefixtures("compiled")
+def test_bf16_matmuls_take_onednns_amx_tiles_where_the_cpu_has_them():
+    module = kernels.load_kernels()
+    x = torch.randn(8, 64).to(torch.bfloat16)
+    weight = torch.randn(32, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        kernels.linear(x, weight)
+    # the packed copy is made only where the packed kernel does the work
+    packed = hasattr(weight, "_pdserve_packed")
+    assert packed == (module.packed_linear_available(True) and not module.amx_bf16())
