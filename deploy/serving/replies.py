@@ -219,33 +219,18 @@ class Replier:
     ) -> dict:
         """One choice of a reply or chunk; `read`: the choice's text read as content, reasoning and
         tool calls; `ids`: its prompt's token ids (None after a stream's first chunk) and the ids
-        it generated, when the job returns them."""
-        return self._choice_fields(
-            index, text, logprobs, finish_reason, stream, read
-        ) | self._token_ids(ids)
+        it generated, returned when the job asks for them."""
+        choice: dict[str, Any] = {"index": index} | self._content(text, stream, read)
+        choice |= {"logprobs": logprobs, "finish_reason": finish_reason}
+        if self.job.token_ids and ids is not None:
+            choice |= {"prompt_token_ids": ids[0], "token_ids": ids[1]}
+        return choice
 
-    def _token_ids(self, ids: tuple[list[int] | None, list[int]] | None) -> dict[str, Any]:
-        if not self.job.token_ids or ids is None:
-            return {}
-        prompt_ids, generated = ids
-        return {"prompt_token_ids": prompt_ids, "token_ids": generated}
-
-    def _choice_fields(
-        self,
-        index: int,
-        text: str,
-        logprobs: Any,
-        finish_reason: str | None,
-        stream: bool,
-        read: Delta | None,
-    ) -> dict:
+    def _content(self, text: str, stream: bool, read: Delta | None) -> dict[str, Any]:
+        """A choice's text as completions' `text`, a chat chunk's `delta` or a chat reply's
+        `message`."""
         if not self.job.chat:
-            return {
-                "index": index,
-                "text": text,
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }
+            return {"text": text}
         if read is not None:
             text = read.content
         if stream:
@@ -254,12 +239,7 @@ class Replier:
                 delta["reasoning_content"] = read.reasoning
             if read is not None and read.calls and self.job.tools is not None:
                 delta |= self.job.tools.message_calls(read.calls, stream=True)
-            return {
-                "index": index,
-                "delta": delta,
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }
+            return {"delta": delta}
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if self.job.reasoning is not None and read is not None:
             message["reasoning_content"] = read.reasoning or None
@@ -268,12 +248,7 @@ class Replier:
                 "content": text or None,
                 **self.job.tools.message_calls(read.calls, stream=False),
             }
-        return {
-            "index": index,
-            "message": message,
-            "logprobs": logprobs,
-            "finish_reason": finish_reason,
-        }
+        return {"message": message}
 
     def usage(self, num_completion: int, finished: list[RequestOutput | None]) -> dict[str, Any]:
         """Tokens so far; the prompts' tokens served from the prefix cache, of the choices
