@@ -253,9 +253,23 @@ class CellActor(CellSteps):
             ray.kill(handle)
 
     async def check_health(self) -> None:
+        """Raise when a worker pool has no worker left. Idle workers are asked whether they live:
+        one that died for good while it had no work (no step failed to say so) is gone."""
         self._resume()
+        if self.started is not None and self.started.done():
+            await self._probe_idle_workers()
         if self.coordinator.pool_exhausted():
             raise RuntimeError("a worker pool has no worker left")
+
+    async def _probe_idle_workers(self) -> None:
+        for worker in list(self.coordinator.workers):
+            idle = self.coordinator.roles.holds_nothing(worker)
+            if worker.status is not WorkerStatus.UP or not idle:
+                continue  # (a worker with work learns of its death from its next step)
+            if await _dead_for_good(self.handles[worker.actor]):
+                self.coordinator.worker_died(worker)
+                self.coordinator.worker_gone(worker)
+                self._deliver()
 
     async def drain(self) -> None:
         """Refuse new requests (CellClosed) from now on, and return when the last open one has
@@ -414,6 +428,21 @@ class CellActor(CellSteps):
         for worker in self.coordinator.workers:
             worker.sched.blocks.reset_counters()
             worker.sched.peak_running = len(worker.sched.running)
+
+
+async def _dead_for_good(handle: Any) -> bool:
+    """The actor answers ActorDiedError twice in a row (a call that meets the death itself may
+    be followed by Ray's restart); restarting, slow or alive: False."""
+    for attempt in range(2):
+        try:
+            await asyncio.wait_for(handle.__ray_ready__.remote(), 5.0)
+            return False
+        except ActorDiedError:
+            if attempt == 0:
+                await asyncio.sleep(0.5)
+        except Exception:  # restarting, or busy: its steps will tell
+            return False
+    return True
 
 
 def _num_restarts(actor_id: str) -> int:
