@@ -355,7 +355,7 @@ def _run_one(
                 on_finish,
                 args.sequential,
                 list(work.after),
-                token_ids=bool(work.follows),  # a chat's next turn needs the reply's ids
+                token_ids=work.conversation,  # a chat's next turn needs the reply's ids
             )
         else:
             cache_tokens = config.prefix_cache_tokens if run.prefix_cache else 0

@@ -131,7 +131,7 @@ def summarize_run(
         }
         # (the steady streams are handed off too)
         summary |= handoff_gaps("long_handoff_gap_ms", long)
-    if work.follows:  # a chat: the turns that find the conversation so far cached, or not
+    if work.conversation:  # a chat: the turns that find the conversation so far cached, or not
         summary |= later_turns(work, results, done)
     if any(work.urgent) and not all(work.urgent):
         for label, want in (("urgent", True), ("normal", False)):
@@ -152,7 +152,7 @@ def later_turns(
     own new tokens (the new message, and the last reply token, whose KV the reply never made): 0
     when the whole conversation before it came from the cache (needs the cached count: every
     engine mode, and endpoints that report `prompt_tokens_details`)."""
-    later = [c for c in done if work.follows[int(c.req_id)] is not None]
+    later = [c for c in done if work.after[int(c.req_id)] is not None]
     out = {
         "later_turn_ttft_ms_p50": percentile([1000 * c.metrics["ttft_s"] for c in later], 50),
         "later_turn_ttft_ms_p90": percentile([1000 * c.metrics["ttft_s"] for c in later], 90),
@@ -160,7 +160,7 @@ def later_turns(
     extra = []
     for c in later:
         i = int(c.req_id)
-        j = work.follows[i]
+        j = work.after[i]
         assert j is not None
         if "cached_tokens" not in c.metrics or str(j) not in results:
             continue

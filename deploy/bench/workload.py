@@ -24,10 +24,10 @@ class Workload:
     long_start_s: float = 0.0  # interference: when the long prompts' Poisson arrivals begin
     # the request each one starts after (its end, not an arrival time)
     after: tuple[int | None, ...] = ()
-    # chat: the turn each request continues (it starts after it too); its prompt begins with that
-    # turn's prompt and a stand-in reply of that turn's output length, which `next_turns` replaces
-    # with the model's reply when that turn ends
-    follows: tuple[int | None, ...] = ()
+    # chat: each request continues the turn it starts after; its prompt begins with that turn's
+    # prompt and a stand-in reply of that turn's output length, which `next_turns` replaces with
+    # the model's reply when that turn ends
+    conversation: bool = False
 
     def at_rate(self, rate: float, seed: int) -> Workload:
         """Poisson arrivals at `rate` (all at once when 0); in an interference workload only the
@@ -181,22 +181,22 @@ def chat_workload(
             history[c] = history[c] + [rng.randrange(low_id, vocab_size) for _ in range(reply_len)]
         history[c] = history[c] + message
         prompts.append(list(history[c]))
-    follows = tuple(i - conversations if i >= conversations else None for i in range(len(prompts)))
-    return replace(base, prompts=prompts, after=follows, follows=follows)
+    after = tuple(i - conversations if i >= conversations else None for i in range(len(prompts)))
+    return replace(base, prompts=prompts, after=after, conversation=True)
 
 
 def next_turns(
     work: Workload, then: Callable[[Completion], None] = lambda done: None
 ) -> Callable[[Completion], None]:
     """What a driver calls when a request ends (`on_finish`, called before the requests that
-    follow it are sent): for a chat (`follows`), it rewrites each next turn's prompt in place as
-    the ended turn's prompt, the token ids the model replied and the next turn's own message;
+    follow it are sent): for a chat (`conversation`), it rewrites each next turn's prompt in place
+    as the ended turn's prompt, the token ids the model replied and the next turn's own message;
     then it calls `then`. The prompts are lists the requests share (`engine_requests`, the HTTP
     client's bodies), so give each run its own copies (`Workload.copy_prompts`)."""
     messages: dict[int, list[int]] = {}
     followers: dict[int, list[int]] = {}
-    for i, j in enumerate(work.follows):
-        if j is not None:
+    for i, j in enumerate(work.after):
+        if work.conversation and j is not None:
             messages[i] = work.prompts[i][len(work.prompts[j]) + work.output_lens[j] :]
             followers.setdefault(j, []).append(i)
 

@@ -29,7 +29,7 @@ def test_shared_prefix_and_chat_workloads_share_what_they_say():
         assert (
             chat.prompts[i][: len(before)] == before and len(chat.prompts[i]) == len(before) + 5 + 6
         )
-    assert chat.follows == chat.after == (None, None, 0, 1, 2, 3)
+    assert chat.conversation and chat.after == (None, None, 0, 1, 2, 3)
     # when a turn ends, the next turn's prompt is rewritten with the reply the model gave
     message = chat.prompts[2][-6:]
     next_turn = next_turns(chat)

@@ -45,13 +45,14 @@ def prometheus_binary() -> str:
     return found
 
 
-@pytest.fixture(scope="module")
+# each test its own app and Prometheus: the counts one test asserts are only its own requests'
+@pytest.fixture
 def app(ray_session, tiny_checkpoint):
     with served_app(tiny_checkpoint, APP, **ARGS) as url:
         yield url
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def prometheus(app, tmp_path_factory):
     """A Prometheus scraping the app's /metrics every second; its HTTP API's base URL."""
     work = tmp_path_factory.mktemp("prometheus")
@@ -259,6 +260,10 @@ def dashboard_expressions() -> list[tuple[str, str]]:
 
 
 def test_the_dashboard_uses_only_metrics_that_exist_and_every_expression_evaluates(app, prometheus):
+    # traffic for the panels to show (streams of several tokens: inter-token latency too)
+    for i in range(3):
+        assert complete(app, [5, 6, i], 8).status_code == 200
+    wait_for(lambda: value(prometheus, 'vllm:request_success_total{model_name="tiny"}') == 3, 60)
     text = httpx.get(f"{app}/metrics").text
     # every sample's name, and every metric's (a labelled one may have no sample yet)
     exported = set(re.findall(r"^([a-z0-9_:]+)\{", text, re.M))
