@@ -19,6 +19,14 @@ from scheduler.plan import StepPlan
 from scheduler.request import TokenLogprob
 
 
+class WorkerRestarted(Exception):
+    """A step call reached a worker restarted since the scheduler last asked it `ready()`: the call
+    assumes cache and sampling state the fresh worker never had, so it runs nothing. The
+    scheduler treats it as the worker's death (its requests are recomputed), as it would a failed
+    call; without this, a worker killed while it had no call in flight would take its next call
+    as if nothing had happened."""
+
+
 @dataclass(frozen=True)
 class KVPiece:
     """KV rows of one request, positions start..start+num_tokens-1, that a prefill worker sent out

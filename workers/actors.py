@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import uuid
 from typing import Any
 
 import ray
 import torch
 
 from scheduler.cell.gc_pauses import freeze_startup_objects
-from scheduler.messages import KVImport, KVPiece, StepResult, unpack_plans
+from scheduler.messages import KVImport, KVPiece, StepResult, WorkerRestarted, unpack_plans
 from workers.kv_transfer import (
     ImportReport,
     KVReceiver,
@@ -57,6 +58,8 @@ class Worker:
         self.transports = usable_transports(self.runner.device, kv_transport)
         self.sender = KVSender(self.runner.cache, make_transport("object_store"))
         self.receiver = KVReceiver(self.runner.cache)
+        # which start of this actor this is: Ray reruns __init__ when it restarts the actor
+        self.incarnation = uuid.uuid4().hex
         freeze_startup_objects()
 
     def ready(self) -> dict[str, Any]:
@@ -69,6 +72,7 @@ class Worker:
             "device": str(self.runner.device),
             "gpu_ids": [str(i) for i in ray.get_gpu_ids()],
             "threads": torch.get_num_threads(),
+            "incarnation": self.incarnation,
             "transports": self.transports,
             "kv_cache": {
                 "blocks": self.runner.cache.num_blocks,
@@ -102,11 +106,16 @@ class Worker:
         pulled is left to the import, which reports it lost."""
         self.receiver.prefetch(pieces)
 
-    def step(self, packed: bytes, imports: list[KVImport]) -> list[StepResult]:
+    def step(
+        self, packed: bytes, imports: list[KVImport], incarnation: str | None = None
+    ) -> list[StepResult]:
         """Import the KV pieces (of handoffs, and of prompts still prefilling into their reserved
         blocks), then run each plan (`packed`: `pack_plans`) in order, sending out the rows each
         exports; a result per plan (the first one reports the imports). A call may carry several
-        plans (a decode burst): each step is fed the tokens the one before sampled."""
+        plans (a decode burst): each step is fed the tokens the one before sampled. `incarnation`:
+        the one the scheduler last saw in `ready()`; another one raises WorkerRestarted."""
+        if incarnation is not None and incarnation != self.incarnation:
+            raise WorkerRestarted(f"worker {self.index} was restarted since its last ready()")
         start = time.perf_counter()
         plans = unpack_plans(packed)
         report = self.receiver.import_all(imports) if imports else ImportReport()

@@ -47,7 +47,9 @@ class StubWorker:
     def connect(self, peers: list[dict[str, Any]]) -> str:
         return "none"  # (its handoffs carry no bytes)
 
-    def step(self, packed: bytes, imports: list[KVImport]) -> list[StepResult]:
+    def step(
+        self, packed: bytes, imports: list[KVImport], incarnation: str | None = None
+    ) -> list[StepResult]:
         results = []
         for plan in unpack_plans(packed):
             start = time.perf_counter()

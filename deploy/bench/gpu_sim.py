@@ -116,7 +116,9 @@ class SimWorker:
     def prefetch(self, pieces: list[KVPiece]) -> None:
         pass
 
-    def step(self, packed: bytes, imports: list[KVImport]) -> list[StepResult]:
+    def step(
+        self, packed: bytes, imports: list[KVImport], incarnation: str | None = None
+    ) -> list[StepResult]:
         start = time.perf_counter()
         num_bytes = sum(
             p.num_bytes for i in imports for p in i.handoff.pieces[i.handoff.imported :]

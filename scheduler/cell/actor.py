@@ -42,12 +42,14 @@ from scheduler.cell.serving_metrics import ServingMetrics
 from scheduler.cell.state import CellClosed, CellConfig, WorkerState, WorkerStatus
 from scheduler.cell.stepping import CellSteps
 from scheduler.cell.timeline import StepTimeline
+from scheduler.messages import WorkerRestarted
 from scheduler.outputs import RequestOutput
 from scheduler.request import Request
 
 log = logging.getLogger(__name__)
 
-_WORKER_ERRORS = (RayActorError, ActorUnavailableError)  # a worker died (or restarts)
+# a worker died, restarts, or was restarted since the scheduler last heard from it
+_WORKER_ERRORS = (RayActorError, ActorUnavailableError, WorkerRestarted)
 _RESTART_TIMEOUT_S = 300.0
 _EXPIRY_PERIOD_S = 0.1  # how often deadlines are checked (how late a request may end past one)
 

@@ -66,7 +66,7 @@ class CellSteps:
             if call is not None:
                 plans, imports = call
                 t1 = time.perf_counter()
-                sent = (plans, handle.step.remote(pack_plans(plans), imports), t1 - t0, t1)
+                sent = (plans, self._send(handle, worker, plans, imports), t1 - t0, t1)
                 if worker.kind == "prefill" and any(c.sample for c in plans[0].prefill):
                     self.clock.finishing_sent(
                         worker.name, t1, _tokens(plans), queued=in_flight is not None
@@ -84,6 +84,13 @@ class CellSteps:
                 elif sent is not None:  # it starts now
                     self.clock.started(worker.name, sent[3], _tokens(sent[0]), time.perf_counter())
             in_flight = sent
+
+    @staticmethod
+    def _send(handle: Any, worker: WorkerState, plans: list[Any], imports: list[Any]) -> Any:
+        """Send a step call naming the start of the worker this scheduler knows (`ready()`'s
+        incarnation): a worker restarted since refuses it (WorkerRestarted). No local keeps the
+        result's ref: an idle loop must not hold the last result in the object store."""
+        return handle.step.remote(pack_plans(plans), imports, worker.placement.get("incarnation"))
 
     async def _await_handoff(
         self, worker: WorkerState, plans: list[Any], ref: Any, sent_s: float

@@ -3,8 +3,10 @@ queue."""
 
 import asyncio
 import json
+import os
 import re
 import shutil
+import signal
 import threading
 import time
 
@@ -305,6 +307,42 @@ def test_killed_workers_lose_no_request(ray_session, tiny_checkpoint):
             assert done.token_ids == expected[req_id], req_id
     assert stats["counters"]["worker_failures"] >= 1 and stats["counters"]["recomputes"] >= 1
     assert stats["live_handoffs"] == 0
+
+
+def test_a_decode_worker_restarted_while_idle_is_noticed_before_its_next_step(
+    ray_session, tiny_checkpoint
+):
+    """Kill the decode worker while it has no step in flight but holds the first pieces of a prompt
+    still prefilling (imported early into blocks reserved for it): Ray restarts it before the
+    scheduler has a failed step to learn from. Its next call must not run on the fresh, empty
+    worker as if nothing happened: the scheduler finds out, the pieces are imported again, and
+    the request still produces local mode's tokens."""
+    config = crowded_config(tiny_checkpoint)
+    expected = local_outputs(config, [req("P", 400, 12, 5)])["P"]  # 100 four-token chunks
+    handle = start_scheduler(config)
+    stream = streamer(handle)
+    workers = ray.get(handle.worker_handles.remote())
+    prefill_pid = ray.get(workers["prefill-0"].ready.remote())["pid"]
+
+    async def scenario():
+        task = asyncio.create_task(stream(req("P", 400, 12, 5)))
+        await wait_for_stats(handle, lambda s: s["counters"]["early_imports"] >= 2)
+        os.kill(prefill_pid, signal.SIGSTOP)  # the prompt stops halfway, decode-0 idles
+        try:
+            ray.kill(workers["decode-0"], no_restart=False)
+            await asyncio.sleep(0.5)
+            await workers["decode-0"].ready.remote()  # the restarted one answers
+        finally:
+            os.kill(prefill_pid, signal.SIGCONT)
+        done = await asyncio.wait_for(task, timeout=120)
+        return done, await handle.stats.remote()
+
+    try:
+        done, stats = asyncio.run(scenario())
+    finally:
+        ray.get(handle.shutdown.remote())
+    assert done.finish_reason == "length" and done.token_ids == expected
+    assert stats["counters"]["worker_failures"] == 1
 
 
 def test_a_step_that_raises_ends_its_requests_with_the_error_and_the_cell_keeps_serving(
