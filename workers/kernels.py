@@ -1,13 +1,15 @@
-"""CPU kernels compiled on first use: ragged decode attention and fused elementwise ops, with torch
-fallbacks.
+"""CPU kernels compiled on first use: ragged decode attention, paged prompt attention and fused
+elementwise ops, with torch fallbacks.
 
 Why kernels: after the matmuls, a decode step's time went to its attention (each row reads its own
 number of keys: one SDPA call per row forks the thread pool per row per layer, one call over the
 slot span reads up to twice the keys) and to a dozen small eager ops per layer, each a dispatch and
 a thread fork; and MKL's sgemm re-packs the weight on every call, which at decode's few rows costs
 about as much as the multiply. So: a ragged attention kernel over every (row, KV head) pair in one
-parallel loop, with scores in fp32 whatever the cache dtype (`workers.kernel_source`); residual add
-+ RMSNorm, rotary + KV cache write, and SiLU-mul as one pass each (`workers.elementwise_source`);
+parallel loop, with scores in fp32 whatever the cache dtype (`workers.kernel_source`); the prompt
+chunks of a step likewise over their blocks where they lie, rather than gathered into a copy per
+chunk per layer for SDPA (`workers.prompt_attention_source`); residual add + RMSNorm, rotary +
+KV cache write, and SiLU-mul as one pass each (`workers.elementwise_source`);
 and a matmul over weights packed once into 64-column panels, fp32 on AVX-512 and bf16 on AVX512-BF16
 without AMX (`workers.gemm_source`; with AMX, torch's bf16 matmul runs on oneDNN's AMX tiles, 4-7x
 faster at 64-256 rows, but blocked by the number of rows, so bf16 decode rows are then not
@@ -36,6 +38,7 @@ import torch.nn.functional as F
 from workers.elementwise_source import ELEMENTWISE
 from workers.gemm_source import GEMM
 from workers.kernel_source import SOURCE
+from workers.prompt_attention_source import PROMPT_ATTENTION
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +60,7 @@ def _machine_tag() -> str:
     except OSError:
         flags = ""
     return hashlib.sha1(
-        (flags + torch.__version__ + SOURCE + ELEMENTWISE + GEMM).encode()
+        (flags + torch.__version__ + SOURCE + PROMPT_ATTENTION + ELEMENTWISE + GEMM).encode()
     ).hexdigest()[:10]
 
 
@@ -74,6 +77,8 @@ def load_kernels() -> Any:
 
                     functions = [
                         "decode_attention",
+                        "prompt_attention",
+                        "prompt_attention_available",
                         "add_rms_norm",
                         "rope_and_cache",
                         "silu_mul",
@@ -84,7 +89,7 @@ def load_kernels() -> Any:
                     _module = load_inline(
                         name=f"pdserve_kernels_{_machine_tag()}",
                         functions=functions,
-                        cpp_sources=[SOURCE, ELEMENTWISE, GEMM],
+                        cpp_sources=[SOURCE, PROMPT_ATTENTION, ELEMENTWISE, GEMM],
                         extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                         extra_ldflags=["-fopenmp"],
                     )
@@ -125,6 +130,36 @@ def decode_attention(
         lengths.contiguous(),
         query.shape[-1] ** -0.5,
     )  # [B, KVH, G, D]
+
+
+def prompt_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    starts: torch.Tensor,
+    firsts: torch.Tensor,
+    counts: torch.Tensor,
+) -> torch.Tensor | None:
+    """Causal attention of prompt chunks over the paged cache, where the blocks lie: chunk c's
+    `counts[c]` tokens are rows `firsts[c]`.. of `query [N, KVH, G, D]`, at positions `starts[c]`..,
+    and its keys those of the blocks `block_tables[c]` names (`[C, MAXB]` int64), a token seeing
+    every key up to its own position. Returns `[N, KVH, G, D]`, or None when the kernel does not
+    apply (not CPU, another dtype, no compiler, a head dim that is not a multiple of 4): the
+    caller gathers each chunk's blocks for SDPA then."""
+    module = _module_for(query)
+    if module is None or not module.prompt_attention_available(query.shape[3]):
+        return None
+    return module.prompt_attention(
+        query.contiguous(),
+        k_cache,
+        v_cache,
+        block_tables.contiguous(),
+        starts,
+        firsts,
+        counts,
+        query.shape[-1] ** -0.5,
+    )  # [N, KVH, G, D]
 
 
 def paged_decode_attention_torch(

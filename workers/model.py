@@ -14,6 +14,7 @@ from workers.kernels import (
     decode_attention,
     linear,
     paged_decode_attention_torch,
+    prompt_attention,
     rope_and_cache,
     silu_mul,
 )
@@ -59,8 +60,9 @@ class BatchLayout:
     """Where each token of a flat batch belongs: decode tokens first, then prompt chunks.
 
     Tensors live on the model's device and are built once per step, so the 30-odd layers only index
-    them. Decode tokens attend in one call per layer over their block tables: the ragged kernel of
-    `workers.kernels` on CPU, or one SDPA call over the gathered blocks elsewhere.
+    them. Decode tokens attend in one call per layer over their block tables, and so do the prompt
+    chunks: the kernels of `workers.kernels` on CPU; elsewhere one SDPA call over the decode rows'
+    gathered blocks, and one per chunk over its gathered blocks.
     """
 
     positions: torch.Tensor  # [num_tokens] position of each token in its sequence
@@ -72,6 +74,12 @@ class BatchLayout:
     prefill: list[PrefillSpan]  # one per prompt chunk
     # per chunk: [T, start + T] visible keys, None when start is 0
     prefill_masks: list[torch.Tensor | None]
+    # the chunks for the prompt kernel: [chunks, max blocks] their blocks (padded), and [chunks]
+    # their first positions, first tokens (counted from the first prompt token) and token counts
+    prefill_tables: torch.Tensor
+    prefill_starts: torch.Tensor
+    prefill_firsts: torch.Tensor
+    prefill_counts: torch.Tensor
 
     @classmethod
     def pack(
@@ -102,6 +110,9 @@ class BatchLayout:
         decode_rows = rows[:num_decode]
         width = max((len(table) for table, _, _ in decode_rows), default=0)
         tables = [table + [0] * (width - len(table)) for table, _, _ in decode_rows]
+        chunk_rows = rows[num_decode:]
+        chunk_width = max((len(table) for table, _, _ in chunk_rows), default=0)
+        chunk_tables = [table + [0] * (chunk_width - len(table)) for table, _, _ in chunk_rows]
         position = torch.tensor(positions, dtype=torch.long, device=device)  # [N]
         layout = cls(
             positions=position,
@@ -114,6 +125,12 @@ class BatchLayout:
             decode_lengths=position[:num_decode] + 1,
             prefill=prefill,
             prefill_masks=masks,
+            prefill_tables=torch.tensor(chunk_tables, dtype=torch.long, device=device).view(
+                len(chunk_rows), chunk_width
+            ),
+            prefill_starts=torch.tensor([s.start_pos for s in prefill], dtype=torch.long),
+            prefill_firsts=torch.tensor([s.first - len(decode_rows) for s in prefill]),
+            prefill_counts=torch.tensor([s.num_tokens for s in prefill], dtype=torch.long),
         )
         return torch.tensor(ids, device=device), layout
 
@@ -222,6 +239,37 @@ class Attention(nn.Module):
             if attn is None:  # [B, KVH, G, D]
                 attn = paged_decode_attention_torch(grouped, k_cache, v_cache, tables, lengths)
             out[:b] = attn.reshape(b, heads, dim)
+        if layout.prefill:
+            self._prompts(q, layout, k_cache, v_cache, out)
+        return linear(out.view(n, heads * dim), self.o_proj.weight, self.o_proj.bias)  # [N, hidden]
+
+    def _prompts(
+        self,
+        q: torch.Tensor,
+        layout: BatchLayout,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """Attention of the prompt chunks' tokens (rows num_decode.. of `q [N, H, D]`) into `out`:
+        all chunks in one kernel call over their blocks where it applies, else per chunk one SDPA
+        call over a gathered copy of its blocks."""
+        b = layout.num_decode
+        n = q.shape[0] - b
+        # [P, KVH, G, D]: a prompt token's query heads grouped by KV head, as a decode row's
+        grouped = q[b:].reshape(n, self.num_kv_heads, -1, self.head_dim)
+        attn = prompt_attention(
+            grouped,
+            k_cache,
+            v_cache,
+            layout.prefill_tables,
+            layout.prefill_starts,
+            layout.prefill_firsts,
+            layout.prefill_counts,
+        )
+        if attn is not None:  # [P, KVH, G, D]
+            out[b:] = attn.reshape(n, self.num_heads, self.head_dim)
+            return
         for (table, first, length, start), mask in zip(
             layout.prefill, layout.prefill_masks, strict=True
         ):
@@ -233,7 +281,6 @@ class Attention(nn.Module):
                 query, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True
             )  # [1, H, T, D]
             out[first : first + length] = attn[0].transpose(0, 1)  # [T, H, D]: copies any layout
-        return linear(out.view(n, heads * dim), self.o_proj.weight, self.o_proj.bias)  # [N, hidden]
 
 
 class MLP(nn.Module):

@@ -1,6 +1,7 @@
 """The compiled CPU kernels against the torch ops they replace: ragged tails, biases, empty batches,
-bf16 rounding, paged decode attention over shuffled and shared blocks."""
+bf16 rounding, paged decode and prompt attention over shuffled and shared blocks."""
 
+import itertools
 import math
 
 import pytest
@@ -237,6 +238,69 @@ def test_paged_decode_attention_in_torch_ops_matches_a_float64_softmax(dtype, he
     torch.testing.assert_close(got, case.reference().to(dtype), **TOLERANCE[dtype])
 
 
+# prompt chunks over the case's rows: (first position, tokens), ending at each row's length: a
+# whole prompt, a chunk from mid-block, one token, a chunk across blocks, one whole block
+CHUNKS = [(0, 37), (27, 5), (0, 1), (30, 20), (0, 16)]
+
+
+def prompt_chunks(case: PagedCase, chunks: list[tuple[int, int]]) -> tuple[torch.Tensor, ...]:
+    """Queries for the chunks (one per row of the case, in order) and the kernel's chunk
+    arguments: `(query [N, KVH, G, D], starts, firsts, counts)`."""
+    g = torch.Generator().manual_seed(7)
+    _, kv_heads, heads_per_kv, dim = case.query.shape
+    total = sum(n for _, n in chunks)
+    query = torch.randn(total, kv_heads, heads_per_kv, dim, generator=g).to(case.query.dtype)
+    counts = torch.tensor([n for _, n in chunks])
+    firsts = torch.cumsum(counts, 0) - counts
+    return query, torch.tensor([s for s, _ in chunks]), firsts, counts
+
+
+@pytest.mark.usefixtures("compiled")
+@pytest.mark.parametrize(("dtype", "heads_per_kv", "dim"), paged_cases())
+def test_paged_prompt_attention_matches_a_float64_causal_softmax(dtype, heads_per_kv, dim):
+    """Every chunk of the call over its own shuffled (and shared) blocks, each token seeing the
+    keys up to its position; what the pool holds past them is NaN, so a stray read shows."""
+    case = PagedCase(dtype, heads_per_kv, dim)
+    query, starts, firsts, counts = prompt_chunks(case, CHUNKS)
+    got = kernels.prompt_attention(query, *case.shuffled, starts, firsts, counts)
+    assert got is not None  # [N, KVH, G, D]
+    for row, (start, n) in enumerate(CHUNKS):
+        first = int(firsts[row])
+        for i in range(n):
+            q = query[first + i].double()  # [KVH, G, D]
+            k, v = case.keys[:, row, :, : start + i + 1].double()  # [KVH, keys, D] each
+            weights = torch.softmax(q @ k.transpose(1, 2) * dim**-0.5, dim=-1)
+            want = (weights @ v).to(dtype)  # [KVH, G, D]
+            torch.testing.assert_close(got[first + i], want, **TOLERANCE[dtype])
+
+
+@pytest.mark.usefixtures("compiled")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_tokens_attention_does_not_depend_on_its_chunks_or_their_batch(dtype):
+    """A token's sums run over its keys in position order whatever chunk it came in, and whatever
+    else the call holds: a prompt prefilled in one chunk or in three, alone or beside others, gives
+    the same bits (and so does a cached prefix plus the rest)."""
+    case = PagedCase(dtype, 3, 64)
+    query, starts, firsts, counts = prompt_chunks(case, CHUNKS)
+    together = kernels.prompt_attention(query, *case.shuffled, starts, firsts, counts)
+    k_pool, v_pool, tables = case.shuffled
+    whole = query[:37]  # row 0's prompt: [37, KVH, G, D]
+    for cuts in ([0, 37], [0, 5, 21, 37], [0, 16, 17, 37]):
+        parts = []
+        for a, b in itertools.pairwise(cuts):
+            out = kernels.prompt_attention(
+                whole[a:b].contiguous(),
+                k_pool,
+                v_pool,
+                tables[:1],
+                torch.tensor([a]),
+                torch.tensor([0]),
+                torch.tensor([b - a]),
+            )
+            parts.append(out)
+        assert torch.equal(torch.cat(parts), together[:37])
+
+
 def test_the_kernel_path_returns_none_where_it_does_not_apply(monkeypatch):
     """Another dtype (or device, or no compiler): None, and the caller runs the torch ops."""
     case = PagedCase(torch.float32, 1, 16)
@@ -246,8 +310,12 @@ def test_the_kernel_path_returns_none_where_it_does_not_apply(monkeypatch):
         kernels.decode_attention(query, k_pool.double(), v_pool.double(), tables, case.lengths)
         is None
     )
+    query, starts, firsts, counts = prompt_chunks(case, CHUNKS)
+    as_double = (query.double(), k_pool.double(), v_pool.double(), tables)
+    assert kernels.prompt_attention(*as_double, starts, firsts, counts) is None
     monkeypatch.setattr(kernels, "load_kernels", lambda: None)
     assert kernels.decode_attention(case.query, *case.shuffled, case.lengths) is None
+    assert kernels.prompt_attention(query, *case.shuffled, starts, firsts, counts) is None
 
 
 @pytest.mark.usefixtures("compiled")

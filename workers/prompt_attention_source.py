@@ -1,0 +1,298 @@
+"""C++ source of the paged prompt-attention kernel: the chunks of a step attend over their blocks
+where they lie, as decode rows do, with no copy of a request's keys."""
+
+# Built by `workers.kernels` after `kernel_source` (whose helpers it uses). Until this kernel, a
+# prompt chunk gathered its request's blocks into one contiguous copy per layer and called SDPA:
+# 30-50% of the chunk's attention for a short chunk over a long context (a conversation's next
+# turn), 2-11% for 128-256 tokens (a microbenchmark over the embedded model's heads, one thread).
+#
+# One work item is (chunk, KV head, tile of the chunk's tokens): its rows are the tile's tokens
+# times the G query heads sharing that KV head, at most 128 (about 96 by default). It walks the
+# request's blocks in table order, flash-attention style: per block, scores for every row, a
+# running max and sum per row, and the output accumulators rescaled when the max grows. Scores
+# and the outputs are both computed across rows, the rows a vector's lanes: the queries and the
+# accumulators are kept transposed ([D][rows]), so a key's (or a value's) element is broadcast
+# against a vector of rows, with no horizontal sums, and the rescaling and softmax run on whole
+# vectors. Row r of token t sees keys 0..start+t (causal within the chunk). Written with GCC's
+# vector extensions: 16 lanes where the CPU has AVX-512, 8 elsewhere (AVX2), the same source; D
+# must be a multiple of 4, elsewhere `prompt_attention_available` says no and the gather + SDPA
+# path runs.
+PROMPT_ATTENTION = r"""
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace prompt {
+
+// lanes; row vectors per pass of the score loop (two keys each) and of the value loop (DB
+// elements each): the accumulators take 16 of AVX-512's 32 registers, 12 of AVX2's 16
+#if defined(__AVX512F__)
+constexpr int VL = 16, SCORE_ROWS = 8, VALUE_ROWS = 4;
+#else
+constexpr int VL = 8, SCORE_ROWS = 4, VALUE_ROWS = 3;
+#endif
+constexpr int DB = 4;  // head-dim elements per pass of the value loop
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+
+static inline vf vload(const float* p) {
+    vf x;
+    std::memcpy(&x, p, sizeof x);
+    return x;
+}
+static inline void vstore(float* p, vf x) { std::memcpy(p, &x, sizeof x); }
+static inline vf splat(float x) { return vf{} + x; }
+
+static inline vf fma(vf a, vf b, vf c) {  // a * b + c, one rounding where the CPU has FMA
+#if defined(__AVX512F__)
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
+// exp_nonpositive over the lanes
+static inline vf vexp(vf x) {
+    x = x < -87.f ? splat(-87.f) : x;
+    const vf y = x * 1.44269504088896341f + 0.5f;
+    vf n = __builtin_convertvector(__builtin_convertvector(y, vi), vf);
+    n = n > y ? n - 1.f : n;  // floor (the conversion truncates toward 0)
+    vf r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    vf p = splat(1.9875691500e-4f);
+    p = fma(p, r, splat(1.3981999507e-3f));
+    p = fma(p, r, splat(8.3334519073e-3f));
+    p = fma(p, r, splat(4.1665795894e-2f));
+    p = fma(p, r, splat(1.6666665459e-1f));
+    p = fma(p, r, splat(5.0000001201e-1f));
+    p = fma(p, r * r, r + 1.f);
+    const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+    return p * (vf)bits;
+}
+
+// Scores of keys j and j + 1 (each query load serves both) for NG row vectors from g0:
+// st[j][rows] = sum_d qt[d][rows] * key_j[d]. qt: [D][W]; st: [keys][W].
+template <int NG, typename T>
+static inline void score_pair(const float* qt, int64_t W, int64_t g0, const T* k0, const T* k1,
+                              int64_t D, float* s0, float* s1) {
+    vf a[NG], b[NG];
+    for (int g = 0; g < NG; ++g) a[g] = b[g] = vf{};
+    for (int64_t d = 0; d < D; ++d) {
+        const vf x0 = splat(load(k0, d)), x1 = splat(load(k1, d));
+        for (int g = 0; g < NG; ++g) {
+            const vf q = vload(qt + d * W + (g0 + g) * VL);
+            a[g] = fma(q, x0, a[g]);
+            b[g] = fma(q, x1, b[g]);
+        }
+    }
+    for (int g = 0; g < NG; ++g) {
+        vstore(s0 + (g0 + g) * VL, a[g]);
+        vstore(s1 + (g0 + g) * VL, b[g]);
+    }
+}
+
+template <typename T>
+static void block_scores(const float* qt, int64_t W, const T* block, int64_t nk, int64_t D,
+                         float* st, float* spare) {
+    const int64_t ng = W / VL;
+    for (int64_t j = 0; j < nk; j += 2) {
+        const T* k0 = block + j * D;
+        const bool pair = j + 1 < nk;  // (an odd last key is scored twice, kept once)
+        const T* k1 = pair ? k0 + D : k0;
+        float* s0 = st + j * W;
+        float* s1 = pair ? s0 + W : spare;
+        int64_t g0 = 0;
+        for (; g0 + SCORE_ROWS <= ng; g0 += SCORE_ROWS)
+            score_pair<SCORE_ROWS>(qt, W, g0, k0, k1, D, s0, s1);
+        for (; g0 < ng; ++g0) score_pair<1>(qt, W, g0, k0, k1, D, s0, s1);
+    }
+}
+
+// acct[d][rows] = acct[d][rows] * alpha[rows] + sum_j p[j][rows] * value_j[d] for DB elements
+// of d and NG row vectors at a time: their accumulators stay in registers over the keys.
+template <int NG, typename T>
+static inline void value_pass(const float* p, int64_t W, int64_t g0, const T* block, int64_t nk,
+                              int64_t D, int64_t d0, const float* alpha, float* acct) {
+    vf a[DB][NG];
+    for (int g = 0; g < NG; ++g) {
+        const vf scale = vload(alpha + (g0 + g) * VL);
+        for (int e = 0; e < DB; ++e) a[e][g] = vload(acct + (d0 + e) * W + (g0 + g) * VL) * scale;
+    }
+    for (int64_t j = 0; j < nk; ++j) {
+        vf w[NG];
+        for (int g = 0; g < NG; ++g) w[g] = vload(p + j * W + (g0 + g) * VL);
+        for (int e = 0; e < DB; ++e) {
+            const vf x = splat(load(block + j * D, d0 + e));
+            for (int g = 0; g < NG; ++g) a[e][g] = fma(w[g], x, a[e][g]);
+        }
+    }
+    for (int e = 0; e < DB; ++e)
+        for (int g = 0; g < NG; ++g) vstore(acct + (d0 + e) * W + (g0 + g) * VL, a[e][g]);
+}
+
+template <typename T>
+static void block_values(const float* p, int64_t W, const T* block, int64_t nk, int64_t D,
+                         const float* alpha, float* acct) {
+    const int64_t ng = W / VL;
+    for (int64_t d0 = 0; d0 < D; d0 += DB) {
+        int64_t g0 = 0;
+        for (; g0 + VALUE_ROWS <= ng; g0 += VALUE_ROWS)
+            value_pass<VALUE_ROWS>(p, W, g0, block, nk, D, d0, alpha, acct);
+        for (; g0 < ng; ++g0) value_pass<1>(p, W, g0, block, nk, D, d0, alpha, acct);
+    }
+}
+
+struct Buffers {
+    std::vector<float> qt, st, acct, m, l, alpha, spare;
+    std::vector<int32_t> limit;
+};
+
+// One item: tokens t0..t0+nt-1 of a chunk whose first token is at position `start`, KV head h.
+// q, out: the chunk's first token's [KVH, G, D]; k, v: KV head h's part of block 0.
+template <typename T>
+static void attend_tile(const T* q, const T* k, const T* v, const Pages& pages, int64_t start,
+                        int64_t t0, int64_t nt, int64_t KVH, int64_t G, int64_t D, int64_t h,
+                        float scale, Buffers& buf, T* out) {
+    const int64_t R = nt * G, W = (R + VL - 1) / VL * VL, BS = pages.BS;
+    buf.qt.assign(D * W, 0.f);
+    buf.acct.assign(D * W, 0.f);
+    buf.st.resize(BS * W);
+    buf.spare.resize(W);
+    buf.m.assign(W, -INFINITY);
+    buf.l.assign(W, 0.f);
+    buf.alpha.resize(W);
+    buf.limit.assign(W, 0);
+    for (int64_t r = 0; r < R; ++r) {
+        const int64_t t = t0 + r / G, g = r % G;
+        const T* row = q + (t * KVH + h) * G * D + g * D;
+        for (int64_t d = 0; d < D; ++d) buf.qt[d * W + r] = load(row, d) * scale;
+        buf.limit[r] = int32_t(start + t + 1);  // keys it sees
+    }
+    const int64_t end = start + t0 + nt;  // keys the last row sees
+    for (int64_t kb = 0, b = 0; kb < end; kb += BS, ++b) {
+        const int64_t nk = std::min(BS, end - kb);
+        const T* kblk = k + pages.table[b] * pages.stride;
+        const T* vblk = v + pages.table[b] * pages.stride;
+        block_scores(buf.qt.data(), W, kblk, nk, D, buf.st.data(), buf.spare.data());
+        for (int64_t g = 0; g < W; g += VL) {
+            vi limit;
+            std::memcpy(&limit, buf.limit.data() + g, sizeof limit);
+            const vf old = vload(buf.m.data() + g);
+            vf top = old;
+            for (int64_t j = 0; j < nk; ++j) {  // a row sees key kb + j if kb + j < its limit
+                const vf s = vload(buf.st.data() + j * W + g);
+                top = ((limit > int32_t(kb + j)) & (s > top)) ? s : top;
+            }
+            // (a row with no key yet has old = -inf: alpha is about 0, as its sums are)
+            const vf alpha = vexp(old - top);
+            vf sum = vload(buf.l.data() + g) * alpha;
+            for (int64_t j = 0; j < nk; ++j) {
+                float* s = buf.st.data() + j * W + g;
+                const vf e = vexp(vload(s) - top);
+                const vf p = limit > int32_t(kb + j) ? e : vf{};
+                vstore(s, p);
+                sum += p;
+            }
+            vstore(buf.m.data() + g, top);
+            vstore(buf.l.data() + g, sum);
+            vstore(buf.alpha.data() + g, alpha);
+        }
+        block_values(buf.st.data(), W, vblk, nk, D, buf.alpha.data(), buf.acct.data());
+    }
+    for (int64_t r = 0; r < R; ++r) {
+        const int64_t t = t0 + r / G, g = r % G;
+        T* row = out + (t * KVH + h) * G * D + g * D;
+        const float inv = 1.f / buf.l[r];
+        for (int64_t d = 0; d < D; ++d) store(row, d, buf.acct[d * W + r] * inv);
+    }
+}
+
+// q, out: [N, KVH, G, D], the chunks' tokens one after another; k, v: [NB, KVH, BS, D];
+// tables: [C, MAXB]; starts, firsts, counts: [C] (a chunk's first position, its first row of q,
+// its tokens). Items are (chunk, KV head, tile of about 96 rows), the costliest first, each
+// taken by the next free thread.
+template <typename T>
+static void run(const T* q, const T* k, const T* v, const int64_t* tables, const int64_t* starts,
+                const int64_t* firsts, const int64_t* counts, T* out, int64_t C, int64_t KVH,
+                int64_t G, int64_t D, int64_t BS, int64_t MAXB, float scale) {
+    const int64_t tile = std::max<int64_t>(1, 96 / G);
+    struct Item {
+        int64_t chunk, head, t0, nt, cost;
+    };
+    std::vector<Item> items;
+    for (int64_t c = 0; c < C; ++c)
+        for (int64_t t0 = 0; t0 < counts[c]; t0 += tile)
+            for (int64_t h = 0; h < KVH; ++h) {
+                const int64_t nt = std::min(tile, counts[c] - t0);
+                items.push_back({c, h, t0, nt, nt * (starts[c] + t0 + nt)});
+            }
+    std::stable_sort(items.begin(), items.end(),
+                     [](const Item& a, const Item& b) { return a.cost > b.cost; });
+    std::atomic<int64_t> next{0};
+    const int64_t n = int64_t(items.size());
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+        Buffers buf;
+        for (int64_t i = next++; i < n; i = next++) {
+            const Item& it = items[i];
+            const Pages pages{tables + it.chunk * MAXB, KVH * BS * D, BS};
+            const int64_t first = firsts[it.chunk] * KVH * G * D;
+            attend_tile(q + first, k + it.head * BS * D, v + it.head * BS * D, pages,
+                        starts[it.chunk], it.t0, it.nt, KVH, G, D, it.head, scale, buf,
+                        out + first);
+        }
+    });
+}
+
+}  // namespace prompt
+
+bool prompt_attention_available(int64_t head_dim) { return head_dim % prompt::DB == 0; }
+
+torch::Tensor prompt_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                               torch::Tensor block_tables, torch::Tensor starts,
+                               torch::Tensor firsts, torch::Tensor counts, double scale) {
+    TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
+                "contiguous tensors expected");
+    TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
+                "one dtype expected");
+    TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.sizes() == v.sizes() &&
+                    k.size(1) == q.size(1) && k.size(3) == q.size(3),
+                "q [N, KVH, G, D], k and v [NB, KVH, BS, D] expected");
+    const int64_t N = q.size(0), KVH = q.size(1), G = q.size(2), D = q.size(3);
+    const int64_t NB = k.size(0), BS = k.size(2);
+    TORCH_CHECK(prompt_attention_available(D), "no prompt-attention kernel for head dim ", D);
+    const int64_t C = starts.numel();
+    TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == C &&
+                    block_tables.is_contiguous() && starts.is_contiguous() &&
+                    firsts.is_contiguous() && counts.is_contiguous() && firsts.numel() == C &&
+                    counts.numel() == C,
+                "block_tables [C, MAXB], starts, firsts and counts [C] contiguous expected");
+    const int64_t MAXB = block_tables.size(1);
+    const int64_t* tables = block_tables.data_ptr<int64_t>();
+    const int64_t* s = starts.data_ptr<int64_t>();
+    const int64_t* f = firsts.data_ptr<int64_t>();
+    const int64_t* n = counts.data_ptr<int64_t>();
+    for (int64_t c = 0; c < C; ++c) {  // a bad table or span fails here, not as a stray read
+        TORCH_CHECK(s[c] >= 0 && n[c] >= 0 && f[c] >= 0 && f[c] + n[c] <= N &&
+                        s[c] + n[c] <= MAXB * BS,
+                    "chunk ", c, " does not fit its block table or the batch");
+        for (int64_t i = 0; i * BS < s[c] + n[c]; ++i)
+            TORCH_CHECK(tables[c * MAXB + i] >= 0 && tables[c * MAXB + i] < NB, "block ",
+                        tables[c * MAXB + i], " of chunk ", c, " outside the pool of ", NB);
+    }
+    auto out = torch::empty_like(q);
+    if (q.scalar_type() == torch::kFloat) {
+        prompt::run<float>(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), tables,
+                           s, f, n, out.data_ptr<float>(), C, KVH, G, D, BS, MAXB, float(scale));
+    } else {
+        TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "float32 or bfloat16 expected");
+        auto bits = [](const torch::Tensor& t) {
+            return reinterpret_cast<uint16_t*>(t.data_ptr());
+        };
+        prompt::run<uint16_t>(bits(q), bits(k), bits(v), tables, s, f, n, bits(out), C, KVH, G,
+                              D, BS, MAXB, float(scale));
+    }
+    return out;
+}
+"""
