@@ -256,15 +256,29 @@ static void run(const T* q, const T* k, const T* v, const int64_t* tables, const
     });
 }
 
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                               torch::Tensor block_tables, torch::Tensor lengths, double scale) {
+// What both attention kernels (decode rows here, prompt chunks in prompt_attention_source) ask of
+// their query and paged K and V.
+static void check_paged_qkv(const torch::Tensor& q, const torch::Tensor& k,
+                            const torch::Tensor& v) {
     TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
                 "contiguous tensors expected");
     TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
                 "one dtype expected");
+    TORCH_CHECK(q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kBFloat16,
+                "float32 or bfloat16 expected");
     TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.sizes() == v.sizes() &&
                     k.size(1) == q.size(1) && k.size(3) == q.size(3),
-                "q [B, KVH, G, D], k and v [NB, KVH, BS, D] expected");
+                "q [rows, KVH, G, D], k and v [NB, KVH, BS, D] expected");
+}
+
+// a bf16 tensor's elements as the 16-bit words the kernels read
+static uint16_t* bf16_bits(const torch::Tensor& t) {
+    return reinterpret_cast<uint16_t*>(t.data_ptr());
+}
+
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                               torch::Tensor block_tables, torch::Tensor lengths, double scale) {
+    check_paged_qkv(q, k, v);
     const int64_t B = q.size(0), KVH = q.size(1), G = q.size(2), D = q.size(3);
     const int64_t NB = k.size(0), BS = k.size(2);
     TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B &&
@@ -286,12 +300,8 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
         run<float>(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), tables, l,
                    out.data_ptr<float>(), B, KVH, G, D, BS, MAXB, float(scale));
     } else {
-        TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "float32 or bfloat16 expected");
-        auto bits = [](const torch::Tensor& t) {
-            return reinterpret_cast<uint16_t*>(t.data_ptr());
-        };
-        run<uint16_t>(bits(q), bits(k), bits(v), tables, l, bits(out), B, KVH, G, D, BS, MAXB,
-                      float(scale));
+        run<uint16_t>(bf16_bits(q), bf16_bits(k), bf16_bits(v), tables, l, bf16_bits(out), B, KVH,
+                      G, D, BS, MAXB, float(scale));
     }
     return out;
 }

@@ -252,13 +252,7 @@ bool prompt_attention_available(int64_t head_dim) { return head_dim % prompt::DB
 torch::Tensor prompt_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                torch::Tensor block_tables, torch::Tensor starts,
                                torch::Tensor firsts, torch::Tensor counts, double scale) {
-    TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
-                "contiguous tensors expected");
-    TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
-                "one dtype expected");
-    TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.sizes() == v.sizes() &&
-                    k.size(1) == q.size(1) && k.size(3) == q.size(3),
-                "q [N, KVH, G, D], k and v [NB, KVH, BS, D] expected");
+    check_paged_qkv(q, k, v);
     const int64_t N = q.size(0), KVH = q.size(1), G = q.size(2), D = q.size(3);
     const int64_t NB = k.size(0), BS = k.size(2);
     TORCH_CHECK(prompt_attention_available(D), "no prompt-attention kernel for head dim ", D);
@@ -286,12 +280,8 @@ torch::Tensor prompt_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
         prompt::run<float>(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), tables,
                            s, f, n, out.data_ptr<float>(), C, KVH, G, D, BS, MAXB, float(scale));
     } else {
-        TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "float32 or bfloat16 expected");
-        auto bits = [](const torch::Tensor& t) {
-            return reinterpret_cast<uint16_t*>(t.data_ptr());
-        };
-        prompt::run<uint16_t>(bits(q), bits(k), bits(v), tables, s, f, n, bits(out), C, KVH, G,
-                              D, BS, MAXB, float(scale));
+        prompt::run<uint16_t>(bf16_bits(q), bf16_bits(k), bf16_bits(v), tables, s, f, n,
+                              bf16_bits(out), C, KVH, G, D, BS, MAXB, float(scale));
     }
     return out;
 }
