@@ -309,6 +309,18 @@ def test_killed_workers_lose_no_request(ray_session, tiny_checkpoint):
     assert stats["live_handoffs"] == 0
 
 
+async def restarted(worker, timeout_s=60.0):
+    """Wait until a killed actor's restart answers (calls fail while it is restarting)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        await asyncio.sleep(0.2)
+        try:
+            return await worker.ready.remote()
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+
+
 def test_a_decode_worker_restarted_while_idle_is_noticed_before_its_next_step(
     ray_session, tiny_checkpoint
 ):
@@ -330,8 +342,7 @@ def test_a_decode_worker_restarted_while_idle_is_noticed_before_its_next_step(
         os.kill(prefill_pid, signal.SIGSTOP)  # the prompt stops halfway, decode-0 idles
         try:
             ray.kill(workers["decode-0"], no_restart=False)
-            await asyncio.sleep(0.5)
-            await workers["decode-0"].ready.remote()  # the restarted one answers
+            await restarted(workers["decode-0"])
         finally:
             os.kill(prefill_pid, signal.SIGCONT)
         done = await asyncio.wait_for(task, timeout=120)
