@@ -87,6 +87,9 @@ class WorkerState:
     actor: str = ""
     # the pool it is leaving for: it takes no new work, and changes once empty
     next_kind: str | None = None
+    # step calls sent whose results have not come back (the actor shell counts them): a worker
+    # changes pools only with none, so no result planned for its old role reaches its new one
+    calls_in_flight: int = 0
 
     def __post_init__(self) -> None:
         self.actor = self.actor or self.name

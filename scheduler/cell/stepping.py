@@ -79,7 +79,7 @@ class CellSteps:
             if in_flight is not None:
                 if not await self._finish_step(worker, *in_flight):
                     if sent is not None:  # the worker died: the call sent after it is lost too
-                        await asyncio.gather(sent[1], return_exceptions=True)
+                        await asyncio.gather(self._results(worker, sent[1]), return_exceptions=True)
                     sent = None
                 elif sent is not None:  # it starts now
                     self.clock.started(worker.name, sent[3], _tokens(sent[0]), time.perf_counter())
@@ -90,7 +90,16 @@ class CellSteps:
         """Send a step call naming the start of the worker this scheduler knows (`ready()`'s
         incarnation): a worker restarted since refuses it (WorkerRestarted). No local keeps the
         result's ref: an idle loop must not hold the last result in the object store."""
+        worker.calls_in_flight += 1
         return handle.step.remote(pack_plans(plans), imports, worker.placement.get("incarnation"))
+
+    @staticmethod
+    async def _results(worker: WorkerState, ref: Any) -> Any:
+        """A call's results (or its error); either way the call is no longer in flight."""
+        try:
+            return await ref
+        finally:
+            worker.calls_in_flight -= 1
 
     async def _await_handoff(
         self, worker: WorkerState, plans: list[Any], ref: Any, sent_s: float
@@ -121,7 +130,7 @@ class CellSteps:
         """Wait for a call's results and apply them step by step; False if the worker died (then it
         has been recovered)."""
         try:
-            results = await ref
+            results = await self._results(worker, ref)
         except self.worker_errors as e:
             self.clock.lost(worker.name)
             await self._recover(worker, e)
