@@ -125,7 +125,7 @@ class Coordinator:
         self.outputs.add(request)
         self.placements[request.req_id] = RequestPlacement()
         self.pools.on_arrival(request)
-        self.route(request)
+        self._route(request)
 
     def abort(self, req_id: str) -> bool:
         """End a request in any state (waiting, prefilling, handed off, decoding): its slot, prefill
@@ -166,7 +166,7 @@ class Coordinator:
         outbox, self.outbox = self.outbox, {}
         return outbox
 
-    def route(self, request: Request) -> None:
+    def _route(self, request: Request) -> None:
         """Queue a request whose cache is empty: on the prefill pool, or on a decode worker when the
         mode is colocated or the tokens to compute are fewer than local_prefill_max_tokens; on the
         decode worker that holds all but a block and a chunk of it (a conversation's next turn,
@@ -200,7 +200,7 @@ class Coordinator:
         its KV), or, when it left without one, on their own way (each computes the prompt)."""
         for fork in self.forks.release(req_id):
             if target is None:
-                self.route(fork)
+                self._route(fork)
             else:
                 target.sched.submit(fork)
 
@@ -304,7 +304,7 @@ class Coordinator:
             for req_id in plan.preempted:
                 request = worker.sched.evict(req_id)
                 if request is not None:
-                    self.route(request)
+                    self._route(request)
         # an idle decode worker gets a step that only imports them
         early = self.kv.early_imports(worker)
         if plan.empty and not early:
@@ -405,7 +405,7 @@ class Coordinator:
             )
             return
         log.warning("recomputing %s: %s", request.req_id, why)
-        self.route(request)
+        self._route(request)
 
     # ---- faults
     def fail_worker_requests(self, worker: WorkerState, message: str) -> list[str]:
@@ -488,9 +488,6 @@ class Coordinator:
                 "decode": len(self.decode),
                 "leaving": {w.name: w.next_kind for w in self.workers if w.next_kind},
                 "role_changes": self.roles.count,
-                # what decode workers leaving for the prefill pool left to be computed again
-                "recomputed_requests": self.roles.recomputed_requests,
-                "recomputed_tokens": self.roles.recomputed_tokens,
                 "decisions": self.pools.decisions,
                 "last_window": self.pools.last_window,
             },

@@ -1,14 +1,12 @@
 """A cell's pools resized while it serves: workers that change role, and the planner's window.
 
 A worker leaving its pool (`begin`) takes no new work: nothing is routed, bound or handed to it,
-and the prompts still waiting in its queue go to the rest of its pool. A prefill worker's prompts
-already started are prefilled and handed off there (seconds at most). A decode worker leaving for
-the prefill pool is wanted there now, while its longest answer could keep it for minutes: what it
-holds is recomputed on the workers that stay (the path preemption takes: outputs do not change),
-so it prefills from its next call. One released from the cell lets its requests finish instead:
-nothing waits for it. Once it holds nothing and has no call in flight (`finish`), it joins the
-other pool under a new name with a planner for that role; the actor, its cache and its KV
-transfers stay as they are (its named prefix blocks are forgotten).
+and the prompts still waiting in its queue go to the rest of its pool. What it already holds runs
+to the end there (a prefill worker's prompts are prefilled and handed off; a decode worker's
+requests finish), so no request is moved, recomputed or changed by a role change. Once it holds
+nothing and has no call in flight (`finish`), it joins the other pool under a new name with a
+planner for that role; the actor, its cache and its KV transfers stay as they are (its named
+prefix blocks are forgotten).
 
 `PoolPlans` collects the load of each window from the coordinator's hooks, asks the pure
 `PoolPlanner` for the pools' next sizes at the end of the window, and starts the role change
@@ -47,8 +45,6 @@ class RoleChanges:
         self.count = 0
         self.added = 0
         self.removed = 0
-        self.recomputed_requests = 0  # moved off decode workers leaving for the prefill pool
-        self.recomputed_tokens = 0
 
     def add(self, kind: str) -> WorkerState:
         """A new worker for pool `kind`, not yet started (`RESTARTING` until its actor answers
@@ -83,21 +79,7 @@ class RoleChanges:
             cell.move_waiting(worker)
         for req_id in [r for r, w in cell.kv.bound.items() if w is worker]:
             cell.kv.unbind(req_id)  # rebound, with its next piece, to a worker that stays
-        if worker.kind == "decode" and kind == "prefill":
-            self._recompute_elsewhere(worker)
         self.finish()
-
-    def _recompute_elsewhere(self, worker: WorkerState) -> None:
-        """Take every request off a worker and recompute each on the workers that stay (prompt +
-        output so far, routed as a preempted request is; not counted as a loss of its cache)."""
-        cell = self.cell
-        for request in list(worker.sched.running) + list(worker.sched.waiting_requests()):
-            worker.sched.evict(request.req_id)
-            cell.kv.drop(request.req_id)
-            self.recomputed_requests += 1
-            self.recomputed_tokens += request.num_computed
-            request.reset_cache()
-            cell.route(request)
 
     def holds_nothing(self, worker: WorkerState) -> bool:
         sched = worker.sched

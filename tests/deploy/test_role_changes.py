@@ -64,7 +64,5 @@ def test_role_changes_under_load_change_no_output(ray_session, tiny_checkpoint):
     assert all(c.error is None for c in done + extra)
     assert [m["actor"] for m in moved] == ["prefill-1", "decode-0"]
     assert stats["pools"]["role_changes"] == 2
-    # decode-0's requests were computed again elsewhere, not waited for
-    assert stats["pools"]["recomputed_requests"] >= 1
     assert (stats["pools"]["prefill"], stats["pools"]["decode"]) == (2, 2)
     assert all(len(c.token_ids) == 6 for c in extra)

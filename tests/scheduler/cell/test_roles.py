@@ -3,7 +3,6 @@ moves the worker the load asks for."""
 
 import pytest
 
-from scheduler.cell.pools import RELEASE
 from scheduler.cell.state import WorkerStatus
 from scheduler.pool_planner import LoadWindow, Speeds
 from tests.scheduler.cell.test_coordinator import (
@@ -82,85 +81,17 @@ def test_a_prefill_worker_becomes_a_decode_worker_under_load_and_nothing_changes
     assert_idle(coordinator)
 
 
-def run_overlapped(coordinator, streams, steps, in_flight, seen=None):
-    """As the actor shell steps: each worker keeps one call in flight (counted in its
-    `calls_in_flight`), planned before the one ahead of it is applied; `seen(worker, plan)` as
-    each is planned. What is still in flight at the end stays in `in_flight` (by actor)."""
-    for _ in range(steps):
-        for worker in list(coordinator.workers):
-            if worker.status is not WorkerStatus.UP:
-                continue
-            step = coordinator.next_step(worker)
-            sent = None
-            if step is not None:
-                if seen is not None:
-                    seen(worker, step[0])
-                worker.calls_in_flight += 1
-                sent = (step[0], fake_step(coordinator, worker, *step))
-            if worker.actor in in_flight:
-                worker.calls_in_flight -= 1
-                coordinator.apply(worker, *in_flight.pop(worker.actor))
-                streams.take(coordinator)
-            if sent is not None:
-                in_flight[worker.actor] = sent
-        if not in_flight and all(w.sched.idle for w in coordinator.workers):
-            return
-
-
-def test_a_decode_worker_leaving_for_the_prefill_pool_recomputes_its_requests_elsewhere():
-    coordinator = cell(num_prefill_workers=1, num_decode_workers=2, decode_slots=4)
-    streams, in_flight = Streams(), {}
-    for i in range(4):
-        coordinator.admit(req(f"a{i}", prompt_len=20, max_tokens=40), consumer="c")
-    while not all(w.sched.running for w in coordinator.decode):
-        run_overlapped(coordinator, streams, 1, in_flight)
-    leaving = coordinator.decode[0]
-    assert leaving.calls_in_flight == 1
-    moved = set(leaving.sched.requests)
-    computed = sum(r.num_computed for r in leaving.sched.requests.values())
-    coordinator.roles.begin(leaving, "prefill")
-    # what it held is taken off it at once, to be computed again on the workers that stay
-    assert not leaving.sched.requests and not leaving.accepts
-    pools = coordinator.stats()["pools"]
-    assert pools["recomputed_requests"] == len(moved)
-    assert pools["recomputed_tokens"] == computed
-    # but it changes pools only when its call in flight is back (its results are for no one)
-    assert leaving.kind == "decode"
-    for i in range(4):
-        coordinator.admit(req(f"b{i}", prompt_len=45, max_tokens=6), consumer="c")
-    steps_on = {}
-
-    def seen(worker, plan):
-        for chunk in plan.chunks:
-            steps_on.setdefault(worker.actor, set()).add((worker.kind, chunk.req_id))
-
-    run_overlapped(coordinator, streams, 400, in_flight, seen)
-    assert leaving.kind == "prefill" and leaving.name == "prefill-1"
-    assert all(kind == "prefill" for kind, _ in steps_on.get(leaving.actor, ()))
-    expected = {f"a{i}": expected_tokens(f"a{i}", 40) for i in range(4)}
-    expected |= {f"b{i}": expected_tokens(f"b{i}", 6) for i in range(4)}
-    assert streams.tokens == expected  # as if nothing had moved
-    assert set(streams.finish.values()) == {"length"}
-    # and it prefills new prompts now
-    coordinator.admit(req("c0", prompt_len=48, max_tokens=3), consumer="c")
-    coordinator.admit(req("c1", prompt_len=48, max_tokens=3), consumer="c")
-    assert any(r in leaving.sched.requests for r in ("c0", "c1"))
-    step_all(coordinator, streams)
-    assert streams.tokens["c0"] == expected_tokens("c0", 3)
-    assert_idle(coordinator)
-
-
-def test_a_decode_worker_released_from_the_cell_lets_its_requests_finish_there():
+def test_a_decode_worker_finishes_its_requests_then_prefills_and_new_work_uses_it():
     coordinator = cell(num_prefill_workers=1, num_decode_workers=2, decode_slots=4)
     streams = Streams()
     for i in range(4):
-        coordinator.admit(req(f"a{i}", prompt_len=20, max_tokens=40), consumer="c")
-    while not all(w.sched.running for w in coordinator.decode):
-        run_steps(coordinator, streams, 1)
-    leaving = coordinator.decode[0]
+        coordinator.admit(req(f"a{i}", prompt_len=6, max_tokens=12), consumer="c")
+    run_steps(coordinator, streams, 12)
+    leaving = next(w for w in coordinator.decode if w.sched.running)
     running = set(leaving.sched.requests)
-    coordinator.roles.begin(leaving, RELEASE)
-    assert set(leaving.sched.requests) == running  # nothing recomputed
+    coordinator.roles.begin(leaving, "prefill")
+    for i in range(4):
+        coordinator.admit(req(f"b{i}", prompt_len=7, max_tokens=6), consumer="c")
     decoded_on = {}
 
     def seen(worker, plan):
@@ -168,10 +99,38 @@ def test_a_decode_worker_released_from_the_cell_lets_its_requests_finish_there()
             decoded_on.setdefault(chunk.req_id, set()).add(worker.actor)
 
     run_steps(coordinator, streams, 200, seen)
+    # what it held ran to the end there; nothing new was decoded on it while it was leaving
     assert all(decoded_on[r] == {leaving.actor} for r in running)
-    assert streams.tokens == {f"a{i}": expected_tokens(f"a{i}", 40) for i in range(4)}
-    assert coordinator.roles.take_released() == [leaving]
-    assert coordinator.stats()["pools"]["recomputed_requests"] == 0
+    assert all(leaving.actor not in decoded_on[f"b{i}"] for i in range(4))
+    assert leaving.kind == "prefill" and leaving.name == "prefill-1"
+    expected = {f"a{i}": expected_tokens(f"a{i}", 12) for i in range(4)}
+    expected |= {f"b{i}": expected_tokens(f"b{i}", 6) for i in range(4)}
+    assert streams.tokens == expected
+    # and it prefills new prompts now
+    coordinator.admit(req("c0", prompt_len=8, max_tokens=3), consumer="c")
+    coordinator.admit(req("c1", prompt_len=8, max_tokens=3), consumer="c")
+    assert any(r in leaving.sched.requests for r in ("c0", "c1"))
+    step_all(coordinator, streams)
+    assert streams.tokens["c0"] == expected_tokens("c0", 3)
+    assert_idle(coordinator)
+
+
+def test_a_worker_changes_pools_only_when_its_call_in_flight_is_back():
+    """The actor shell keeps a call in flight ahead of the one it applies: a call planned for the
+    worker's old role must come back before the worker takes its new one."""
+    coordinator = cell(num_prefill_workers=1, num_decode_workers=2, decode_slots=4)
+    streams = Streams()
+    for i in range(2):
+        coordinator.admit(req(f"a{i}", prompt_len=6, max_tokens=8), consumer="c")
+    run_steps(coordinator, streams, 40)
+    leaving = coordinator.decode[0]
+    assert leaving.sched.idle
+    leaving.calls_in_flight = 1  # (a call sent before it started leaving, not back yet)
+    coordinator.roles.begin(leaving, "prefill")
+    assert leaving.kind == "decode" and leaving.next_kind == "prefill"
+    leaving.calls_in_flight = 0  # it is back: the next applied step, or worker_back, moves it
+    coordinator.roles.finish()
+    assert leaving.kind == "prefill" and leaving.next_kind is None
 
 
 def test_the_planner_moves_a_worker_to_the_pool_the_load_needs():
