@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -72,8 +73,6 @@ class BatchLayout:
     decode_tables: torch.Tensor  # [num_decode, max blocks] each decode row's blocks (padded)
     decode_lengths: torch.Tensor  # [num_decode] keys each decode token reads: its position + 1
     prefill: list[PrefillSpan]  # one per prompt chunk
-    # per chunk: [T, start + T] visible keys, None when start is 0
-    prefill_masks: list[torch.Tensor | None]
     # the chunks for the prompt kernel: [chunks, max blocks] their blocks (padded), and [chunks]
     # their first positions, first tokens (counted from the first prompt token) and token counts
     prefill_tables: torch.Tensor
@@ -95,15 +94,11 @@ class BatchLayout:
         positions: list[int] = []
         blocks: list[int] = []
         prefill: list[PrefillSpan] = []
-        masks: list[torch.Tensor | None] = []
         for i, (table, tokens, start) in enumerate(rows):
             end = start + len(tokens)
             if i >= num_decode:
                 used = torch.tensor(table[: -(-end // block_size)], device=device)  # [blocks]
                 prefill.append(PrefillSpan(used, len(ids), len(tokens), start))
-                query_pos = torch.arange(start, end, device=device)  # [T]
-                key_pos = torch.arange(end, device=device)  # [ctx]
-                masks.append(key_pos[None, :] <= query_pos[:, None] if start else None)
             ids += tokens
             positions += range(start, end)
             blocks += [table[p // block_size] for p in range(start, end)]
@@ -124,7 +119,6 @@ class BatchLayout:
             ),
             decode_lengths=position[:num_decode] + 1,
             prefill=prefill,
-            prefill_masks=masks,
             prefill_tables=torch.tensor(chunk_tables, dtype=torch.long, device=device).view(
                 len(chunk_rows), chunk_width
             ),
@@ -133,6 +127,19 @@ class BatchLayout:
             prefill_counts=torch.tensor([s.num_tokens for s in prefill], dtype=torch.long),
         )
         return torch.tensor(ids, device=device), layout
+
+    @functools.cached_property
+    def prefill_masks(self) -> list[torch.Tensor | None]:
+        """Per chunk: `[T, start + T]` the keys each token sees, None when it starts the prompt
+        (causal). Only the gather + SDPA path reads them: built on its first use in a step."""
+        device = self.positions.device
+        masks: list[torch.Tensor | None] = []
+        for span in self.prefill:
+            end = span.start_pos + span.num_tokens
+            query_pos = torch.arange(span.start_pos, end, device=device)  # [T]
+            key_pos = torch.arange(end, device=device)  # [ctx]
+            masks.append(key_pos[None, :] <= query_pos[:, None] if span.start_pos else None)
+        return masks
 
 
 class RMSNorm(nn.Module):
