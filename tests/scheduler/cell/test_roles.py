@@ -110,6 +110,11 @@ def test_a_decode_worker_finishes_its_requests_then_prefills_and_new_work_uses_i
     coordinator.admit(req("c0", prompt_len=8, max_tokens=3), consumer="c")
     coordinator.admit(req("c1", prompt_len=8, max_tokens=3), consumer="c")
     assert any(r in leaving.sched.requests for r in ("c0", "c1"))
+    # its first call in the new pool tells the worker to drop what it kept for the old requests
+    plan, imports = coordinator.next_step(leaving)
+    assert running <= set(plan.released)
+    coordinator.apply(leaving, plan, fake_step(coordinator, leaving, plan, imports))
+    streams.take(coordinator)
     step_all(coordinator, streams)
     assert streams.tokens["c0"] == expected_tokens("c0", 3)
     assert_idle(coordinator)
