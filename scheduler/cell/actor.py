@@ -99,7 +99,7 @@ class CellActor(CellSteps):
         # set (then replaced) when a request's last output is published
         self.request_ended = asyncio.Event()
         self.timeline = StepTimeline()
-        self.last_result_s: dict[str, float] = {}  # per worker: when its last step's result arrived
+        self.last_result_s: dict[str, float] = {}  # per actor: when its last step's result arrived
         # seconds per token per worker; when prompt-finishing calls should return
         self.clock = CallClock()
         # set (then replaced) when such a step's results are applied
@@ -232,6 +232,10 @@ class CellActor(CellSteps):
         moved = roles.take_switched()
         for worker in moved:
             log.info("%s joined the %s pool as %s", worker.actor, worker.kind, worker.name)
+            # (its timings, kept by actor, were of its old role)
+            self.clock.forget(worker.actor)
+            self.bursts.forget(worker.actor)
+            self.last_result_s.pop(worker.actor, None)
         for worker in roles.take_released():
             log.info("%s left the cell", worker.actor)
             if (loop := self.loops.pop(worker.actor, None)) is not None:

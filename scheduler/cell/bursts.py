@@ -103,6 +103,11 @@ class BurstSizer:
         for averages, value in ((self.step_s, step), (self.overhead_s, overhead)):
             averages[worker] = 0.8 * averages.get(worker, value) + 0.2 * value
 
+    def forget(self, worker: str) -> None:
+        """The worker changed roles: its old steps' times say nothing now."""
+        self.step_s.pop(worker, None)
+        self.overhead_s.pop(worker, None)
+
     def length(self, worker: str) -> int:
         """Steps for the worker's next call: 1 until a call has been measured, or when bursts are
         off."""

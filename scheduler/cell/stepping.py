@@ -61,7 +61,7 @@ class CellSteps:
             if worker.kind == "decode" and in_flight is not None:
                 await self._await_handoff(worker, in_flight[0], in_flight[1], in_flight[3])
             t0 = time.perf_counter()
-            call = plan_call(self.coordinator, worker, self.bursts.length(worker.name))
+            call = plan_call(self.coordinator, worker, self.bursts.length(worker.actor))
             sent = None
             if call is not None:
                 plans, imports = call
@@ -69,7 +69,7 @@ class CellSteps:
                 sent = (plans, self._send(handle, worker, plans, imports), t1 - t0, t1)
                 if worker.kind == "prefill" and any(c.sample for c in plans[0].prefill):
                     self.clock.finishing_sent(
-                        worker.name, t1, _tokens(plans), queued=in_flight is not None
+                        worker.actor, t1, _tokens(plans), queued=in_flight is not None
                     )
             elif in_flight is None:
                 self._deliver()  # a preempted request's reroute may have failed it
@@ -82,7 +82,7 @@ class CellSteps:
                         await asyncio.gather(self._results(worker, sent[1]), return_exceptions=True)
                     sent = None
                 elif sent is not None:  # it starts now
-                    self.clock.started(worker.name, sent[3], _tokens(sent[0]), time.perf_counter())
+                    self.clock.started(worker.actor, sent[3], _tokens(sent[0]), time.perf_counter())
             in_flight = sent
 
     @staticmethod
@@ -108,8 +108,8 @@ class CellSteps:
         call that finishes a prompt is expected back before N ends (`CallClock.handoff_due`), wait
         for that handoff, or for N, whichever comes first. Waiting never changes an output, only
         which step a handed-off request joins; when no handoff is due it costs nothing."""
-        start = max(sent_s, self.last_result_s.get(worker.name, sent_s))
-        n_ends = self.clock.ends(worker.name, _tokens(plans), start)
+        start = max(sent_s, self.last_result_s.get(worker.actor, sent_s))
+        n_ends = self.clock.ends(worker.actor, _tokens(plans), start)
         if n_ends == math.inf or not self.clock.handoff_due(n_ends):
             return
         arrived = asyncio.ensure_future(self.handoff_applied.wait())
@@ -132,19 +132,24 @@ class CellSteps:
         try:
             results = await self._results(worker, ref)
         except self.worker_errors as e:
-            self.clock.lost(worker.name)
+            self.clock.lost(worker.actor)
             await self._recover(worker, e)
             return False
         # the step raised (a bug): end this worker's requests with it, keep serving
         except Exception as e:
-            self.clock.lost(worker.name)
+            self.clock.lost(worker.actor)
             self._fail_requests(worker, "a step", e)
             self._deliver()
             return False
         t2 = time.perf_counter()
+        kind = worker.kind  # (the role these calls were planned for, if applying them ends it)
         worker_s = sum(r.step_s for r in results)
         tokens = _tokens(plans)
-        self.clock.observe(worker.name, worker_s, tokens)
+        self.clock.observe(worker.actor, worker_s, tokens)
+        period = t2 - max(sent_s, self.last_result_s.get(worker.actor, 0.0))
+        self.last_result_s[worker.actor] = t2
+        if tokens:
+            self.bursts.observe(worker.actor, len(plans), period, worker_s)
         try:
             for plan, result in zip(plans, results, strict=True):
                 self.coordinator.apply(worker, plan, result)
@@ -157,17 +162,14 @@ class CellSteps:
         await self._after_role_changes()
         t3 = time.perf_counter()
         # handoffs are queued: wake
-        if worker.kind == "prefill" and any(c.sample for c in plans[0].prefill):
+        if kind == "prefill" and any(c.sample for c in plans[0].prefill):
             self.handoff_applied.set()
             self.handoff_applied = asyncio.Event()
-        self.clock.returned(worker.name, sent_s)
+        self.clock.returned(worker.actor, sent_s)
         self._deliver()
-        period = t2 - max(sent_s, self.last_result_s.get(worker.name, 0.0))
-        self.last_result_s[worker.name] = t2
         if tokens:
-            self.bursts.observe(worker.name, len(plans), period, worker_s)
             self.timeline.record(
-                worker.kind,
+                kind,
                 steps=len(plans),
                 period=period,
                 plan=plan_s,

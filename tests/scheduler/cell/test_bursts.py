@@ -175,6 +175,8 @@ def test_burst_length_keeps_the_call_overhead_a_small_share():
     # per step: 0.5 ms; per call: 1 ms
     sizer.observe("decode-1", steps=4, period_s=0.003, worker_s=0.002)
     assert sizer.length("decode-1") == 16
+    sizer.forget("decode-1")  # it changed roles: measured afresh
+    assert sizer.length("decode-1") == 1 and sizer.length("decode-0") == 16
     off = BurstSizer(max_burst_s=0.0)
     off.observe("decode-0", steps=1, period_s=0.0015, worker_s=0.0005)
     assert off.length("decode-0") == 1

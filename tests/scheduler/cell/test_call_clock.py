@@ -19,6 +19,14 @@ def test_seconds_per_token_is_a_moving_average_of_calls_that_computed_tokens():
     ) == pytest.approx(11.0)
 
 
+def test_a_worker_that_changed_roles_is_measured_afresh():
+    clock = CallClock()
+    clock.observe("prefill-1", 0.1, 1000)  # 0.1 ms a prompt token
+    clock.finishing_sent("prefill-1", 0.0, 1000, queued=False)
+    clock.forget("prefill-1")  # now a decode worker: its prompt pace says nothing of its steps
+    assert clock.length("prefill-1", 10) == math.inf and not clock.handoff_due(100.0)
+
+
 def test_a_call_queued_behind_another_leaves_the_running_one_expected():
     clock = CallClock()
     clock.observe("p", 1.0, 100)  # 10 ms a token
