@@ -27,8 +27,11 @@ pytestmark = pytest.mark.slow
 
 def plasma_objects() -> int:
     """Objects in Ray's object store, counted by Ray itself (independent of the scheduler's
-    books)."""
-    return int(re.search(r"(\d+) objects", memory_summary(stats_only=True)).group(1))
+    books); asked of this test's Ray by its address (another Ray on the host makes "auto"
+    ambiguous)."""
+    address = ray.get_runtime_context().gcs_address
+    summary = memory_summary(address=address, stats_only=True)
+    return int(re.search(r"(\d+) objects", summary).group(1))
 
 
 def streamer(handle):
