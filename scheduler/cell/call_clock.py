@@ -63,8 +63,8 @@ class CallClock:
 
     def forget(self, worker: str) -> None:
         """The worker changed roles: its speed per token in the old one says nothing now."""
+        self.lost(worker)
         self.s_per_token.pop(worker, None)
-        self.finishing.pop(worker, None)
 
     def handoff_due(self, by: float) -> bool:
         """Whether a call that finishes a prompt should be back by `by` (counted `HANDOFF_EARLY`
