@@ -7,8 +7,14 @@ times `--time-scale`, and samples a fixed token (requests end by length). Prefil
 a + b x tokens + c x (tokens x context attended); decode step = d + e x batch + f x KV tokens read;
 a handoff's import = its KV bytes / the link's bandwidth. Everything the scheduler sees (step
 times, arrivals, the planner's window and its ITL SLO) runs on the scaled clock; latencies are
-reported back in GPU seconds. The control plane's own costs (Ray calls, planning, about a
-millisecond a call) are not scaled: at --time-scale 0.25 they weigh four times what they would.
+reported back in GPU seconds.
+
+The control plane's own costs (Ray calls, planning, applying results) are not scaled, so the
+default `--time-scale` is 1: GPU time replays in real time. Below 1 they weigh 1/scale times what
+they would: between two calls of a busy decode worker this 2-core host spends 1.2-5.5 ms (p10-p90,
+measured 2026-12-03), which at 0.25 reads as 5-22 ms of a 40 ms GPU step, and a decode worker whose
+ITL p50 is 47.7 ms at scale 1 reads 58 ms at 0.25, the same trace. A smaller scale is for a quick
+look, not for figures measured against an ITL SLO.
 
     python -m deploy.bench.gpu_sim --workers 4 --splits 1:3,2:2,3:1 --planner --minutes 12
 """
@@ -177,11 +183,15 @@ def shifting_trace(
 
 
 # prompt-heavy (RAG: long prompts, short answers), output-heavy (chat: short prompts, long answers),
-# prompt-heavy again; rates near what four A10s serve with the right split
+# prompt-heavy again. Each phase's rate loads four A10s near 75% with its own split and overloads
+# the other phase's split, under the cost model below: a 2,000-4,000-token prompt takes 0.75 s on a
+# prefill worker, so 3 req/s keeps three at 75% and would hold two at 112%; a decode worker stays
+# under the 60 ms ITL SLO up to about 60 running answers, about 1,100 tokens/s, so 2.75 req/s of
+# 500-token answers (1,375 tokens/s) keeps two at 62% and would hold one at 125%.
 SHIFTING_PHASES = [
-    (2.4, (2000, 4000), (16, 64)),
-    (1.6, (100, 300), (300, 700)),
-    (2.4, (2000, 4000), (16, 64)),
+    (3.0, (2000, 4000), (16, 64)),
+    (2.75, (100, 300), (300, 700)),
+    (3.0, (2000, 4000), (16, 64)),
 ]
 
 
@@ -283,7 +293,21 @@ def run(
         "pools": pools,
         "role_changes": stats["pools"]["role_changes"],
         "decisions": stats["pools"]["decisions"],
+        "timeline": stats["timeline"],
     }
+
+
+def offered_load(
+    trace: list[tuple[float, int, int]], minutes: float, window_s: float
+) -> dict[str, Any]:
+    """The trace's prompt and output tokens arriving per second, window by window."""
+    windows = int(minutes * 60 // window_s) + 1
+    prompt = [0.0] * windows
+    output = [0.0] * windows
+    for arrival, prompt_tokens, output_tokens in trace:
+        prompt[int(arrival // window_s)] += prompt_tokens / window_s
+        output[int(arrival // window_s)] += output_tokens / window_s
+    return {"window_s": window_s, "prompt_tok_s": prompt, "output_tok_s": output}
 
 
 def summarize(result: dict[str, Any], minutes: float, window_s: float) -> dict[str, Any]:
@@ -329,12 +353,19 @@ def main(argv: list[str] | None = None) -> int:
         help="P:D: also run the planner with pools that start at 1:1 and may grow to P:D",
     )
     parser.add_argument("--minutes", type=float, default=12.0, help="trace length, GPU time")
-    parser.add_argument("--time-scale", type=float, default=0.25, help="wall s per GPU s")
+    parser.add_argument(
+        "--time-scale", type=float, default=1.0, help="wall s per GPU s (below 1: a quick look)"
+    )
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     parser.add_argument("--slo-itl-ms", type=float, default=60.0)
     parser.add_argument("--window-s", type=float, default=20.0, help="planner window, GPU time")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", help="JSON lines: a summary per run")
+    parser.add_argument("--output", help="JSON lines: a summary per run (appended)")
+    parser.add_argument(
+        "--plot",
+        help="PNG: the load and each run's pools and goodput over time, from --output's runs "
+        "when given (those of earlier invocations too; --splits '' draws without running)",
+    )
     args = parser.parse_args(argv)
     cost = MODELS[args.model]
     trace = shifting_trace(args.minutes, args.seed, SHIFTING_PHASES)
@@ -346,8 +377,33 @@ def main(argv: list[str] | None = None) -> int:
     scaling = tuple(map(int, args.scaling.split(":"))) if args.scaling else None
     if scaling:
         runs.append((1, 1, True))
-    ray.init(include_dashboard=False, log_to_driver=False)
     print(json.dumps({"model": asdict(cost), "trace_requests": len(trace)}), flush=True)
+    lines = _run_all(args, cost, trace, runs, scaling) if runs else []
+    if args.plot:
+        from deploy.bench.plot import plot_pools
+
+        if args.output:
+            with open(args.output) as f:
+                lines = [json.loads(text) for text in f if text.strip()]
+        if not lines:
+            print("gpu_sim: error: no runs to draw", file=sys.stderr)
+            return 2
+        plot_pools(lines, offered_load(trace, args.minutes, args.window_s), args.plot)
+        print(f"figure: {args.plot} ({len(lines)} runs)", file=sys.stderr)
+    return 0
+
+
+def _run_all(
+    args: argparse.Namespace,
+    cost: CostModel,
+    trace: list[tuple[float, int, int]],
+    runs: list[tuple[int, int, bool]],
+    scaling: tuple[int, ...] | None,
+) -> list[dict[str, Any]]:
+    """Each run in turn on one local Ray; their summaries, also printed (and appended to
+    --output)."""
+    lines = []
+    ray.init(include_dashboard=False, log_to_driver=False)
     try:
         for number, (prefill, decode, planner) in enumerate(runs):
             result = run(
@@ -363,13 +419,14 @@ def main(argv: list[str] | None = None) -> int:
                 scaling if scaling and number == len(runs) - 1 else None,
             )
             line = summarize(result, args.minutes, args.window_s)
+            lines.append(line)
             print(json.dumps(line), flush=True)
             if args.output:
                 with open(args.output, "a") as f:
                     f.write(json.dumps(line) + "\n")
     finally:
         ray.shutdown()
-    return 0
+    return lines
 
 
 if __name__ == "__main__":

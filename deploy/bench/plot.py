@@ -1,5 +1,5 @@
-"""Draws `pdserve bench` summaries as one PNG: the slots sweep, the token-budget sweep, the rate
-sweep.
+"""Draws the benchmarks' figures as PNGs: `pdserve bench`'s sweeps (slots, token budget, rate),
+the interference scenario, and the GPU-cost simulation's pools against the load.
 
 Panels: output tokens/s and mean TPOT against slots (with the serial and static `generate` baselines
 when measured); p50 and p99 TTFT and p99 inter-token latency against the token budget (runs under
@@ -217,6 +217,66 @@ def plot_interference(series: dict[str, dict[str, list]], path: str) -> dict[str
         ax.grid(alpha=0.3)
         drawn[label] = len(points["itl"])
     axes[-1, 0].set_xlabel("seconds since the start")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return drawn
+
+
+def plot_pools(summaries: list[dict[str, Any]], load: dict[str, Any], path: str) -> dict[str, int]:
+    """The GPU-cost simulation's runs: on top, the offered load per window (prompt and output
+    tokens/s); below, one panel per run with its goodput per window (bars) and the prefill and
+    decode pools' sizes over time (steps). `load` holds `window_s`, `prompt_tok_s` and
+    `output_tok_s`. Returns the windows drawn per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(
+        len(summaries) + 1,
+        1,
+        figsize=(11, 2.4 * (len(summaries) + 1)),
+        sharex=True,
+        constrained_layout=True,
+        squeeze=False,
+    )
+    window = load["window_s"]
+    top = axes[0, 0]
+    starts = [i * window for i in range(len(load["prompt_tok_s"]))]
+    top.step(starts, load["prompt_tok_s"], where="post", label="prompt tokens/s")
+    top.step(starts, load["output_tok_s"], where="post", label="output tokens/s")
+    top.set_ylabel("offered load")
+    top.set_title("the trace: tokens arriving per second, by window")
+    top.legend(loc="upper right")
+    top.grid(alpha=0.3)
+    drawn = {}
+    for ax, line in zip(axes[1:, 0], summaries, strict=True):
+        goodput = line["goodput_per_window"]
+        label = ("planner, " if line["planner"] else "fixed ") + line["split"]
+        ax.bar(
+            [i * window for i in range(len(goodput))],
+            goodput,
+            width=window,
+            align="edge",
+            color="0.8",
+            label="goodput, req/s",
+        )
+        ax.set_ylabel("goodput, req/s")
+        pools = ax.twinx()
+        times = [p["at_s"] for p in line["pools"]]
+        for kind, color in (("prefill", "tab:blue"), ("decode", "tab:orange")):
+            sizes = [p[kind] for p in line["pools"]]
+            pools.step(times, sizes, where="post", color=color, label=f"{kind} workers")
+        most = max([4] + [p["prefill"] + p["decode"] for p in line["pools"]])
+        pools.set_ylim(0, most + 0.5)
+        pools.set_ylabel("workers")
+        pools.legend(loc="upper right")
+        ax.set_title(
+            f"{label}: goodput {line['goodput_req_s']} req/s, "
+            f"{line['role_changes']} role changes, {line['worker_seconds']:,.0f} worker-s"
+        )
+        drawn[label] = len(goodput)
+    axes[-1, 0].set_xlabel("seconds of GPU time since the start")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return drawn

@@ -1,9 +1,19 @@
-"""The GPU-cost simulation: the cost model's arithmetic, and a short shifting trace through the
-real scheduler and planner on Ray with no request lost."""
+"""The GPU-cost simulation: the cost model's arithmetic, the trace and its load, the figure, and a
+short shifting trace through the real scheduler and planner on Ray with no request lost."""
+
+import json
 
 import pytest
 
-from deploy.bench.gpu_sim import A10_LLAMA_8B, CostModel, run, shifting_trace, summarize
+from deploy.bench.gpu_sim import (
+    A10_LLAMA_8B,
+    CostModel,
+    main,
+    offered_load,
+    run,
+    shifting_trace,
+    summarize,
+)
 from scheduler.plan import Chunk, StepPlan
 
 MODEL = CostModel("toy", 0.010, 0.001, 1e-6, 0.020, 0.002, 1e-5, 100, 10_000, 1e9, "by hand")
@@ -48,3 +58,33 @@ def test_a_short_trace_through_the_planner_loses_nothing(ray_session):
     assert line["requests"] == len(trace) and line["lost"] == 0
     assert line["pools"] and all(p["prefill"] + p["decode"] == 4 for p in line["pools"])
     assert 0 < line["goodput_req_s"] and len(line["goodput_per_window"]) == 7
+
+
+def test_the_offered_load_counts_each_arrival_in_its_window():
+    trace = [(0.5, 100, 10), (9.9, 300, 30), (10.0, 50, 500), (25.0, 7, 7)]
+    load = offered_load(trace, minutes=0.5, window_s=10.0)
+    assert load["prompt_tok_s"] == [40.0, 5.0, 0.7, 0.0]
+    assert load["output_tok_s"] == [4.0, 50.0, 0.7, 0.0]
+
+
+def test_the_figure_is_drawn_from_saved_runs_without_running_any(tmp_path):
+    def line(split, planner, sizes):
+        pools = [{"at_s": 10.0 * i, "prefill": p, "decode": d} for i, (p, d) in enumerate(sizes)]
+        return {
+            "split": split,
+            "planner": planner,
+            "goodput_req_s": 1.0,
+            "goodput_per_window": [1.0] * len(sizes),
+            "pools": pools,
+            "role_changes": 0,
+            "worker_seconds": 40.0 * len(sizes),
+        }
+
+    runs = tmp_path / "runs.jsonl"
+    lines = [line("3:1", False, [(3, 1)] * 4), line("2:2", True, [(2, 2), (3, 1), (3, 1), (1, 3)])]
+    runs.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    figure = tmp_path / "pools.png"
+    args = ["--splits", "", "--minutes", "0.5", "--window-s", "10", "--output", str(runs)]
+    assert main([*args, "--plot", str(figure)]) == 0
+    assert figure.stat().st_size > 10_000
+    assert main(["--splits", "", "--plot", str(tmp_path / "none.png")]) == 2
