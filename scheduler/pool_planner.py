@@ -15,9 +15,12 @@ A pool whose window p90 (TTFT for prefill, ITL for decode) is past its SLO altho
 says it suffices has its need scaled up by a correction that moves halfway to the observed
 overshoot each window (at most 4x) and halves back toward 1 within the SLO. With a fixed number
 of workers the split follows the ratio of the two needs; with scaling on each pool is sized to
-its need within its bounds. Hysteresis: a new target must be seen in
+its need within its bounds, a pool that grows while the other shrinks taking the worker the other
+gives up (a role change, not a release and a start), and pools that only grow starting all
+their new workers at once. Hysteresis: a new target must be seen in
 `patience` windows running before it is acted on (at once when the pool it grows misses its SLO:
-the window's p90 TTFT for prefill, p90 ITL for decode), and each decision moves one worker.
+the window's p90 TTFT for prefill, p90 ITL for decode), and each decision moves one worker but for
+starts.
 """
 
 from __future__ import annotations
@@ -168,7 +171,8 @@ class PoolPlanner:
             self.decode_correction = _corrected(self.decode_correction, ratio)
 
     def decide(self, window: LoadWindow, prefill: int, decode: int) -> PoolTarget | None:
-        """The pools' next sizes (one worker moved at most), or None to leave them."""
+        """The pools' next sizes (one role change or release at most; starts all at once), or
+        None to leave them."""
         self.speeds.observe(window)
         self.correct(window)
         need = self.needs(window)
@@ -220,11 +224,17 @@ class PoolPlanner:
 
 
 def _one_step(want: PoolTarget, prefill: int, decode: int, fixed: bool) -> PoolTarget:
-    """Move toward `want` by one worker: with a fixed total, one role change; else one pool
-    grows or shrinks by one."""
-    if fixed:
+    """Move toward `want` by one worker. A role change when one pool grows and the other shrinks
+    (always, with a fixed total): the worker keeps its weights and its GPU, where releasing it
+    and starting another would load them again, and the growing pool is not left short while
+    the other releases first. Pools that only grow grow to `want` at once: their new workers
+    start side by side, each taking its start-up time. Pools that only shrink release one worker,
+    prefill first."""
+    if fixed or (want.prefill - prefill) * (want.decode - decode) < 0:
         step = 1 if want.prefill > prefill else -1
         return PoolTarget(prefill + step, decode - step, want.reason)
+    if want.prefill >= prefill and want.decode >= decode:
+        return want
     if want.prefill != prefill:
-        return PoolTarget(prefill + (1 if want.prefill > prefill else -1), decode, want.reason)
-    return PoolTarget(prefill, decode + (1 if want.decode > decode else -1), want.reason)
+        return PoolTarget(prefill - 1, decode, want.reason)
+    return PoolTarget(prefill, decode - 1, want.reason)

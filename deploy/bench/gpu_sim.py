@@ -5,9 +5,10 @@ stub workers whose steps take the time a GPU would.
 A stub worker computes nothing: for each step plan it sleeps the step's cost under a cost model,
 times `--time-scale`, and samples a fixed token (requests end by length). Prefill step =
 a + b x tokens + c x (tokens x context attended); decode step = d + e x batch + f x KV tokens read;
-a handoff's import = its KV bytes / the link's bandwidth. Everything the scheduler sees (step
-times, arrivals, the planner's window and its ITL SLO) runs on the scaled clock; latencies are
-reported back in GPU seconds.
+a handoff's import = its KV bytes / the link's bandwidth; a worker answers its first `ready`
+after the model's start-up time, so a pool that grows waits for it. Everything the scheduler sees
+(step times, arrivals, the planner's window and its ITL SLO) runs on the scaled clock; latencies
+are reported back in GPU seconds.
 
 The control plane's own costs (Ray calls, planning, applying results) are not scaled, so the
 default `--time-scale` is 1: GPU time replays in real time. Below 1 they weigh 1/scale times what
@@ -60,6 +61,7 @@ class CostModel:
     kv_tokens: int  # KV cache room per worker
     link_bytes_per_s: float  # prefill -> decode
     source: str
+    startup_s: float = 0.0  # from a worker's start to its first step
 
     def step_s(self, plan: StepPlan) -> float:
         """One forward: the weights are read once, whatever the step holds."""
@@ -88,6 +90,8 @@ class CostModel:
 # sequence's token at 50%; f: 131,072 bytes per KV token read; b: 2 x 8.03e9 per prompt token at
 # 60%; c: 4 x 32 layers x 4096 per (query, key) pair at 50%; a: the weights once. KV room: 24 GB -
 # 16.06 GB weights - 2 GB activations and workspace ~ 5.9 GB = 45,000 tokens. The link: 100 Gb/s.
+# A worker's start: the weights read from a local NVMe disk at 2 GB/s (8 s) and the engine's
+# warm-up (CUDA graphs, the first compiles), together assumed 30 s.
 A10_LLAMA_8B = CostModel(
     name="a10-llama-3.1-8b",
     prefill_fixed_s=0.0335,
@@ -100,7 +104,8 @@ A10_LLAMA_8B = CostModel(
     kv_tokens=45_000,
     link_bytes_per_s=12.5e9,
     source="NVIDIA A10 datasheet (600 GB/s, 125 TFLOPS BF16 dense); Llama-3.1-8B config.json; "
-    "efficiencies assumed: 80% bandwidth, 60%/50% FLOPS",
+    "efficiencies assumed: 80% bandwidth, 60%/50% FLOPS; start-up assumed 30 s",
+    startup_s=30.0,
 )
 MODELS = {A10_LLAMA_8B.name: A10_LLAMA_8B}
 
@@ -112,8 +117,11 @@ class SimWorker:
         self.index = index
         self.cost = cost
         self.scale = scale
+        self.created = time.perf_counter()
 
     def ready(self) -> dict[str, Any]:
+        """Answers once the worker has started: the model's start-up time after its creation."""
+        _sleep_until(self.created + self.cost.startup_s * self.scale)
         return {"index": self.index, "sim": self.cost.name}
 
     def connect(self, peers: list[dict[str, Any]]) -> str:

@@ -190,8 +190,7 @@ class CellActor(CellSteps):
         """Every planner window, let the coordinator resize the pools (role changes)."""
         while True:
             await asyncio.sleep(self.config.planner_window_s)
-            decision = self.coordinator.pools.end_window()
-            if decision is not None:
+            for decision in self.coordinator.pools.end_window():
                 log.info("pool planner: %s", decision)
             self.coordinator.roles.finish()
             await self._after_role_changes()

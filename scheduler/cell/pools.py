@@ -186,16 +186,16 @@ class PoolPlans:
         elif plan.decode and not plan.prefill:
             self.window.decode_steps.append((len(plan.decode), step_s))
 
-    def end_window(self, now_s: float | None = None) -> dict[str, Any] | None:
-        """Close the window; if the planner moves a worker, start that role change and return
-        the decision."""
+    def end_window(self, now_s: float | None = None) -> list[dict[str, Any]]:
+        """Close the window; start the role change, release or starts the planner decides, and
+        return the decisions (one per worker)."""
         now_s = time.monotonic() if now_s is None else now_s
         window, self.window = self.window, LoadWindow()
         window.seconds = now_s - self.started_s
         self.started_s = now_s
         cell = self.cell
         if self.planner is None or not cell.prefill:
-            return None
+            return []
         prefill = sum(_counts_as(w, "prefill") for w in cell.workers)
         decode = sum(_counts_as(w, "decode") for w in cell.workers)
         target = self.planner.decide(window, prefill, decode)
@@ -206,37 +206,34 @@ class PoolPlans:
             "needs": self.planner.last_needs,
         }
         if target is None:
-            return None
+            return []
         decision = {
             "at_s": round(now_s, 3),
             "prefill": target.prefill,
             "decode": target.decode,
             "reason": target.reason,
         }
-        if target.prefill + target.decode != prefill + decode:  # a pool grows or shrinks
-            kind = "prefill" if target.prefill != prefill else "decode"
-            if (target.prefill if kind == "prefill" else target.decode) > (
-                prefill if kind == "prefill" else decode
-            ):
-                decision |= {"worker": cell.roles.add(kind).name, "to": kind}
-                self._record(decision)
-                return decision
+        if target.prefill >= prefill and target.decode >= decode:  # pools grow: start workers
+            kinds = ["prefill"] * (target.prefill - prefill) + ["decode"] * (target.decode - decode)
+            decisions = [decision | {"worker": cell.roles.add(k).name, "to": k} for k in kinds]
+        elif target.prefill + target.decode < prefill + decode:  # a pool shrinks: release one
+            kind = "prefill" if target.prefill < prefill else "decode"
             worker = self._least_loaded_accepting(kind)
             if worker is None:
-                return None
-            decision |= {"worker": worker.name, "to": RELEASE}
-            self._record(decision)
+                return []
+            decisions = [decision | {"worker": worker.name, "to": RELEASE}]
             cell.roles.begin(worker, RELEASE)
-            return decision
-        shrinking = "prefill" if target.prefill < prefill else "decode"
-        worker = self._least_loaded_accepting(shrinking)
-        if worker is None:
-            return None
-        growing = "decode" if shrinking == "prefill" else "prefill"
-        decision |= {"worker": worker.name, "to": growing}
-        self._record(decision)
-        cell.roles.begin(worker, growing)
-        return decision
+        else:  # a role change
+            shrinking = "prefill" if target.prefill < prefill else "decode"
+            worker = self._least_loaded_accepting(shrinking)
+            if worker is None:
+                return []
+            growing = "decode" if shrinking == "prefill" else "prefill"
+            decisions = [decision | {"worker": worker.name, "to": growing}]
+            cell.roles.begin(worker, growing)
+        for line in decisions:
+            self._record(line)
+        return decisions
 
     def _least_loaded_accepting(self, kind: str) -> WorkerState | None:
         """The worker of pool `kind` holding the least, if the pool keeps another that takes new

@@ -79,7 +79,23 @@ def test_with_scaling_each_pool_is_sized_to_its_need_within_bounds():
     window = load(10, 2000, 400)  # prefill 2.5 -> 3; decode 4000 / 750 / 0.8 = 6.7 -> max 4
     p.decide(window, prefill=1, decode=1)
     target = p.decide(window, prefill=1, decode=1)
-    assert (target.prefill, target.decode) == (2, 1)  # prefill first, one step
+    assert (target.prefill, target.decode) == (3, 4)  # every start at once
+
+
+def test_with_scaling_a_pool_that_grows_takes_the_worker_the_other_gives_up():
+    p = planner(total=None, max_prefill=4, max_decode=4)
+    chatty = load(2, 50, 800)  # prefill 0.01 -> 1; decode 1600 / 750 / 0.8 = 2.7 -> 3
+    for prefill, decode, after in [(3, 1, (2, 2)), (2, 2, (1, 3))]:
+        p.decide(chatty, prefill=prefill, decode=decode)
+        target = p.decide(chatty, prefill=prefill, decode=decode)
+        assert (target.prefill, target.decode) == after  # a role change: the total stays
+    p.decide(chatty, prefill=2, decode=3)
+    target = p.decide(chatty, prefill=2, decode=3)
+    assert (target.prefill, target.decode) == (1, 3)  # only prefill has a spare: released
+    idle = load(0.1, 50, 20)
+    p.decide(idle, prefill=3, decode=3)
+    target = p.decide(idle, prefill=3, decode=3)
+    assert (target.prefill, target.decode) == (2, 3)  # releases go one at a time
 
 
 def test_nothing_is_decided_before_the_speeds_and_lengths_are_known():

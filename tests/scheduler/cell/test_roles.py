@@ -44,7 +44,7 @@ def planned_cell(patience=2, **kw):
 
 def close_window(coordinator, prompt_tokens, output_tokens, at=10):
     """A 10 s window of 100 arrivals and 100 finished requests with these token counts, closed at
-    `at` s from the start; the planner's decision."""
+    `at` s from the start; the planner's decisions (one per worker)."""
     coordinator.pools.window = LoadWindow(
         seconds=10,
         arrivals=100,
@@ -142,9 +142,9 @@ def test_the_planner_moves_a_worker_to_the_pool_the_load_needs():
     coordinator = planned_cell(num_prefill_workers=2, num_decode_workers=2)
     assert coordinator.pools.planner.total == 4
     # output-heavy: 10 requests/s of 100 prompt tokens and 500 output tokens
-    assert close_window(coordinator, 100 * 100, 100 * 500) is None  # patience
-    decision = close_window(coordinator, 100 * 100, 100 * 500)
-    assert decision is not None and decision["to"] == "decode"
+    assert close_window(coordinator, 100 * 100, 100 * 500) == []  # patience
+    [decision] = close_window(coordinator, 100 * 100, 100 * 500)
+    assert decision["to"] == "decode"
     assert (decision["prefill"], decision["decode"]) == (1, 3)
     assert "prefill needs" in decision["reason"]
     # an idle worker holds nothing: it moves at once
@@ -155,7 +155,7 @@ def test_the_planner_moves_a_worker_to_the_pool_the_load_needs():
 
 def test_a_pool_keeps_one_worker_that_takes_new_work():
     coordinator = planned_cell(patience=1, num_prefill_workers=1, num_decode_workers=1)
-    assert close_window(coordinator, 10_000, 50_000) is None
+    assert close_window(coordinator, 10_000, 50_000) == []
     assert [w.kind for w in coordinator.workers] == ["prefill", "decode"]
 
 
@@ -178,22 +178,30 @@ def test_with_room_to_grow_the_planner_starts_a_worker_and_releases_an_idle_one(
     planner = coordinator.pools.planner
     assert planner.total is None and planner.max_prefill == 3
 
-    # 10 req/s of 2,000-token prompts: 20,000 tok/s of prefill needs 2.5 workers
-    decision = close_window(coordinator, 200_000, 2_000, 10)
-    assert decision["to"] == "prefill" and decision["worker"] == "prefill-1"
-    added = coordinator.prefill[1]
-    assert added.status is WorkerStatus.RESTARTING and not added.accepts  # until its actor answers
-    # the load falls away: an idle prefill worker is released (the pool keeps one)
-    added.status = WorkerStatus.UP
-    decision = close_window(coordinator, 1_000, 2_000, 20)
+    # 10 req/s of 2,000-token prompts: 20,000 tok/s of prefill needs 2.5 workers; 200 tok/s of
+    # 20-token answers need 1.5 decode workers of 2 slots (2 / 12 ms at 80%): all three new
+    # workers start at once
+    decisions = close_window(coordinator, 200_000, 2_000, 10)
+    assert [(d["worker"], d["to"]) for d in decisions] == [
+        ("prefill-1", "prefill"),
+        ("prefill-2", "prefill"),
+        ("decode-1", "decode"),
+    ]
+    assert coordinator.stats()["pools"]["decisions"] == decisions
+    added = coordinator.prefill[1:] + coordinator.decode[1:]
+    assert all(w.status is WorkerStatus.RESTARTING and not w.accepts for w in added)  # not yet
+    # the load falls away: an idle prefill worker is released, one a window
+    for worker in added:
+        worker.status = WorkerStatus.UP
+    [decision] = close_window(coordinator, 1_000, 2_000, 20)
     assert decision["to"] == "release"
     released = coordinator.roles.take_released()
     assert len(released) == 1 and released[0].status is WorkerStatus.GONE
-    assert len(coordinator.prefill) == 1 and coordinator.roles.removed == 1
+    assert len(coordinator.prefill) == 2 and coordinator.roles.removed == 1
 
 
 def test_with_a_fixed_total_a_pool_may_grow_past_the_size_it_started_with():
     coordinator = planned_cell(patience=1, num_prefill_workers=2, num_decode_workers=2)
     # prompt-heavy: 20,000 tok/s of prompts needs 2.5 prefill workers, decode almost nothing
-    decision = close_window(coordinator, 200_000, 100)
-    assert decision is not None and (decision["prefill"], decision["decode"]) == (3, 1)
+    [decision] = close_window(coordinator, 200_000, 100)
+    assert (decision["prefill"], decision["decode"]) == (3, 1)
