@@ -215,8 +215,9 @@ def run(
     window_s: float,
     max_workers: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
-    """Replay the trace through one cell; per request TTFT and ITL (GPU seconds), and the pools'
-    sizes every window."""
+    """Replay the trace through one cell; per request TTFT and ITL (GPU seconds), the pools'
+    sizes every window, and the step timeline (wall seconds: a decode call's `period` against its
+    `worker_step` is what the control plane adds)."""
     block_size = 16
     config = CellConfig(
         mode="disaggregated",
@@ -344,6 +345,7 @@ def summarize(result: dict[str, Any], minutes: float, window_s: float) -> dict[s
         "goodput_per_window": [round(g / window_s, 3) for g in good],
         "pools": result["pools"],
         "decisions": result["decisions"],
+        "timeline": result["timeline"],
     }
 
 

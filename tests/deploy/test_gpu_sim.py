@@ -58,6 +58,7 @@ def test_a_short_trace_through_the_planner_loses_nothing(ray_session):
     assert line["requests"] == len(trace) and line["lost"] == 0
     assert line["pools"] and all(p["prefill"] + p["decode"] == 4 for p in line["pools"])
     assert 0 < line["goodput_req_s"] and len(line["goodput_per_window"]) == 7
+    assert {"prefill", "decode"} <= set(line["timeline"])  # where each kind's step time went
 
 
 def test_the_offered_load_counts_each_arrival_in_its_window():
