@@ -68,6 +68,9 @@ def crowded_config(checkpoint, **kw):
 
 
 def test_abort_in_every_state_frees_slots_and_handoff_objects(ray_session, tiny_checkpoint):
+    # objects an earlier test left in the shared Ray (after test_lost_handoff_is_prefilled_again
+    # kills an object owner, 2 stay, referenced by no live process) are not this test's
+    before = plasma_objects()
     handle = start_scheduler(crowded_config(tiny_checkpoint, prefill_slots=2))
     stream = streamer(handle)
     decode, prefill = "decode-0", "prefill-0"
@@ -120,9 +123,9 @@ def test_abort_in_every_state_frees_slots_and_handoff_objects(ray_session, tiny_
         stats = asyncio.run(scenario())
         assert all(w["slots_used"] == 0 and w["waiting"] == 0 for w in stats["workers"].values())
         deadline = time.monotonic() + 10
-        while plasma_objects() and time.monotonic() < deadline:  # Ray frees asynchronously
+        while plasma_objects() > before and time.monotonic() < deadline:  # freed asynchronously
             time.sleep(0.1)
-        assert plasma_objects() == 0
+        assert plasma_objects() <= before
     finally:
         ray.get(handle.shutdown.remote())
 
