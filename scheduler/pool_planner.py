@@ -224,7 +224,7 @@ class PoolPlanner:
 
 
 def _one_step(want: PoolTarget, prefill: int, decode: int, fixed: bool) -> PoolTarget:
-    """Move toward `want` by one worker. A role change when one pool grows and the other shrinks
+    """Move toward `want`. One role change when one pool grows and the other shrinks
     (always, with a fixed total): the worker keeps its weights and its GPU, where releasing it
     and starting another would load them again, and the growing pool is not left short while
     the other releases first. Pools that only grow grow to `want` at once: their new workers
