@@ -173,34 +173,57 @@ def spawn_sim(
 
 
 def shifting_trace(
-    minutes: float, seed: int, phases: list[tuple[float, tuple[int, int], tuple[int, int]]]
+    minutes: float,
+    seed: int,
+    phases: list[tuple[tuple[float, float], tuple[int, int], tuple[int, int]]],
 ) -> list[tuple[float, int, int]]:
     """(arrival s, prompt tokens, output tokens) of Poisson arrivals whose mix moves through
-    `phases` of equal length: (requests/s, prompt range, output range) each."""
+    `phases` of equal length: ((requests/s at its start, at its end), prompt range, output range)
+    each; the rate moves linearly within a phase (arrivals drawn at the phase's highest rate, each
+    kept with the probability rate at its time / that rate)."""
     rng = random.Random(seed)
     length = minutes * 60 / len(phases)
     trace = []
-    for number, (rate, prompt, output) in enumerate(phases):
-        t = number * length
+    for number, ((first, last), prompt, output) in enumerate(phases):
+        start = number * length
+        t = start
         while True:
-            t += rng.expovariate(rate)
-            if t >= (number + 1) * length:
+            t += rng.expovariate(max(first, last))
+            if t >= start + length:
                 break
-            trace.append((t, rng.randint(*prompt), rng.randint(*output)))
+            rate = first + (last - first) * (t - start) / length
+            # (a steady phase draws nothing more: its trace is the one it always was)
+            if first == last or rng.random() * max(first, last) < rate:
+                trace.append((t, rng.randint(*prompt), rng.randint(*output)))
     return trace
 
 
-# prompt-heavy (RAG: long prompts, short answers), output-heavy (chat: short prompts, long answers),
-# prompt-heavy again. Each phase's rate loads four A10s near 75% with its own split and overloads
-# the other phase's split, under the cost model below: a 2,000-4,000-token prompt takes 0.75 s on a
-# prefill worker, so 3 req/s keeps three at 75% and would hold two at 112%; a decode worker stays
-# under the 60 ms ITL SLO up to about 60 running answers, about 1,100 tokens/s, so 2.75 req/s of
-# 500-token answers (1,375 tokens/s) keeps two at 62% and would hold one at 125%.
+PROMPT_HEAVY = ((2000, 4000), (16, 64))  # RAG: long prompts, short answers
+OUTPUT_HEAVY = ((100, 300), (300, 700))  # chat: short prompts, long answers
+
+# prompt-heavy, output-heavy, prompt-heavy again. Each phase's rate loads four A10s near 75% with
+# its own split and overloads the other phase's split, under the cost model below: a
+# 2,000-4,000-token prompt takes 0.75 s on a prefill worker, so 3 req/s keeps three at 75% and
+# would hold two at 112%; a decode worker stays under the 60 ms ITL SLO up to about 60 running
+# answers, about 1,100 tokens/s, so 2.75 req/s of 500-token answers (1,375 tokens/s) keeps two at
+# 62% and would hold one at 125%.
 SHIFTING_PHASES = [
-    (3.0, (2000, 4000), (16, 64)),
-    (2.75, (100, 300), (300, 700)),
-    (3.0, (2000, 4000), (16, 64)),
+    ((3.0, 3.0), *PROMPT_HEAVY),
+    ((2.75, 2.75), *OUTPUT_HEAVY),
+    ((3.0, 3.0), *PROMPT_HEAVY),
 ]
+# The same mixes and peaks on a day's shape: the load rises from a quarter of the peak to it and
+# falls back, twice prompt-heavy and once output-heavy between. The peaks need 3:1 and 1:2 as
+# above (a fixed deployment sized for both: 3:2); at the troughs one worker of each kind suffices.
+DAILY_PHASES = [
+    ((0.75, 3.0), *PROMPT_HEAVY),
+    ((3.0, 1.0), *PROMPT_HEAVY),
+    ((1.0, 2.75), *OUTPUT_HEAVY),
+    ((2.75, 1.0), *OUTPUT_HEAVY),
+    ((1.0, 3.0), *PROMPT_HEAVY),
+    ((3.0, 0.75), *PROMPT_HEAVY),
+]
+TRACES = {"shifting": SHIFTING_PHASES, "daily": DAILY_PHASES}
 
 
 def run(
@@ -362,6 +385,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="P:D: also run the planner with pools that start at 1:1 and may grow to P:D",
     )
+    parser.add_argument(
+        "--trace",
+        default="shifting",
+        choices=sorted(TRACES),
+        help="shifting: the mix moves at a steady load; daily: the load also rises and falls",
+    )
     parser.add_argument("--minutes", type=float, default=12.0, help="trace length, GPU time")
     parser.add_argument(
         "--time-scale", type=float, default=1.0, help="wall s per GPU s (below 1: a quick look)"
@@ -378,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     cost = MODELS[args.model]
-    trace = shifting_trace(args.minutes, args.seed, SHIFTING_PHASES)
+    trace = shifting_trace(args.minutes, args.seed, TRACES[args.trace])
     splits = [split for split in args.splits.split(",") if split]
     runs = [(*map(int, split.split(":")), False) for split in splits]
     if args.planner:
@@ -397,6 +426,14 @@ def main(argv: list[str] | None = None) -> int:
                 lines = [json.loads(text) for text in f if text.strip()]
         if not lines:
             print("gpu_sim: error: no runs to draw", file=sys.stderr)
+            return 2
+        others = {line["trace"] for line in lines if line.get("trace", args.trace) != args.trace}
+        if others:
+            print(
+                f"gpu_sim: error: runs of the {', '.join(sorted(others))} trace drawn against "
+                f"the {args.trace} trace's load: pass --trace",
+                file=sys.stderr,
+            )
             return 2
         plot_pools(lines, offered_load(trace, args.minutes, args.window_s), args.plot)
         print(f"figure: {args.plot} ({len(lines)} runs)", file=sys.stderr)
@@ -428,7 +465,7 @@ def _run_all(
                 args.window_s,
                 scaling if scaling and number == len(runs) - 1 else None,
             )
-            line = summarize(result, args.minutes, args.window_s)
+            line = {"trace": args.trace} | summarize(result, args.minutes, args.window_s)
             lines.append(line)
             print(json.dumps(line), flush=True)
             if args.output:

@@ -40,7 +40,7 @@ def test_step_times_follow_the_cost_model():
 
 
 def test_the_shifting_trace_moves_through_its_phases():
-    phases = [(2.0, (1000, 2000), (10, 20)), (1.0, (10, 20), (300, 400))]
+    phases = [((2.0, 2.0), (1000, 2000), (10, 20)), ((1.0, 1.0), (10, 20), (300, 400))]
     trace = shifting_trace(2.0, seed=1, phases=phases)
     first = [t for t in trace if t[0] < 60]
     second = [t for t in trace if t[0] >= 60]
@@ -49,9 +49,18 @@ def test_the_shifting_trace_moves_through_its_phases():
     assert all(p <= 20 and o >= 300 for _, p, o in second)
 
 
+def test_a_phase_s_rate_moves_from_its_start_to_its_end():
+    trace = shifting_trace(4.0, seed=3, phases=[((0.5, 4.5), (10, 20), (10, 20))])
+    quarters = [sum(q * 60 <= t < (q + 1) * 60 for t, _, _ in trace) for q in range(4)]
+    # expected 60 x (1.0, 2.0, 3.0, 4.0) arrivals; Poisson noise is about 8-16
+    for count, expected in zip(quarters, (60, 120, 180, 240), strict=True):
+        assert abs(count - expected) < 0.25 * expected + 10
+    assert quarters == sorted(quarters)
+
+
 @pytest.mark.slow
 def test_a_short_trace_through_the_planner_loses_nothing(ray_session):
-    phases = [(3.0, (1500, 2500), (8, 16)), (1.0, (50, 100), (100, 200))]
+    phases = [((3.0, 3.0), (1500, 2500), (8, 16)), ((1.0, 1.0), (50, 100), (100, 200))]
     trace = shifting_trace(0.5, seed=2, phases=phases)
     result = run(trace, 2, 2, True, A10_LLAMA_8B, 0.5, 2.0, 0.08, window_s=5.0)
     line = summarize(result, 0.5, 5.0)
@@ -89,3 +98,7 @@ def test_the_figure_is_drawn_from_saved_runs_without_running_any(tmp_path):
     assert main([*args, "--plot", str(figure)]) == 0
     assert figure.stat().st_size > 10_000
     assert main(["--splits", "", "--plot", str(tmp_path / "none.png")]) == 2
+    # runs of one trace are not drawn against another's load
+    runs.write_text(json.dumps(line("3:2", False, [(3, 2)] * 4) | {"trace": "daily"}) + "\n")
+    assert main([*args, "--plot", str(tmp_path / "daily.png")]) == 2
+    assert main([*args, "--trace", "daily", "--plot", str(tmp_path / "daily.png")]) == 0
