@@ -168,6 +168,13 @@ class EngineConfig(BaseModel):
         "(on free resources) and releases idle ones down to one; unset: role changes only.",
     )
     max_decode_workers: int | None = Field(None, ge=1, description="Likewise for the decode pool.")
+    planner_release_delay_s: float = Field(
+        30.0,
+        ge=0,
+        description="With max_prefill_workers or max_decode_workers: a worker is released only "
+        "when the load has needed fewer for this long (Ray Serve's downscale_delay_s); about a "
+        "worker's start-up, so one released on a dip is not needed again before it could start.",
+    )
     prefix_cache_tokens: int = Field(
         16384,
         ge=0,
@@ -301,6 +308,7 @@ class EngineConfig(BaseModel):
             planner_window_s=self.planner_window_s,
             max_prefill_workers=self.max_prefill_workers,
             max_decode_workers=self.max_decode_workers,
+            planner_release_delay_s=self.planner_release_delay_s,
         )
 
 

@@ -20,7 +20,10 @@ gives up (a role change, not a release and a start), and pools that only grow st
 their new workers at once. Hysteresis: a new target must be seen in
 `patience` windows running before it is acted on (at once when the pool it grows misses its SLO:
 the window's p90 TTFT for prefill, p90 ITL for decode), and each decision moves one worker but for
-starts.
+starts. A release waits longer, as autoscalers' downscale delays do: only when every one of the last
+`release_after` windows needed fewer workers, down to the most of them. One window's arrivals are
+noisy (30 expected at 3 req/s, from 14 to 35 seen), and a worker released on a dip in a rising load
+is started again a start-up later, while prompts queue.
 """
 
 from __future__ import annotations
@@ -131,6 +134,8 @@ class PoolPlanner:
     total: int | None = None  # fixed number of workers (role changes only); None: scaling
     utilization: float = 0.8
     patience: int = 2  # windows a new target must persist before it is acted on
+    release_after: int = 3  # windows that must all need fewer workers before one is released
+    recent: list[PoolTarget] = field(default_factory=list)  # the last release_after targets
     speeds: Speeds = field(default_factory=Speeds)
     mean_prompt: float | None = None
     mean_output: float | None = None
@@ -180,6 +185,9 @@ class PoolPlanner:
         if need is None:
             return None
         want = self._target(*need)
+        self.recent = (self.recent + [want])[-self.release_after :]
+        if self.total is None and want.prefill <= prefill and want.decode <= decode:
+            return self._release(want, prefill, decode)
         if (want.prefill, want.decode) == (prefill, decode):
             self.pending = None
             self.seen = 0
@@ -197,6 +205,22 @@ class PoolPlanner:
         self.pending = None
         self.seen = 0
         return _one_step(want, prefill, decode, self.total is not None)
+
+    def _release(self, want: PoolTarget, prefill: int, decode: int) -> PoolTarget | None:
+        """With scaling, a target no larger than the pools: release one worker if each of the last
+        `release_after` windows needed fewer, toward the most they needed."""
+        self.pending = None
+        self.seen = 0
+        if len(self.recent) < self.release_after:
+            return None
+        most = PoolTarget(
+            max(t.prefill for t in self.recent), max(t.decode for t in self.recent), want.reason
+        )
+        if most.prefill > prefill or most.decode > decode:
+            return None  # (a recent window asked for more: growing waits on its own patience)
+        if (most.prefill, most.decode) == (prefill, decode):
+            return None
+        return _one_step(most, prefill, decode, fixed=False)
 
     def _missing_slo(self, window: LoadWindow, want: PoolTarget, prefill: int, decode: int) -> bool:
         """The pool the target grows is missing its SLO now (p90 of the window's finished

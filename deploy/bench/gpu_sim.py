@@ -237,6 +237,7 @@ def run(
     slo_itl_s: float,
     window_s: float,
     max_workers: tuple[int, int] | None = None,
+    release_delay_s: float = 30.0,
 ) -> dict[str, Any]:
     """Replay the trace through one cell; per request TTFT and ITL (GPU seconds), the pools'
     sizes every window, and the step timeline (wall seconds: a decode call's `period` against its
@@ -260,6 +261,7 @@ def run(
         slo_itl_ms=slo_itl_s * 1000 * scale,
         slo_ttft_ms=slo_ttft_s * 1000 * scale,
         planner_window_s=window_s * scale,
+        planner_release_delay_s=release_delay_s * scale,
     )
     handle = (
         ray.remote(CellActor)

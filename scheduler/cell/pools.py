@@ -17,6 +17,7 @@ its reason, is kept for /stats and counted in the metrics.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -156,6 +157,9 @@ class PoolPlans:
                 max_decode=(config.max_decode_workers or config.num_decode_workers)
                 if scaling
                 else len(coordinator.workers) - 1,
+                release_after=max(
+                    1, math.ceil(config.planner_release_delay_s / config.planner_window_s)
+                ),
             )
             if config.pool_planner
             else None

@@ -50,6 +50,8 @@ class CellConfig:
     # set: the planner also starts and releases workers, each pool within 1..max
     max_prefill_workers: int | None = None
     max_decode_workers: int | None = None
+    # a worker is released only once the load has needed fewer this long
+    planner_release_delay_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.kv_transfer_failure not in ("recompute", "fail"):

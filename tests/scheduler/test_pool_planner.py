@@ -98,6 +98,20 @@ def test_with_scaling_a_pool_that_grows_takes_the_worker_the_other_gives_up():
     assert (target.prefill, target.decode) == (2, 3)  # releases go one at a time
 
 
+def test_with_scaling_a_worker_is_released_only_after_the_load_stayed_low():
+    p = planner(total=None, max_prefill=4, release_after=3)
+    busy, quiet = load(10, 2000, 20), load(3, 2000, 20)  # prefill 2.5 -> 3; 0.75 -> 1
+    for window in (quiet, busy, quiet, quiet):  # a dip of one window between busy ones
+        assert p.decide(window, prefill=3, decode=1) is None
+    # three quiet windows running: one worker released, toward the most they needed (1)
+    target = p.decide(quiet, prefill=3, decode=1)
+    assert (target.prefill, target.decode) == (2, 1)
+    assert p.decide(quiet, prefill=2, decode=1).prefill == 1  # then one a window
+    # a pool that grows does not wait for the release delay
+    p.decide(busy, prefill=1, decode=1)
+    assert p.decide(busy, prefill=1, decode=1).prefill == 3
+
+
 def test_nothing_is_decided_before_the_speeds_and_lengths_are_known():
     p = PoolPlanner(slo_itl_s=0.040, decode_slots=64, total=4)
     assert p.decide(load(10, 2000, 100), prefill=2, decode=2) is None

@@ -190,10 +190,14 @@ def test_with_room_to_grow_the_planner_starts_a_worker_and_releases_an_idle_one(
     assert coordinator.stats()["pools"]["decisions"] == decisions
     added = coordinator.prefill[1:] + coordinator.decode[1:]
     assert all(w.status is WorkerStatus.RESTARTING and not w.accepts for w in added)  # not yet
-    # the load falls away: an idle prefill worker is released, one a window
+    # the load falls away: an idle prefill worker is released once the windows of the release
+    # delay (30 s: three) all needed fewer, and one a window
     for worker in added:
         worker.status = WorkerStatus.UP
-    [decision] = close_window(coordinator, 1_000, 2_000, 20)
+    assert coordinator.pools.planner.release_after == 3
+    assert close_window(coordinator, 1_000, 2_000, 20) == []
+    assert close_window(coordinator, 1_000, 2_000, 30) == []
+    [decision] = close_window(coordinator, 1_000, 2_000, 40)
     assert decision["to"] == "release"
     released = coordinator.roles.take_released()
     assert len(released) == 1 and released[0].status is WorkerStatus.GONE
