@@ -271,9 +271,15 @@ def plot_pools(summaries: list[dict[str, Any]], load: dict[str, Any], path: str)
         pools.set_ylim(0, most + 0.5)
         pools.set_ylabel("workers")
         pools.legend(loc="upper right")
+        moves = [(line["role_changes"], "role change")]
+        if "up to" in line["split"]:  # pools that scale: their workers' starts and releases
+            kinds = [d.get("to") for d in line.get("decisions", [])]
+            starts = sum(k in ("prefill", "decode") for k in kinds) - line["role_changes"]
+            moves += [(starts, "start"), (kinds.count("release"), "release")]
+        counted = ", ".join(f"{n} {word}{'' if n == 1 else 's'}" for n, word in moves)
         ax.set_title(
-            f"{label}: goodput {line['goodput_req_s']} req/s, "
-            f"{line['role_changes']} role changes, {line['worker_seconds']:,.0f} worker-s"
+            f"{label}: goodput {line['goodput_req_s']} req/s, {counted}, "
+            f"{line['worker_seconds']:,.0f} worker-s"
         )
         drawn[label] = len(goodput)
     axes[-1, 0].set_xlabel("seconds of GPU time since the start")
