@@ -214,7 +214,10 @@ class PoolPlanner:
         if len(self.recent) < self.release_after:
             return None
         most = PoolTarget(
-            max(t.prefill for t in self.recent), max(t.decode for t in self.recent), want.reason
+            max(t.prefill for t in self.recent),
+            max(t.decode for t in self.recent),
+            f"{want.reason}; the last {len(self.recent)} windows needed at most "
+            f"{max(t.prefill for t in self.recent)}:{max(t.decode for t in self.recent)}",
         )
         if most.prefill > prefill or most.decode > decode:
             return None  # (a recent window asked for more: growing waits on its own patience)

@@ -212,9 +212,10 @@ SHIFTING_PHASES = [
     ((2.75, 2.75), *OUTPUT_HEAVY),
     ((3.0, 3.0), *PROMPT_HEAVY),
 ]
-# The same mixes and peaks on a day's shape: the load rises from a quarter of the peak to it and
-# falls back, twice prompt-heavy and once output-heavy between. The peaks need 3:1 and 1:2 as
-# above (a fixed deployment sized for both: 3:2); at the troughs one worker of each kind suffices.
+# The same mixes and peaks on a day's shape: the load rises from a quarter or a third of the peak
+# to it and falls back, twice prompt-heavy and once output-heavy between. The peaks need 3:1 and
+# 1:2 as above (a fixed deployment sized for both: 3:2); at the troughs one worker of each kind
+# suffices.
 DAILY_PHASES = [
     ((0.75, 3.0), *PROMPT_HEAVY),
     ((3.0, 1.0), *PROMPT_HEAVY),
