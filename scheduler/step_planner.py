@@ -108,7 +108,15 @@ class StepPlanner:
 
     @staticmethod
     def check_fits(request: Request, capacity: int) -> None:
-        """Raise ValueError, with both numbers, if prompt + max_tokens exceed a slot's capacity."""
+        """Raise ValueError if the request has run to its end already (its state would be taken
+        for progress: submit a new Request), or, with both numbers, if prompt + max_tokens exceed
+        a slot's capacity."""
+        if request.status is RequestStatus.FINISHED:
+            raise ValueError(
+                f"request {request.req_id!r} has already run (finished: "
+                f"{request.finish_reason.value if request.finish_reason else 'unknown'}); "
+                "submit a new Request"
+            )
         needed = len(request.prompt_ids) + request.max_tokens
         if needed > capacity:
             raise ValueError(

@@ -216,3 +216,13 @@ def test_a_batch_with_an_id_twice_is_refused_before_anything_runs():
     with pytest.raises(ValueError, match="already in use"):
         engine.run([first, second])
     assert engine.scheduler.idle and engine.num_steps == 0
+
+
+def test_a_request_that_already_ran_is_refused_rather_than_taken_for_progress():
+    engine = make_engine()
+    request = mixed_requests()[0]
+    assert engine.run([request])[request.req_id].output_ids  # it ran: its state is its end
+    steps = engine.num_steps
+    with pytest.raises(ValueError, match="has already run.*submit a new Request"):
+        engine.run([request])
+    assert engine.scheduler.idle and engine.num_steps == steps

@@ -21,7 +21,7 @@ from scheduler.cell.coordinator import Coordinator
 from scheduler.cell.metrics import RecordingBackend
 from scheduler.cell.state import CellConfig, WorkerStatus
 from scheduler.messages import KVPiece, Samples, StepResult
-from scheduler.request import Request
+from scheduler.request import Request, RequestStatus
 from scheduler.step_planner import QueueFullError
 from tests.factories import make_request
 
@@ -416,6 +416,10 @@ def test_admission_errors_leave_nothing_behind():
         coordinator.admit(req("a"), consumer="c")
     with pytest.raises(ValueError, match="context limit of 64"):
         coordinator.admit(req("big", prompt_len=60, max_tokens=10), consumer="c")
+    ran = req("ran")
+    ran.status = RequestStatus.FINISHED  # (a Request object some engine already ran)
+    with pytest.raises(ValueError, match="has already run"):
+        coordinator.admit(ran, consumer="c")
     with pytest.raises(QueueFullError):
         coordinator.admit(req("b"), consumer="c")
     assert set(coordinator.consumers) == {"a"}
