@@ -135,7 +135,8 @@ class PoolPlanner:
     utilization: float = 0.8
     patience: int = 2  # windows a new target must persist before it is acted on
     release_after: int = 3  # windows that must all need fewer workers before one is released
-    recent: list[PoolTarget] = field(default_factory=list)  # the last release_after targets
+    # with scaling: the targets of the last release_after windows
+    recent: list[PoolTarget] = field(default_factory=list)
     speeds: Speeds = field(default_factory=Speeds)
     mean_prompt: float | None = None
     mean_output: float | None = None
@@ -185,9 +186,10 @@ class PoolPlanner:
         if need is None:
             return None
         want = self._target(*need)
-        self.recent = (self.recent + [want])[-self.release_after :]
-        if self.total is None and want.prefill <= prefill and want.decode <= decode:
-            return self._release(want, prefill, decode)
+        if self.total is None:
+            self.recent = (self.recent + [want])[-self.release_after :]
+            if want.prefill <= prefill and want.decode <= decode:
+                return self._release(want, prefill, decode)
         if (want.prefill, want.decode) == (prefill, decode):
             self.pending = None
             self.seen = 0
@@ -213,16 +215,14 @@ class PoolPlanner:
         self.seen = 0
         if len(self.recent) < self.release_after:
             return None
-        most = PoolTarget(
-            max(t.prefill for t in self.recent),
-            max(t.decode for t in self.recent),
-            f"{want.reason}; the last {len(self.recent)} windows needed at most "
-            f"{max(t.prefill for t in self.recent)}:{max(t.decode for t in self.recent)}",
-        )
-        if most.prefill > prefill or most.decode > decode:
+        most_prefill = max(t.prefill for t in self.recent)
+        most_decode = max(t.decode for t in self.recent)
+        if most_prefill > prefill or most_decode > decode:
             return None  # (a recent window asked for more: growing waits on its own patience)
-        if (most.prefill, most.decode) == (prefill, decode):
+        if (most_prefill, most_decode) == (prefill, decode):
             return None
+        reason = f"{want.reason}; the last {len(self.recent)} windows needed at most "
+        most = PoolTarget(most_prefill, most_decode, reason + f"{most_prefill}:{most_decode}")
         return _one_step(most, prefill, decode, fixed=False)
 
     def _missing_slo(self, window: LoadWindow, want: PoolTarget, prefill: int, decode: int) -> bool:

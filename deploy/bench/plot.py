@@ -273,9 +273,11 @@ def plot_pools(summaries: list[dict[str, Any]], load: dict[str, Any], path: str)
         pools.legend(loc="upper right")
         moves = [(line["role_changes"], "role change")]
         if "up to" in line["split"]:  # pools that scale: their workers' starts and releases
-            kinds = [d.get("to") for d in line.get("decisions", [])]
-            starts = sum(k in ("prefill", "decode") for k in kinds) - line["role_changes"]
-            moves += [(starts, "start"), (kinds.count("release"), "release")]
+            decisions = line.get("decisions", [])
+            # (a started worker is named for the pool it joins; one changing roles, for its old)
+            starts = sum(d["worker"].startswith(f"{d['to']}-") for d in decisions)
+            releases = sum(d["to"] == "release" for d in decisions)
+            moves += [(starts, "start"), (releases, "release")]
         counted = ", ".join(f"{n} {word}{'' if n == 1 else 's'}" for n, word in moves)
         ax.set_title(
             f"{label}: goodput {line['goodput_req_s']} req/s, {counted}, "
