@@ -5,25 +5,36 @@ Pure: the coordinator feeds a `LoadWindow` (arrivals, finished requests, every s
 time) and asks `PoolPlanner.decide` at the end of each window. The model is the one Dynamo's SLA
 planner and DistServe's placement use, from measurements instead of a profile:
 
-* prefill demand = arrival rate x mean prompt tokens; one prefill worker supplies the prompt tokens
-  per busy second it was measured at, kept below `utilization` of it so prompts do not queue;
+* prefill: the prompts are a queue served by the pool (M/G/c). A prompt takes S = its tokens over
+  the prompt tokens per busy second a prefill worker was measured at; the load is a = arrival rate
+  x mean S. The pool needs the fewest workers c whose p90 TTFT (S plus the p90 wait, from Erlang's
+  C formula with the Allen-Cunneen correction for the prompts' spread of lengths) stays under the
+  TTFT SLO, as a fraction between c - 1 and c by where a lies between the loads c - 1 and c
+  workers hold. One worker holds far less than its full speed within a TTFT SLO a few prompts
+  long (S = 0.75 s, SLO 2 s: half of it), several together more (three hold 2.4 of 3). Without
+  a TTFT SLO, or when one prompt alone takes longer than it: a / `utilization`;
 * decode demand = arrival rate x mean output tokens; one decode worker runs at most the batch whose
   step time (fitted as d + e x batch from its steps) stays under the inter-token SLO, and supplies
   that batch / that step time tokens per second, again below `utilization`.
 
 A pool whose window p90 (TTFT for prefill, ITL for decode) is past its SLO although the model
-says it suffices has its need scaled up by a correction that moves halfway to the observed
-overshoot each window (at most 4x) and halves back toward 1 within the SLO. With a fixed number
-of workers the split follows the ratio of the two needs; with scaling on each pool is sized to
-its need within its bounds, a pool that grows while the other shrinks taking the worker the other
-gives up (a role change, not a release and a start), and pools that only grow starting all
-their new workers at once. Hysteresis: a new target must be seen in
-`patience` windows running before it is acted on (at once when the pool it grows misses its SLO:
-the window's p90 TTFT for prefill, p90 ITL for decode), and each decision moves one worker but for
-starts. A release waits longer, as autoscalers' downscale delays do: only when every one of the last
-`release_after` windows needed fewer workers, down to the most of them. One window's arrivals are
-noisy (30 expected at 3 req/s, from 14 to 35 seen), and a worker released on a dip in a rising load
-is started again a start-up later, while prompts queue.
+says it suffices, and no worker is on its way into it (a pool still growing misses for want of
+the workers it has asked for, not by a fault of the model), has its need scaled up by a
+correction that moves halfway to the observed overshoot each window (at most 4x) and halves back
+toward 1 within the SLO (for prefill, the correction scales the load).
+
+With a fixed number of workers the split follows the ratio of the two needs; with scaling on each
+pool is sized to its need within its bounds, a pool that grows while the other shrinks taking the
+worker the other gives up (a role change, not a release and a start), and pools that only grow
+starting all their new workers at once. Hysteresis: a new target must be seen in `patience`
+windows running before it is acted on (at once when the pool it grows misses its SLO: the
+window's p90 TTFT for prefill, p90 ITL for decode), and each decision moves one worker but for
+starts. A release waits longer, as autoscalers' downscale delays do: only when each of the last
+`release_after` windows needed fewer workers, and so does their load together taken at the upper
+end of what their arrivals allow (the count plus 1.28 standard deviations: one-sided 90%), down
+to the most of these. One window's arrivals are noisy (30 expected at 3 req/s, from 14 to 35
+seen), and a worker released on a dip in a rising load is started again a start-up later, while
+prompts queue.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ class LoadWindow:
     seconds: float = 0.0
     arrivals: int = 0
     prompt_tokens: int = 0  # of the arrivals
+    prompt_tokens_sq: int = 0  # the sum of their squares: the spread of prompt lengths
     finished: int = 0
     output_tokens: int = 0  # of the finished requests
     prefill_tokens: int = 0  # computed on prefill workers
@@ -100,6 +112,54 @@ def _corrected(correction: float, ratio: float) -> float:
     return max(1.0, (correction + min(_MAX_CORRECTION, ratio)) / 2)
 
 
+_RATE_Z = 1.28  # one-sided 90%: the rate a release is judged at
+
+
+def erlang_c(servers: int, load: float) -> float:
+    """The probability that an arrival waits, with `servers` and `load` Erlangs (< servers)."""
+    blocking = 1.0  # Erlang B, by its recurrence
+    for k in range(1, servers + 1):
+        blocking = load * blocking / (k + load * blocking)
+    return servers * blocking / (servers - load * (1 - blocking))
+
+
+def p90_ttft(servers: int, load: float, service_s: float, spread: float) -> float:
+    """p90 of service + wait in an M/G/c queue: P(wait > t) = C exp(-(c - a) t / (S k)), with
+    k = (1 + cs^2) / 2 (Allen-Cunneen; `spread` = cs^2, 0 for prompts of one length)."""
+    if load >= servers:
+        return math.inf
+    waits = erlang_c(servers, load)
+    if waits <= 0.1:
+        return service_s
+    scale = service_s * (1 + spread) / 2
+    return service_s + scale * math.log(waits / 0.1) / (servers - load)
+
+
+def held_load(servers: int, service_s: float, spread: float, slo_s: float) -> float:
+    """The most Erlangs `servers` workers hold with the p90 TTFT under `slo_s` (by bisection)."""
+    low, high = 0.0, float(servers)
+    for _ in range(40):
+        middle = (low + high) / 2
+        if p90_ttft(servers, middle, service_s, spread) <= slo_s:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def queue_need(load: float, service_s: float, spread: float, slo_s: float, most: int) -> float:
+    """Workers a prompt queue of `load` Erlangs needs for its p90 TTFT (see the module's
+    docstring): c - 1 + how far the load lies from what c - 1 hold to what c hold; past `most`
+    workers, by the load `most` hold per worker."""
+    below = 0.0
+    for servers in range(1, most + 1):
+        held = held_load(servers, service_s, spread, slo_s)
+        if load <= held:
+            return servers - 1 + (load - below) / max(1e-9, held - below)
+        below = held
+    return load * most / max(1e-9, below)
+
+
 def _p90(values: list[float]) -> float:
     if not values:
         return 0.0
@@ -136,9 +196,11 @@ class PoolPlanner:
     patience: int = 2  # windows a new target must persist before it is acted on
     release_after: int = 3  # windows that must all need fewer workers before one is released
     # with scaling: the targets of the last release_after windows
-    recent: list[PoolTarget] = field(default_factory=list)
+    # with scaling, the last release_after windows: (arrivals, seconds, the pools they needed)
+    recent: list[tuple[int, float, PoolTarget]] = field(default_factory=list)
     speeds: Speeds = field(default_factory=Speeds)
     mean_prompt: float | None = None
+    prompt_spread: float = 0.0  # squared coefficient of variation of the prompts' lengths
     mean_output: float | None = None
     pending: PoolTarget | None = None
     seen: int = 0
@@ -148,11 +210,14 @@ class PoolPlanner:
     prefill_correction: float = 1.0
     decode_correction: float = 1.0
 
-    def needs(self, window: LoadWindow) -> tuple[float, float] | None:
-        """(prefill workers, decode workers) the window's load needs; None when not measurable
-        yet."""
+    def needs(self, window: LoadWindow, rate: float | None = None) -> tuple[float, float] | None:
+        """(prefill workers, decode workers) the window's load needs (at `rate` requests/s
+        instead of the window's when given); None when not measurable yet."""
         if window.arrivals:
             self.mean_prompt = window.prompt_tokens / window.arrivals
+            if window.prompt_tokens_sq:
+                mean_sq = window.prompt_tokens_sq / window.arrivals
+                self.prompt_spread = max(0.0, mean_sq / self.mean_prompt**2 - 1)
         if window.finished:
             self.mean_output = window.output_tokens / window.finished
         if self.mean_prompt is None or self.mean_output is None:
@@ -161,35 +226,46 @@ class PoolPlanner:
         decode_rate = self.speeds.decode_tok_s(batch)
         if self.speeds.prefill_tok_s is None or decode_rate is None:
             return None
-        rate = window.arrival_rate
-        prefill = rate * self.mean_prompt / (self.speeds.prefill_tok_s * self.utilization)
+        rate = window.arrival_rate if rate is None else rate
+        service_s = self.mean_prompt / self.speeds.prefill_tok_s
+        load = rate * service_s * self.prefill_correction
+        if self.slo_ttft_s is None or service_s >= self.slo_ttft_s:
+            prefill = load / self.utilization
+        else:
+            most = max(self.max_prefill, self.total or 0)
+            prefill = queue_need(load, service_s, self.prompt_spread, self.slo_ttft_s, most)
         decode = rate * self.mean_output / (decode_rate * self.utilization)
-        return prefill * self.prefill_correction, decode * self.decode_correction
+        return prefill, decode * self.decode_correction
 
-    def correct(self, window: LoadWindow) -> None:
+    def correct(self, window: LoadWindow, joining: tuple[int, int] = (0, 0)) -> None:
         """Move each correction halfway to how far the window's p90 is past its SLO (at most 4);
-        within the SLO, halve it (never below 1)."""
-        if window.ttft_s and self.slo_ttft_s is not None:
+        within the SLO, halve it (never below 1). A pool with `joining` workers on their way in
+        keeps its correction."""
+        if window.ttft_s and self.slo_ttft_s is not None and not joining[0]:
             ratio = _p90(window.ttft_s) / self.slo_ttft_s
             self.prefill_correction = _corrected(self.prefill_correction, ratio)
-        if window.itl_s:
+        if window.itl_s and not joining[1]:
             ratio = _p90(window.itl_s) / self.slo_itl_s
             self.decode_correction = _corrected(self.decode_correction, ratio)
 
-    def decide(self, window: LoadWindow, prefill: int, decode: int) -> PoolTarget | None:
+    def decide(
+        self, window: LoadWindow, prefill: int, decode: int, joining: tuple[int, int] = (0, 0)
+    ) -> PoolTarget | None:
         """The pools' next sizes (one role change or release at most; starts all at once), or
-        None to leave them."""
+        None to leave them. `prefill` and `decode` count the workers on their way into a pool
+        (`joining`: how many of them) and not those on their way out."""
         self.speeds.observe(window)
-        self.correct(window)
+        self.correct(window, joining)
         need = self.needs(window)
         self.last_needs = None if need is None else (round(need[0], 2), round(need[1], 2))
         if need is None:
             return None
         want = self._target(*need)
         if self.total is None:
-            self.recent = (self.recent + [want])[-self.release_after :]
+            recent = self.recent + [(window.arrivals, window.seconds, want)]
+            self.recent = recent[-self.release_after :]
             if want.prefill <= prefill and want.decode <= decode:
-                return self._release(want, prefill, decode)
+                return self._release(window, prefill, decode)
         if (want.prefill, want.decode) == (prefill, decode):
             self.pending = None
             self.seen = 0
@@ -208,22 +284,33 @@ class PoolPlanner:
         self.seen = 0
         return _one_step(want, prefill, decode, self.total is not None)
 
-    def _release(self, want: PoolTarget, prefill: int, decode: int) -> PoolTarget | None:
-        """With scaling, a target no larger than the pools: release one worker if each of the last
-        `release_after` windows needed fewer, toward the most they needed."""
+    def _release(self, window: LoadWindow, prefill: int, decode: int) -> PoolTarget | None:
+        """With scaling, a target no larger than the pools: release one worker if each of the
+        last `release_after` windows needed fewer, and so does their load together at the upper
+        end of its arrival rate; toward the most of these."""
         self.pending = None
         self.seen = 0
         if len(self.recent) < self.release_after:
             return None
-        most_prefill = max(t.prefill for t in self.recent)
-        most_decode = max(t.decode for t in self.recent)
+        arrivals = sum(n for n, _, _ in self.recent)
+        seconds = sum(s for _, s, _ in self.recent)
+        rate = (arrivals + _RATE_Z * math.sqrt(max(1, arrivals))) / max(1e-9, seconds)
+        need = self.needs(window, rate)
+        if need is None:
+            return None
+        targets = [t for _, _, t in self.recent] + [self._target(*need)]
+        most_prefill = max(t.prefill for t in targets)
+        most_decode = max(t.decode for t in targets)
         if most_prefill > prefill or most_decode > decode:
-            return None  # (a recent window asked for more: growing waits on its own patience)
+            return None  # (the load may be rising: growing waits on its own patience)
         if (most_prefill, most_decode) == (prefill, decode):
             return None
-        reason = f"{want.reason}; the last {len(self.recent)} windows needed at most "
-        most = PoolTarget(most_prefill, most_decode, reason + f"{most_prefill}:{most_decode}")
-        return _one_step(most, prefill, decode, fixed=False)
+        reason = (
+            f"{targets[-1].reason}; the last {len(self.recent)} windows needed at most "
+            f"{most_prefill}:{most_decode}, {rate:.2f} req/s included (the upper end of their "
+            f"{arrivals} arrivals in {seconds:.0f} s)"
+        )
+        return _one_step(PoolTarget(most_prefill, most_decode, reason), prefill, decode, False)
 
     def _missing_slo(self, window: LoadWindow, want: PoolTarget, prefill: int, decode: int) -> bool:
         """The pool the target grows is missing its SLO now (p90 of the window's finished

@@ -386,7 +386,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--scaling",
         default=None,
-        help="P:D: also run the planner with pools that start at 1:1 and may grow to P:D",
+        help="P:D: also run the planner with pools that start at --scaling-from and may grow "
+        "to P:D",
+    )
+    parser.add_argument(
+        "--scaling-from",
+        default="1:1",
+        help="P:D the scaling run's pools start at (what the first minutes' load needs)",
     )
     parser.add_argument(
         "--trace",
@@ -418,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         runs.append((half, args.workers - half, True))
     scaling = tuple(map(int, args.scaling.split(":"))) if args.scaling else None
     if scaling:
-        runs.append((1, 1, True))
+        runs.append((*map(int, args.scaling_from.split(":")), True))
     print(json.dumps({"model": asdict(cost), "trace_requests": len(trace)}), flush=True)
     lines = _run_all(args, cost, trace, runs, scaling) if runs else []
     if args.plot:

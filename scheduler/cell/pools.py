@@ -173,6 +173,7 @@ class PoolPlans:
     def on_arrival(self, request: Request) -> None:
         self.window.arrivals += 1
         self.window.prompt_tokens += len(request.prompt_ids)
+        self.window.prompt_tokens_sq += len(request.prompt_ids) ** 2
 
     def on_finish(self, out: RequestOutput) -> None:
         """(Output tokens are counted as they are published: the window's mean output length is
@@ -202,7 +203,8 @@ class PoolPlans:
             return []
         prefill = sum(_counts_as(w, "prefill") for w in cell.workers)
         decode = sum(_counts_as(w, "decode") for w in cell.workers)
-        target = self.planner.decide(window, prefill, decode)
+        joining = (_joining(cell.workers, "prefill"), _joining(cell.workers, "decode"))
+        target = self.planner.decide(window, prefill, decode, joining)
         self.last_window = {
             "seconds": round(window.seconds, 3),
             "arrivals": window.arrivals,
@@ -257,3 +259,11 @@ def _counts_as(worker: WorkerState, kind: str) -> bool:
     if worker.status is WorkerStatus.GONE:
         return False
     return (worker.next_kind or worker.kind) == kind
+
+
+def _joining(workers: list[WorkerState], kind: str) -> int:
+    """Workers on their way into pool `kind`: starting, or leaving the other pool for it."""
+    return sum(
+        w.next_kind == kind or (w.kind == kind and w.status is WorkerStatus.RESTARTING)
+        for w in workers
+    )

@@ -1,9 +1,12 @@
 """The pool planner's arithmetic: measured speeds, the needs of a window's load, the split it
 asks for, and its hysteresis."""
 
+import heapq
+import random
+
 import pytest
 
-from scheduler.pool_planner import LoadWindow, PoolPlanner, Speeds, fit_line
+from scheduler.pool_planner import LoadWindow, PoolPlanner, Speeds, fit_line, held_load
 
 
 def test_a_line_is_fitted_to_step_times():
@@ -84,7 +87,7 @@ def test_with_scaling_each_pool_is_sized_to_its_need_within_bounds():
 
 def test_with_scaling_a_pool_that_grows_takes_the_worker_the_other_gives_up():
     p = planner(total=None, max_prefill=4, max_decode=4)
-    chatty = load(2, 50, 800)  # prefill 0.01 -> 1; decode 1600 / 750 / 0.8 = 2.7 -> 3
+    chatty = load(2, 50, 700)  # prefill 0.01 -> 1; decode 1400 / 750 / 0.8 = 2.3 -> 3
     for prefill, decode, after in [(3, 1, (2, 2)), (2, 2, (1, 3))]:
         p.decide(chatty, prefill=prefill, decode=decode)
         target = p.decide(chatty, prefill=prefill, decode=decode)
@@ -146,3 +149,66 @@ def test_a_pool_that_misses_its_slo_needs_more_than_the_model_says():
     calm.itl_s = [0.030] * 10
     p.correct(calm)
     assert p.decode_correction == pytest.approx(1.0)  # back within the SLO
+
+
+def _simulated_p90_ttft(servers, rate, service, seconds=50_000.0, seed=1):
+    """p90 of wait + service of Poisson arrivals served first come first served by `servers`,
+    each prompt taking uniformly 2/3 to 4/3 of `service`."""
+    rng = random.Random(seed)
+    free = [0.0] * servers
+    t, ttft = 0.0, []
+    while t < seconds:
+        t += rng.expovariate(rate)
+        took = rng.uniform(service * 2 / 3, service * 4 / 3)
+        start = max(heapq.heappop(free), t)
+        heapq.heappush(free, start + took)
+        ttft.append(start + took - t)
+    return sorted(ttft)[int(0.9 * len(ttft))]
+
+
+def test_the_load_a_prefill_pool_holds_within_its_ttft_slo_matches_a_queue_simulation():
+    spread = (1 / 3) ** 2 / 3  # uniform over 2/3 to 4/3 of the mean: cs^2 = 1/27
+    held = [held_load(c, 0.75, spread, 2.0) for c in (1, 2, 3, 4)]
+    # one worker holds half its speed within a TTFT SLO of 2.7 prompts; four, 85% of theirs
+    assert held[0] == pytest.approx(0.50, abs=0.01) and held[3] / 4 == pytest.approx(0.85, abs=0.01)
+    for servers, load in zip((1, 2, 3, 4), held, strict=True):
+        p90 = _simulated_p90_ttft(servers, load / 0.75, 0.75)
+        assert p90 == pytest.approx(2.0, rel=0.04)  # the SLO, where the formula puts it
+        assert _simulated_p90_ttft(servers, 1.2 * load / 0.75, 0.75) > 2.0  # and past it
+
+
+def test_with_a_ttft_slo_a_prefill_worker_is_not_filled_past_what_keeps_prompts_from_queueing():
+    # 2 req/s of 3,000-token prompts at 10,000 tok/s: 0.3 s each, 0.6 of one worker's time
+    window = load(2, 3000, 20)
+    without = planner(total=None).needs(window)[0]
+    assert without == pytest.approx(0.6 / 0.8)  # 80% utilization: one worker
+    slow = planner(total=None, slo_ttft_s=0.6)  # an SLO of two prompts: one worker holds 0.29
+    assert 1 < slow.needs(window)[0] < 2
+    # an SLO no single prompt can meet is left to utilization: more workers would not help
+    assert planner(total=None, slo_ttft_s=0.2).needs(window)[0] == pytest.approx(without)
+
+
+def test_a_release_waits_for_the_upper_end_of_the_arrival_rate():
+    p = planner(total=None, max_prefill=4, release_after=3)
+    # 9.2 req/s of 2,000-token prompts: 2.3 workers at 80%, so 3; each window alone says 3
+    near = load(9.2, 2000, 20)
+    for _ in range(4):
+        assert p.decide(near, prefill=3, decode=1) is None
+    # 7.6 req/s: 1.9 workers, 2 by every window; but 228 arrivals in 30 s allow 8.2 req/s, 2.05
+    # workers: the third is kept
+    lower = load(7.6, 2000, 20)
+    for _ in range(4):
+        assert p.decide(lower, prefill=3, decode=1) is None
+    # a window at 6 req/s: 212 arrivals in the last 30 s allow 7.7 req/s, 1.92 workers: released
+    target = p.decide(load(6, 2000, 20), prefill=3, decode=1)
+    assert (target.prefill, target.decode) == (2, 1)
+    assert "req/s included" in target.reason
+
+
+def test_a_pool_with_workers_on_their_way_in_keeps_its_correction():
+    p = planner(total=None, max_decode=8, slo_ttft_s=2.0)
+    window = load(2, 50, 300)
+    window.itl_s = [0.120] * 10
+    window.ttft_s = [8.0] * 10
+    p.correct(window, joining=(1, 0))  # a prefill worker is starting: its pool misses for that
+    assert p.prefill_correction == 1.0 and p.decode_correction > 1.0
