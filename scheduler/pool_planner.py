@@ -195,7 +195,6 @@ class PoolPlanner:
     utilization: float = 0.8
     patience: int = 2  # windows a new target must persist before it is acted on
     release_after: int = 3  # windows that must all need fewer workers before one is released
-    # with scaling: the targets of the last release_after windows
     # with scaling, the last release_after windows: (arrivals, seconds, the pools they needed)
     recent: list[tuple[int, float, PoolTarget]] = field(default_factory=list)
     speeds: Speeds = field(default_factory=Speeds)

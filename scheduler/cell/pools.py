@@ -262,7 +262,8 @@ def _counts_as(worker: WorkerState, kind: str) -> bool:
 
 
 def _joining(workers: list[WorkerState], kind: str) -> int:
-    """Workers on their way into pool `kind`: starting, or leaving the other pool for it."""
+    """Workers on their way into pool `kind`: starting (or restarting after a fault), or leaving
+    the other pool for it."""
     return sum(
         w.next_kind == kind or (w.kind == kind and w.status is WorkerStatus.RESTARTING)
         for w in workers
