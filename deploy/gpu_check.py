@@ -145,22 +145,39 @@ def check_logits_fp32(checkpoint: Path, device: str) -> dict[str, Any]:
     return {"max_abs_logit_diff": worst, "limit": FP32_LOGIT_TOLERANCE, "ok": worst <= 1e-3}
 
 
-def check_logprobs_bf16(device: str) -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM
-
+def _bf16_subject(root: Path, device: str) -> tuple[str, list[int]]:
+    """The model and prompt of the bf16 check: the embedded SmolLM2 and a chat prompt where its
+    package is installed; else gpu-bench's random-weight Qwen3-0.6B (its tiny preset on a CPU) and
+    a random prompt: a machine with no package registry may lack the 98 MB GGUF."""
     from workers.catalog import DEFAULT_MODEL
-    from workers.kv_cache import PagedKVCache
-    from workers.loader import load_model, resolve_checkpoint
+    from workers.loader import load_tokenizer, resolve_checkpoint
 
-    loaded = load_model(DEFAULT_MODEL, "bfloat16", device)
-    directory = resolve_checkpoint(DEFAULT_MODEL)
-    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).to(device).eval()
-    text = loaded.tokenizer.apply_chat_template(
+    try:
+        directory = resolve_checkpoint(DEFAULT_MODEL)
+    except FileNotFoundError:
+        from deploy.bench.gpu_model import build_checkpoint
+
+        preset = "qwen3-0.6b" if device.startswith("cuda") else "tiny"
+        path = build_checkpoint(preset, torch.bfloat16, device, 0, root)
+        return str(path), _prompt(48, 5)
+    tokenizer = load_tokenizer(DEFAULT_MODEL).tokenizer
+    text = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Why is the sky blue? Answer in two sentences."}],
         tokenize=False,
         add_generation_prompt=True,
     )
-    prompt = loaded.tokenizer(text).input_ids
+    return directory, tokenizer(text).input_ids
+
+
+def check_logprobs_bf16(root: Path, device: str) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    from workers.kv_cache import PagedKVCache
+    from workers.loader import load_model
+
+    directory, prompt = _bf16_subject(root, device)
+    loaded = load_model(directory, "bfloat16", device)
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).to(device).eval()
     with torch.no_grad():  # the reference's own greedy reply, as tests/workers/test_bf16.py
         ids = hf.generate(
             torch.tensor([prompt], device=device), max_new_tokens=24, do_sample=False
@@ -182,6 +199,7 @@ def check_logprobs_bf16(device: str) -> dict[str, Any]:
     delta = (logp(ours) - logp(theirs[:-1])).abs()
     mean, worst = float(delta.mean()), float(delta.max())
     return {
+        "model": Path(directory).name,
         "tokens": len(ids),
         "mean_abs_dlogp": mean,
         "max_abs_dlogp": worst,
@@ -379,14 +397,17 @@ def check_disaggregated(checkpoint: Path, device: str) -> dict[str, Any]:
     return {"differ_from_local": differ, "kv_transfer": transfers, "ok": not differ}
 
 
-def check_slots_sweep(device: str, seconds: float) -> dict[str, Any]:
+def check_slots_sweep(root: Path, device: str, seconds: float) -> dict[str, Any]:
     from deploy.bench.arguments import add_gpu_bench_arguments
     from deploy.bench.gpu import run_gpu_bench
 
     parser = argparse.ArgumentParser()
     add_gpu_bench_arguments(parser)
     preset = "qwen3-0.6b" if device.startswith("cuda") else "tiny"
-    args = parser.parse_args(["--device", device, "--preset", preset, "--time-limit", str(seconds)])
+    args = parser.parse_args(
+        ["--device", device, "--preset", preset, "--time-limit", str(seconds)]
+        + ["--workdir", str(root), "--output", str(root / "gpu_bench.jsonl")]
+    )
     lines = run_gpu_bench(args)
     return {"lines": lines, "ok": bool(lines)}
 
@@ -400,14 +421,14 @@ def run_checks(args: argparse.Namespace) -> dict[str, Any]:
     checks: list[tuple[str, Callable[[], dict[str, Any]]]] = [
         ("versions", lambda: check_versions(device)),
         ("logits_fp32", lambda: check_logits_fp32(checkpoint, device)),
-        ("logprobs_bf16", lambda: check_logprobs_bf16(device)),
+        ("logprobs_bf16", lambda: check_logprobs_bf16(root, device)),
         ("greedy", lambda: check_greedy(checkpoint, device)),
         ("sampling", lambda: check_sampling(checkpoint, device)),
         ("kv_transports", lambda: check_kv_transports(device)),
         ("disaggregated", lambda: check_disaggregated(checkpoint, device)),
     ]
     if args.sweep_seconds > 0:
-        checks.append(("slots_sweep", lambda: check_slots_sweep(device, args.sweep_seconds)))
+        checks.append(("slots_sweep", lambda: check_slots_sweep(root, device, args.sweep_seconds)))
     skip = set(args.skip or [])
     report: dict[str, Any] = {"device": device, "checks": {}}
     start = time.perf_counter()

@@ -241,6 +241,25 @@ def add_gpu_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--output", default="results/gpu_bench.jsonl", help="JSON lines file ('' for none)"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the prompts")
+    parser.add_argument(
+        "--fit-cost-model",
+        metavar="PATH",
+        help="instead of the sweep, time the model's forward on a grid of prompts and decode "
+        "batches and write the fitted cost model of `python -m deploy.bench.gpu_sim` (JSON)",
+    )
+    parser.add_argument(
+        "--link-gb-s",
+        type=float,
+        default=450.0,
+        help="with --fit-cost-model: the prefill-to-decode link's GB/s (default: NVLink 4, one "
+        "direction, H100/H200 SXM datasheet)",
+    )
+    parser.add_argument(
+        "--startup-s",
+        type=float,
+        default=30.0,
+        help="with --fit-cost-model: a worker's start-up, seconds (weights read, warm-up)",
+    )
 
 
 def add_gpu_check_arguments(parser: argparse.ArgumentParser) -> None:

@@ -235,6 +235,38 @@ def _table(lines: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def _fit_cost_model(
+    args: argparse.Namespace, loaded: Any, device: str, start: float
+) -> dict[str, Any]:
+    from deploy.bench.cost_model import cost_model_json, fit_cost_model
+
+    _progress(start, "timing the forward on the cost model's grid")
+    label = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
+    cost, points = fit_cost_model(
+        loaded,
+        device,
+        f"{label.lower().replace(' ', '-')}-{args.preset}",
+        args.link_gb_s * 1e9,
+        args.startup_s,
+    )
+    text = cost_model_json(cost, points)
+    Path(args.fit_cost_model).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.fit_cost_model).write_text(text + "\n")
+    for point in points:
+        shape = (
+            f"{point['tokens']} tokens after {point['cached']}"
+            if point["kind"] == "prefill"
+            else f"batch {point['batch']} x KV {point['kv_len']}"
+        )
+        _progress(
+            start,
+            f"{point['kind']:8} {shape:26} {point['s'] * 1e3:9.3f} ms, "
+            f"fit {point['fit_s'] * 1e3:9.3f} ms",
+        )
+    _progress(start, f"wrote {args.fit_cost_model}")
+    return json.loads(text)
+
+
 def run_gpu_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Run the sweep; print and write one JSON line per slot count and a summary line; return them
     all."""
@@ -264,6 +296,8 @@ def run_gpu_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
         checkpoint = build_checkpoint(args.preset, dtype, device, args.seed, root)
         _progress(start, "loading it through pdserve's loader")
         loaded = load_model(str(checkpoint), args.dtype, device)
+        if args.fit_cost_model:
+            return [_fit_cost_model(args, loaded, device, start)]
         _progress(start, "loading it into transformers for the static-batching baseline")
         hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device).eval()
         _progress(start, f"measuring copy bandwidth ({copy_bytes / 2**20:.0f} MiB)")

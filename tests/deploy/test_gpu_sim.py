@@ -5,9 +5,8 @@ import json
 
 import pytest
 
+from deploy.bench.cost_model import A10_LLAMA_8B, CostModel
 from deploy.bench.gpu_sim import (
-    A10_LLAMA_8B,
-    CostModel,
     main,
     offered_load,
     run,
