@@ -18,6 +18,8 @@ VOCAB = 384
 # the device the parity tests run our side on (`PDSERVE_TEST_DEVICE=cuda make test` on a GPU);
 # `transformers`' reference runs on the CPU either way
 TEST_DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")
+# the share of a GPU each Ray worker of a test takes: a test's workers (at most 8) share one GPU
+TEST_GPUS_PER_WORKER = 0.125 if TEST_DEVICE.startswith("cuda") else None
 # fp32 logits against `transformers`: on the CPU the same ops in another order; on a GPU other
 # kernels (TF32 off), within `pdserve gpu-check`'s limit
 LOGITS_CLOSE = (

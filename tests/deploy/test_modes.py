@@ -10,7 +10,7 @@ from deploy.config import EngineConfig
 from deploy.driver import RayEngine, open_engine
 from deploy.engine_client import EngineClient, complete
 from scheduler.request import Request, SamplingParams
-from tests.factories import TEST_DEVICE, VOCAB, make_requests
+from tests.factories import TEST_DEVICE, TEST_GPUS_PER_WORKER, VOCAB, make_requests
 
 pytestmark = pytest.mark.slow
 
@@ -21,6 +21,8 @@ BASE = dict(
     prefill_chunk=8,
     prefill_slots=2,
     device=TEST_DEVICE,  # PDSERVE_TEST_DEVICE (cpu by default)
+    gpus_per_worker=TEST_GPUS_PER_WORKER,
+    dtype="float32",  # (auto is bf16 on a GPU)
 )
 PROMPTS, OUTPUTS = [5, 31, 12, 47, 9, 20, 3, 60, 15], [17, 6, 25, 9, 3, 12, 30, 8, 14]
 
@@ -76,7 +78,9 @@ def test_greedy_outputs_equal_local_mode(ray_session, tiny_checkpoint, overrides
         assert all(handed_off.values())
         assert all(c.metrics["kv_handoff_s"] > 0 for c in results.values())
     if overrides["mode"] == "disaggregated":  # every byte fetched was counted, with its transport
-        transport = overrides.get("kv_transport", "object_store")  # (auto on CPU)
+        # auto: the object store on CPUs, CUDA IPC between workers that share a GPU
+        default = "cuda_ipc" if TEST_DEVICE.startswith("cuda") else "object_store"
+        transport = overrides.get("kv_transport", default)
         assert set(stats["kv_transfer"]) == {transport}
         assert stats["kv_transfer"][transport]["bytes"] > 0
         assert stats["kv_transfer"][transport]["failures"] == 0
