@@ -28,8 +28,9 @@ pool is sized to its need within its bounds, a pool that grows while the other s
 worker the other gives up (a role change, not a release and a start), and pools that only grow
 starting all their new workers at once. Hysteresis: a new target must be seen in `patience`
 windows running before it is acted on (at once when the pool it grows misses its SLO: the
-window's p90 TTFT for prefill, p90 ITL for decode), and each decision moves one worker but for
-starts. A release waits longer, as autoscalers' downscale delays do: only when each of the last
+window's p90 TTFT for prefill, p90 ITL for decode; and, with scaling, when it only starts
+workers: a start answers a start-up later, so waiting a window on a rising load costs a window
+more of queued prompts), and each decision moves one worker but for starts. A release waits longer, as autoscalers' downscale delays do: only when each of the last
 `release_after` windows needed fewer workers, and so does their load together taken at the upper
 end of what their arrivals allow (the count plus 1.28 standard deviations: one-sided 90%), down
 to the most of these. One window's arrivals are noisy (30 expected at 3 req/s, from 14 to 35
@@ -277,7 +278,7 @@ class PoolPlanner:
         else:
             self.pending = want
             self.seen = 1
-        if self.seen < self.patience and not self._missing_slo(window, want, prefill, decode):
+        if self.seen < self.patience and not self._now(window, want, prefill, decode):
             return None
         self.pending = None
         self.seen = 0
@@ -311,9 +312,13 @@ class PoolPlanner:
         )
         return _one_step(PoolTarget(most_prefill, most_decode, reason), prefill, decode, False)
 
-    def _missing_slo(self, window: LoadWindow, want: PoolTarget, prefill: int, decode: int) -> bool:
-        """The pool the target grows is missing its SLO now (p90 of the window's finished
-        requests): act without waiting for the target to persist."""
+    def _now(self, window: LoadWindow, want: PoolTarget, prefill: int, decode: int) -> bool:
+        """Act without waiting for the target to persist: with scaling, when it only starts
+        workers (a start answers a start-up later, and a worker started on a noisy window goes
+        again after the release delay), or when the pool it grows is missing its SLO now (p90 of
+        the window's finished requests)."""
+        if self.total is None and want.prefill >= prefill and want.decode >= decode:
+            return True
         if want.prefill > prefill and self.slo_ttft_s is not None:
             return _p90(window.ttft_s) > self.slo_ttft_s
         if want.decode > decode:

@@ -80,16 +80,24 @@ def test_a_change_of_mind_restarts_the_patience():
 def test_with_scaling_each_pool_is_sized_to_its_need_within_bounds():
     p = planner(total=None, max_decode=4)
     window = load(10, 2000, 400)  # prefill 2.5 -> 3; decode 4000 / 750 / 0.8 = 6.7 -> max 4
-    p.decide(window, prefill=1, decode=1)
     target = p.decide(window, prefill=1, decode=1)
-    assert (target.prefill, target.decode) == (3, 4)  # every start at once
+    # every start at once, and on the first window that needs it: a start answers a start-up
+    # later, and waiting a window on a rising load only adds to the prompts queued meanwhile
+    assert (target.prefill, target.decode) == (3, 4)
+
+
+def test_with_a_fixed_total_a_role_change_still_waits_for_its_patience():
+    p = planner(total=4)
+    window = load(10, 2000, 20)
+    assert p.decide(window, prefill=1, decode=3) is None
+    assert (p.decide(window, prefill=1, decode=3).prefill) == 2
 
 
 def test_with_scaling_a_pool_that_grows_takes_the_worker_the_other_gives_up():
     p = planner(total=None, max_prefill=4, max_decode=4)
     chatty = load(2, 50, 700)  # prefill 0.01 -> 1; decode 1400 / 750 / 0.8 = 2.3 -> 3
     for prefill, decode, after in [(3, 1, (2, 2)), (2, 2, (1, 3))]:
-        p.decide(chatty, prefill=prefill, decode=decode)
+        assert p.decide(chatty, prefill=prefill, decode=decode) is None  # a role change waits
         target = p.decide(chatty, prefill=prefill, decode=decode)
         assert (target.prefill, target.decode) == after  # a role change: the total stays
     p.decide(chatty, prefill=2, decode=3)
@@ -110,8 +118,7 @@ def test_with_scaling_a_worker_is_released_only_after_the_load_stayed_low():
     target = p.decide(quiet, prefill=3, decode=1)
     assert (target.prefill, target.decode) == (2, 1)
     assert p.decide(quiet, prefill=2, decode=1).prefill == 1  # then one a window
-    # a pool that grows does not wait for the release delay
-    p.decide(busy, prefill=1, decode=1)
+    # a pool that grows waits neither for the release delay nor for a second window
     assert p.decide(busy, prefill=1, decode=1).prefill == 3
 
 
