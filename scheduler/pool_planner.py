@@ -24,16 +24,19 @@ correction that moves halfway to the observed overshoot each window (at most 4x)
 toward 1 within the SLO (for prefill, the correction scales the load).
 
 With a fixed number of workers the split follows the ratio of the two needs; with scaling on each
-pool is sized to its need within its bounds, a pool that grows while the other shrinks taking the
-worker the other gives up (a role change, not a release and a start), and pools that only grow
+pool is sized to its need within its bounds, a decode pool that grows while the prefill pool
+shrinks taking a prefill worker (a role change, not a release and a start: a prefill worker is free
+within its current prompts), a prefill pool that grows while the decode pool shrinks starting its
+workers (a decode worker is free only when its longest answer ends), and pools that only grow
 starting all their new workers at once. Hysteresis: a new target must be seen in `patience`
 windows running before it is acted on (at once when the pool it grows misses its SLO: the
 window's p90 TTFT for prefill, p90 ITL for decode; and, with scaling, when it only starts
 workers: a start answers a start-up later, so waiting a window on a rising load costs a window
-more of queued prompts), and each decision moves one worker but for starts. A release waits longer, as autoscalers' downscale delays do: only when each of the last
-`release_after` windows needed fewer workers, and so does their load together taken at the upper
-end of what their arrivals allow (the count plus 1.28 standard deviations: one-sided 90%), down
-to the most of these. One window's arrivals are noisy (30 expected at 3 req/s, from 14 to 35
+more of queued prompts), and each decision moves one worker but for starts. A release waits
+longer, as autoscalers' downscale delays do: only when each of the last `release_after` windows
+needed fewer workers, and so does their load together taken at the upper end of what their
+arrivals allow (the count plus 1.28 standard deviations: one-sided 90%), down to the most of
+these. One window's arrivals are noisy (30 expected at 3 req/s, from 14 to 35
 seen), and a worker released on a dip in a rising load is started again a start-up later, while
 prompts queue.
 """
@@ -278,11 +281,12 @@ class PoolPlanner:
         else:
             self.pending = want
             self.seen = 1
-        if self.seen < self.patience and not self._now(window, want, prefill, decode):
+        step = _one_step(want, prefill, decode, self.total is not None)
+        if self.seen < self.patience and not self._now(window, step, prefill, decode):
             return None
         self.pending = None
         self.seen = 0
-        return _one_step(want, prefill, decode, self.total is not None)
+        return step
 
     def _release(self, window: LoadWindow, prefill: int, decode: int) -> PoolTarget | None:
         """With scaling, a target no larger than the pools: release one worker if each of the
@@ -313,10 +317,10 @@ class PoolPlanner:
         return _one_step(PoolTarget(most_prefill, most_decode, reason), prefill, decode, False)
 
     def _now(self, window: LoadWindow, want: PoolTarget, prefill: int, decode: int) -> bool:
-        """Act without waiting for the target to persist: with scaling, when it only starts
-        workers (a start answers a start-up later, and a worker started on a noisy window goes
-        again after the release delay), or when the pool it grows is missing its SLO now (p90 of
-        the window's finished requests)."""
+        """Act on the step `want` without waiting for the target to persist: with scaling, when
+        it only starts workers (a start answers a start-up later, and a worker started on a noisy
+        window goes again after the release delay), or when the pool it grows is missing its SLO
+        now (p90 of the window's finished requests)."""
         if self.total is None and want.prefill >= prefill and want.decode >= decode:
             return True
         if want.prefill > prefill and self.slo_ttft_s is not None:
@@ -342,15 +346,19 @@ class PoolPlanner:
 
 
 def _one_step(want: PoolTarget, prefill: int, decode: int, fixed: bool) -> PoolTarget:
-    """Move toward `want`. One role change when one pool grows and the other shrinks
-    (always, with a fixed total): the worker keeps its weights and its GPU, where releasing it
-    and starting another would load them again, and the growing pool is not left short while
-    the other releases first. Pools that only grow grow to `want` at once: their new workers
-    start side by side, each taking its start-up time. Pools that only shrink release one worker,
-    prefill first."""
-    if fixed or (want.prefill - prefill) * (want.decode - decode) < 0:
+    """Move toward `want`. With a fixed total, one role change. With scaling, a decode pool that
+    grows while the prefill pool shrinks takes a prefill worker (a role change: the worker keeps
+    its weights and its GPU, and a prefill worker is free within its current prompts); a prefill
+    pool that grows while the decode pool shrinks starts its workers instead, for a decode worker
+    is free only when its longest answer ends, often later than a start-up, and the decode
+    surplus leaves by the release rule. Pools that only grow grow to `want` at once: their new
+    workers start side by side, each taking its start-up time. Pools that only shrink release
+    one worker, prefill first."""
+    if fixed or (want.decode > decode and want.prefill < prefill):
         step = 1 if want.prefill > prefill else -1
         return PoolTarget(prefill + step, decode - step, want.reason)
+    if want.prefill > prefill and want.decode < decode:
+        return PoolTarget(want.prefill, decode, want.reason)
     if want.prefill >= prefill and want.decode >= decode:
         return want
     if want.prefill != prefill:

@@ -109,6 +109,20 @@ def test_with_scaling_a_pool_that_grows_takes_the_worker_the_other_gives_up():
     assert (target.prefill, target.decode) == (2, 3)  # releases go one at a time
 
 
+def test_with_scaling_a_prefill_pool_that_grows_starts_workers_rather_than_wait_for_a_decode_one():
+    """A decode worker is free only when its longest answer ends: a prefill pool that must grow
+    while the decode pool shrinks starts its workers on the first window, and the decode surplus
+    leaves by the release rule."""
+    p = planner(total=None, max_prefill=4, max_decode=4, release_after=3)
+    prompts = load(10, 2000, 20)  # prefill 2.5 -> 3; decode 200 / 750 / 0.8 = 0.33 -> 1
+    target = p.decide(prompts, prefill=1, decode=2)
+    assert (target.prefill, target.decode) == (3, 2)
+    # the release delay: three windows (the first one's included) that all needed 3:1
+    assert p.decide(prompts, prefill=3, decode=2) is None
+    target = p.decide(prompts, prefill=3, decode=2)
+    assert (target.prefill, target.decode) == (3, 1)
+
+
 def test_with_scaling_a_worker_is_released_only_after_the_load_stayed_low():
     p = planner(total=None, max_prefill=4, release_after=3)
     busy, quiet = load(10, 2000, 20), load(3, 2000, 20)  # prefill 2.5 -> 3; 0.75 -> 1
