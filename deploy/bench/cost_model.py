@@ -220,14 +220,16 @@ def fit_cost_model(
 def _fit(points: list[dict[str, Any]]) -> tuple[float, float, float]:
     """Least squares of seconds on the three terms, relative to each point (a 10 ms step and a
     1 s step count alike), without negative coefficients: a term whose coefficient comes out
-    negative is dropped and the rest refitted."""
-    keep = [0, 1, 2]
+    negative is dropped and the rest refitted. A term that is zero at every point says nothing:
+    it is 0 from the start, so the system keeps full rank and the answer does not hang on how a
+    LAPACK build treats a singular matrix."""
+    keep = [k for k in range(3) if any(p["terms"][k] for p in points)] or [0]
     while True:
         rows = torch.tensor(
             [[p["terms"][k] / p["s"] for k in keep] for p in points], dtype=torch.float64
         )
         ones = torch.ones(len(points), 1, dtype=torch.float64)
-        solution = torch.linalg.lstsq(rows, ones).solution[:, 0].tolist()
+        solution = torch.linalg.lstsq(rows, ones, driver="gelsd").solution[:, 0].tolist()
         if min(solution) >= 0 or len(keep) == 1:
             break
         keep.pop(solution.index(min(solution)))

@@ -28,6 +28,11 @@ def test_a_term_that_would_come_out_negative_is_dropped_and_the_rest_refitted():
     a, b, c = _fit(points)
     assert b == 0.0 and c == 0.0
     assert 0.039 < a < 0.04
+    # the same with a third term that does grow: it keeps its share once the second is dropped
+    shapes = [(1, 4e4), (16, 1e4), (64, 9e4), (256, 2e4)]
+    points = [{"terms": [1.0, x, y], "s": 0.04 - 1e-7 * x + 1e-8 * y} for x, y in shapes]
+    a, b, c = _fit(points)
+    assert b == 0.0 and 0.5e-8 < c < 2e-8 and 0.035 < a < 0.045
 
 
 def test_a_named_model_or_a_missing_file_is_told_apart(tmp_path):
