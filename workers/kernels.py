@@ -11,10 +11,11 @@ chunks of a step likewise over their blocks where they lie, rather than gathered
 chunk per layer for SDPA (`workers.prompt_attention_source`); residual add + RMSNorm, rotary +
 KV cache write, and SiLU-mul as one pass each (`workers.elementwise_source`);
 and a matmul over weights packed once into 64-column panels, fp32 on AVX-512 and bf16 on AVX512-BF16
-without AMX (`workers.gemm_source`; with AMX, torch's bf16 matmul runs on oneDNN's AMX tiles, 4-7x
-faster at 64-256 rows, but blocked by the number of rows, so bf16 decode rows are then not
-bit-identical whatever the batch). Every kernel computes a row alone, in an order that does not
-depend on how many rows share the call.
+without AMX (`workers.gemm_source`; with AMX, oneDNN's AMX tiles over a copy of the weight reordered
+once into oneDNN's layout, as vLLM's CPU backend does: 4-7x the packed kernel at 64-256 rows, and
+1.4-2x torch's own bf16 matmul, which reorders the weight on every call; blocked by the number of
+rows, so bf16 decode rows are then not bit-identical whatever the batch). Every kernel computes a
+row alone, in an order that does not depend on how many rows share the call.
 
 They are built with `torch.utils.cpp_extension.load_inline` (a C++ compiler, as `torch.compile` on
 CPU needs too) into torch's extension cache, once per machine type and source (about 40 s); where
@@ -255,25 +256,26 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x [M, K], weight [N, K], bias)`, through the packed-weight kernel where this CPU
-    has one for x's dtype (AVX-512 for fp32, AVX512-BF16 for bf16, unless the CPU has AMX and
-    `LIBRARY_BF16_ON_AMX` holds: oneDNN's AMX tiles then).
+    has one for x's dtype (AVX-512 for fp32, AVX512-BF16 for bf16), and in bf16 on a CPU with AMX
+    (while `LIBRARY_BF16_ON_AMX` holds) through oneDNN's AMX tiles over a copy of the weight in
+    oneDNN's blocked layout (`_onednn_linear`).
 
-    The packed copy (64-column panels; as much memory again as the weight) is made on first use and
-    kept as an attribute of `weight`, tagged with the weight's version counter: writing into the
-    weight (a state dict loaded into it, or into a view of it) makes the next call pack it again (a
-    weight made in inference mode has no version counter: it is packed once)."""
+    Either copy (as much memory again as the weight) is made on first use and kept as an attribute
+    of `weight`, tagged with the weight's version counter: writing into the weight (a state dict
+    loaded into it, or into a view of it) makes the next call pack it again (a weight made in
+    inference mode has no version counter: it is packed once)."""
     module = _module_for(x)
     bf16 = x.dtype == torch.bfloat16
+    if module is not None and bf16 and x.dim() == 2 and LIBRARY_BF16_ON_AMX and module.amx_bf16():
+        return _onednn_linear(x, weight, bias)
     if (
         module is None
         or x.dim() != 2
         or not module.packed_linear_available(bf16)
         or (bf16 and x.shape[1] % 2)
-        or (bf16 and LIBRARY_BF16_ON_AMX and module.amx_bf16())
     ):
         return F.linear(x, weight, bias)
-    # inference tensors keep no version counter
-    version = -1 if weight.is_inference() else weight._version
+    version = _version(weight)
     packed = getattr(weight, "_pdserve_packed", None)
     if packed is None or packed[0] != version:
         n, k = weight.shape
@@ -285,3 +287,38 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         packed = (version, panels.contiguous())
         weight._pdserve_packed = packed
     return module.packed_linear(x.contiguous(), packed[1], bias, weight.shape[0])  # [M, N]
+
+
+# the batch oneDNN lays a reordered weight out for: a decode step's rows. It is a hint, not a
+# limit (any number of rows multiplies by the copy), and at this one the results equal torch's
+# own bf16 matmul's for the shapes of these models from 1 to 300 rows (not beyond: oneDNN then
+# blocks the plain and the reordered weight alike, but differently)
+_ONEDNN_ROWS = 64
+
+
+def _onednn_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """bf16 `F.linear` on oneDNN's AMX tiles over the weight reordered once into oneDNN's blocked
+    layout, as vLLM's CPU backend does: torch's matmul reorders the plain weight on every call,
+    which at a decode step's few rows costs as much as the multiply (1.4-2x the time at 1-256
+    rows, and at the 49,152-row vocabulary projection). Where this torch has no oneDNN linear:
+    F.linear."""
+    version = _version(weight)
+    reordered = getattr(weight, "_pdserve_onednn", None)
+    if reordered is None or reordered[0] != version:
+        try:
+            copy = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _ONEDNN_ROWS)
+        except (AttributeError, RuntimeError) as error:
+            log.warning("no oneDNN linear in this torch (%s); using F.linear", error)
+            copy = None
+        reordered = (version, copy)
+        weight._pdserve_onednn = reordered
+    if reordered[1] is None:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), reordered[1], bias, "none", [], "")
+
+
+def _version(weight: torch.Tensor) -> int:
+    """The weight's version counter (-1 for an inference tensor: it keeps none)."""
+    return -1 if weight.is_inference() else weight._version

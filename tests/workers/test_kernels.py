@@ -328,3 +328,27 @@ def test_bf16_matmuls_take_onednns_amx_tiles_where_the_cpu_has_them():
     # the packed copy is made only where the packed kernel does the work
     packed = hasattr(weight, "_pdserve_packed")
     assert packed == (module.packed_linear_available(True) and not module.amx_bf16())
+
+
+@pytest.mark.usefixtures("compiled")
+@pytest.mark.parametrize("rows", [1, 7, 64, 130, 300])
+@pytest.mark.parametrize(
+    ("out_features", "in_features", "bias"), [(96, 64, True), (200, 38, False)]
+)
+def test_bf16_on_amx_multiplies_by_a_weight_reordered_once_and_again_after_a_write(
+    rows, out_features, in_features, bias
+):
+    if not kernels.load_kernels().amx_bf16():
+        pytest.skip("no AMX on this CPU: bf16 takes the packed kernel or F.linear")
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)  # [M, K]
+    weight = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)  # [N, K]
+    b = torch.randn(out_features, generator=g).to(torch.bfloat16) if bias else None  # [N]
+    tolerance = TOLERANCE[torch.bfloat16]
+    torch.testing.assert_close(kernels.linear(x, weight, b), F.linear(x, weight, b), **tolerance)
+    assert weight._pdserve_onednn[1] is not None  # reordered once, kept beside the weight
+    weight[3] = 0.0  # a state dict loaded into the weight: the reordered copy must follow
+    torch.testing.assert_close(kernels.linear(x, weight, b), F.linear(x, weight, b), **tolerance)
+    # a strided input (a view of a wider activation) multiplies as its contiguous copy does
+    wide = torch.randn(rows, 2 * in_features, generator=g).to(torch.bfloat16)[:, :in_features]
+    torch.testing.assert_close(kernels.linear(wide, weight), F.linear(wide, weight), **tolerance)
