@@ -9,7 +9,7 @@ import torch
 from scheduler.request import Request, SamplingParams
 from tests.factories import VOCAB, prompt_ids, tiny_hf_model
 from tests.workers.test_engine import make_engine
-from workers.sampling import draw_seed, filter_logits
+from workers.sampling import draw_seed, filter_logits, sample
 
 EOS = VOCAB - 1
 
@@ -264,3 +264,13 @@ def test_every_logit_option_runs_on_the_device_of_the_logits():
     state.consume(4)
     row = process_logits(torch.zeros(VOCAB, device="meta"), params, 0, state)
     assert row.device.type == "meta" and row.shape == (VOCAB,)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_rows_take_the_first_of_equal_maxima(dtype):
+    logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(0)).to(dtype)
+    top = [(3, 40), (0, VOCAB - 1), (7, 8), (VOCAB - 2, VOCAB - 1), (11, 12)]
+    for row, columns in enumerate(top):
+        logits[row, list(columns)] = 100.0  # a tie between two tokens
+    tokens = sample(logits, [SamplingParams()] * 5, [0] * 5)
+    assert tokens == [first for first, _ in top] == logits.float().argmax(dim=-1).tolist()
