@@ -291,8 +291,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 # the batch oneDNN lays a reordered weight out for: a decode step's rows. It is a hint, not a
 # limit (any number of rows multiplies by the copy), and at this one the results equal torch's
-# own bf16 matmul's for the shapes of these models from 1 to 300 rows (not beyond: oneDNN then
-# blocks the plain and the reordered weight alike, but differently)
+# own bf16 matmul's for the embedded model's shapes from 1 to 288 rows (oneDNN 3.12; beyond, it
+# blocks some shapes differently for the plain and the reordered weight)
 _ONEDNN_ROWS = 64
 
 
