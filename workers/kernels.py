@@ -13,7 +13,7 @@ KV cache write, and SiLU-mul as one pass each (`workers.elementwise_source`);
 and a matmul over weights packed once into 64-column panels, fp32 on AVX-512 and bf16 on AVX512-BF16
 without AMX (`workers.gemm_source`; with AMX, oneDNN's AMX tiles over a copy of the weight reordered
 once into oneDNN's layout, as vLLM's CPU backend does: 4-7x the packed kernel at 64-256 rows, and
-1.4-2x torch's own bf16 matmul, which reorders the weight on every call; blocked by the number of
+1.3-2.6x torch's own bf16 matmul, which reorders the weight on every call; blocked by the number of
 rows, so bf16 decode rows are then not bit-identical whatever the batch). Every kernel computes a
 row alone, in an order that does not depend on how many rows share the call.
 
@@ -301,7 +301,7 @@ def _onednn_linear(
 ) -> torch.Tensor:
     """bf16 `F.linear` on oneDNN's AMX tiles over the weight reordered once into oneDNN's blocked
     layout, as vLLM's CPU backend does: torch's matmul reorders the plain weight on every call,
-    which at a decode step's few rows costs as much as the multiply (1.4-2x the time at 1-256
+    which at a decode step's few rows costs as much as the multiply (1.3-2.6x the time at 1-256
     rows, and at the 49,152-row vocabulary projection). Where this torch has no oneDNN linear:
     F.linear."""
     version = _version(weight)
