@@ -416,9 +416,11 @@ def _run_one(
         "prefill_workers": config.prefill_workers if run.mode == "disaggregated" else 0,
         "cache_routing": run.cache_routing,
     }
+    if run.mode in ("colocated", "disaggregated"):  # each worker uses its actor's CPUs
+        summary["torch_threads"] = max(1, int(config.num_cpus_per_worker))
     if run.mode == "url":  # the server's deployment is its own: these describe nothing that ran
         summary |= dict.fromkeys(
-            ("prefix_cache", "decode_workers", "prefill_workers", "cache_routing")
+            ("torch_threads", "prefix_cache", "decode_workers", "prefill_workers", "cache_routing")
         )
     summary |= (
         summarize_run(

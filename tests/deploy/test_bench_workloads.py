@@ -118,6 +118,8 @@ def test_interference_and_prefix_reports(ray_session, tiny_checkpoint, tmp_path)
         summaries["colocated"]["decode_workers"] == 2
         and summaries["disaggregated"]["prefill_workers"] == 1
     )
+    # the threads the workers ran with (one per CPU of their actors), not the driver's
+    assert all(s["torch_threads"] == 1 for s in summaries.values())
     for s in summaries.values():
         assert 0 < s["steady_itl_ms_p50"] <= s["steady_itl_ms_p99"] and s["long_ttft_ms_p50"] > 0
         assert 0 < s["steady_itl_during_ms_p50"] <= s["steady_itl_during_ms_p99"]
