@@ -230,6 +230,10 @@ class EngineConfig(BaseModel):
             return 0
         return self.decode_workers + (self.prefill_workers if self.mode == "disaggregated" else 0)
 
+    def worker_threads(self) -> int:
+        """The torch threads each worker actor uses: one per whole CPU it reserves, at least one."""
+        return max(1, int(self.num_cpus_per_worker))
+
     def context_len(self, model_context: int) -> int:
         """Slot capacity: max_model_len if set (never over the model's context), else the model's
         context capped at MAX_DEFAULT_CONTEXT."""

@@ -194,7 +194,7 @@ def spawn_worker(
             config.device,
             num_blocks,
             block_size,
-            max(1, int(config.num_cpus_per_worker)),
+            config.worker_threads(),
             config.kv_transport,
         )
     )

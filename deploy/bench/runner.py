@@ -417,7 +417,7 @@ def _run_one(
         "cache_routing": run.cache_routing,
     }
     if run.mode in ("colocated", "disaggregated"):  # each worker uses its actor's CPUs
-        summary["torch_threads"] = max(1, int(config.num_cpus_per_worker))
+        summary["torch_threads"] = config.worker_threads()
     if run.mode == "url":  # the server's deployment is its own: these describe nothing that ran
         summary |= dict.fromkeys(
             ("torch_threads", "prefix_cache", "decode_workers", "prefill_workers", "cache_routing")
