@@ -36,6 +36,7 @@ import ray
 
 from deploy.bench.ceiling import RoundRobin
 from deploy.bench.cost_model import A10_LLAMA_8B, MODELS, CostModel, load_cost_model
+from deploy.bench.pool_floor import pool_floor
 from deploy.engine_client import EngineClient, complete
 from scheduler.cell.actor import CellActor
 from scheduler.cell.state import CellConfig
@@ -161,6 +162,7 @@ DAILY_PHASES = [
     ((3.0, 0.75), *PROMPT_HEAVY),
 ]
 TRACES = {"shifting": SHIFTING_PHASES, "daily": DAILY_PHASES}
+RELEASE_DELAY_S = 30.0  # the planner's wait before it releases a worker, GPU time
 
 
 def run(
@@ -174,7 +176,7 @@ def run(
     slo_itl_s: float,
     window_s: float,
     max_workers: tuple[int, int] | None = None,
-    release_delay_s: float = 30.0,
+    release_delay_s: float = RELEASE_DELAY_S,
 ) -> dict[str, Any]:
     """Replay the trace through one cell; per request TTFT and ITL (GPU seconds), the pools'
     sizes every window, and the step timeline (wall seconds: a decode call's `period` against its
@@ -349,6 +351,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slo-itl-ms", type=float, default=60.0)
     parser.add_argument("--window-s", type=float, default=20.0, help="planner window, GPU time")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="print the fewest worker-seconds the trace needs (the planner's sizing with perfect "
+        "foresight, within --scaling's bounds) against the fixed deployment sized for its peak, "
+        "and run nothing (released at once, and after the runs' release delay)",
+    )
     parser.add_argument("--output", help="JSON lines: a summary per run (appended)")
     parser.add_argument(
         "--plot",
@@ -367,6 +376,20 @@ def main(argv: list[str] | None = None) -> int:
     if scaling:
         runs.append((*map(int, args.scaling_from.split(":")), True))
     print(json.dumps({"model": asdict(cost), "trace_requests": len(trace)}), flush=True)
+    if args.floor:
+        for delay_s in (0.0, RELEASE_DELAY_S):
+            floor = pool_floor(
+                TRACES[args.trace],
+                args.minutes,
+                cost,
+                args.slo_ttft_ms / 1000,
+                args.slo_itl_ms / 1000,
+                args.window_s,
+                (scaling[0], scaling[1]) if scaling else (64, 64),
+                release_delay_s=delay_s,
+            )
+            print(json.dumps({"trace": args.trace, "floor": floor}), flush=True)
+        return 0
     lines = _run_all(args, cost, trace, runs, scaling) if runs else []
     if args.plot:
         from deploy.bench.plot import plot_pools

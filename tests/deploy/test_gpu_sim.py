@@ -7,12 +7,15 @@ import pytest
 
 from deploy.bench.cost_model import A10_LLAMA_8B, CostModel
 from deploy.bench.gpu_sim import (
+    DAILY_PHASES,
+    SHIFTING_PHASES,
     main,
     offered_load,
     run,
     shifting_trace,
     summarize,
 )
+from deploy.bench.pool_floor import pool_floor
 from scheduler.plan import Chunk, StepPlan
 
 MODEL = CostModel("toy", 0.010, 0.001, 1e-6, 0.020, 0.002, 1e-5, 100, 10_000, 1e9, "by hand")
@@ -101,3 +104,35 @@ def test_the_figure_is_drawn_from_saved_runs_without_running_any(tmp_path):
     runs.write_text(json.dumps(line("3:2", False, [(3, 2)] * 4) | {"trace": "daily"}) + "\n")
     assert main([*args, "--plot", str(tmp_path / "daily.png")]) == 2
     assert main([*args, "--trace", "daily", "--plot", str(tmp_path / "daily.png")]) == 0
+
+
+def test_the_floor_sizes_each_phase_of_a_steady_trace_as_the_planner_would():
+    """The shifting trace's phases need 3:1, 1:2 and 3:1 (its arithmetic in gpu_sim), so the floor
+    is four, three and four workers for four minutes each, plus a start-up for each worker the
+    next phase adds (one decode, then two prefill), against 3:2 throughout."""
+    floor = pool_floor(SHIFTING_PHASES, 12, A10_LLAMA_8B, 2.0, 0.06, 10.0)
+    assert floor["pools"] == [(3, 1)] * 24 + [(1, 2)] * 24 + [(3, 1)] * 24
+    assert floor["starts"] == 3 and floor["fixed"] == "3:2"
+    assert floor["worker_seconds"] == (4 + 3 + 4) * 240 + 3 * A10_LLAMA_8B.startup_s
+    assert floor["ratio_to_fixed"] == round(floor["worker_seconds"] / (5 * 720), 3)
+    # a 30 s release delay keeps each phase's pools three windows into the next
+    held = pool_floor(SHIFTING_PHASES, 12, A10_LLAMA_8B, 2.0, 0.06, 10.0, release_delay_s=30)
+    assert held["pools"][24:27] == held["pools"][48:51] == [(3, 2)] * 3
+    assert held["pools"][27] == (1, 2) and held["pools"][51] == (3, 1)
+    assert held["worker_seconds"] == floor["worker_seconds"] + (2 + 1) * 30
+
+
+def test_the_floor_follows_a_rising_load_and_stays_within_the_bounds():
+    floor = pool_floor(DAILY_PHASES, 12, A10_LLAMA_8B, 2.0, 0.06, 10.0)
+    first = [p for p, _ in floor["pools"][:12]]  # prompt-heavy, 0.75 -> 3 req/s
+    assert first == sorted(first) and first[0] < first[-1]
+    assert floor["ratio_to_fixed"] < 1
+    bounded = pool_floor(DAILY_PHASES, 12, A10_LLAMA_8B, 2.0, 0.06, 10.0, bounds=(2, 1))
+    assert all(p <= 2 and d <= 1 for p, d in bounded["pools"]) and bounded["fixed"] == "2:1"
+    assert bounded["worker_seconds"] < floor["worker_seconds"]
+
+
+def test_floor_prints_without_running_anything(capsys):
+    assert main(["--trace", "daily", "--floor", "--scaling", "3:2", "--window-s", "10"]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["trace"] == "daily" and line["floor"]["fixed"] == "3:2"
