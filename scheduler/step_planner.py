@@ -148,6 +148,11 @@ class StepPlanner:
         admit = len(self.waiting) if max_admit is None else max_admit
         while index < len(self.waiting) and admit > 0:
             request = self.waiting[index].request
+            if request.req_id in preempted:
+                # evicted by this plan for a more urgent one: not back before the next (a step in
+                # flight may still carry a chunk of the seat it had)
+                index += 1
+                continue
             sibling = self._fork_source(request)
             if (
                 sibling is not None
@@ -225,8 +230,17 @@ class StepPlanner:
                 wanted = min(request.num_uncomputed, self.prefill_chunk, budget)
                 length = self.tables.fit(request, wanted)
                 # every running prompt holds blocks and none can grow: the least urgent other one
-                # gives its blocks back (and is recomputed later), or nothing would ever run
-                while not length and not decode and not prefill and len(self.running) > 1:
+                # gives its blocks back (and is recomputed later), or nothing would ever run. Not
+                # while another has a token in flight: that step may finish it and free its
+                # blocks, and evicting it would throw its work away (two requests could take
+                # turns at that forever)
+                while (
+                    not length
+                    and not decode
+                    and not prefill
+                    and len(self.running) > 1
+                    and not any(r.num_pending for r in self.running if r is not request)
+                ):
                     victim = max(
                         (r for r in self.running if r is not request),
                         key=lambda r: (r.priority, r.arrival_s),

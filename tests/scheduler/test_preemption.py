@@ -2,9 +2,12 @@
 step."""
 
 import functools
+import random
+
+import pytest
 
 from scheduler.step_planner import StepPlanner
-from tests.factories import make_request
+from tests.factories import make_request, prompt_ids
 from tests.scheduler.test_step_planner import check_invariants
 
 req = functools.partial(make_request, prompt_len=4, max_tokens=10, arrival_s=0.0)
@@ -77,3 +80,114 @@ def test_preempted_request_recomputes_prompt_and_output_then_continues():
         chunk.req_id == "a" and chunk.start_pos == 0 and chunk.token_ids == [1, 2, 3, 4, 5, 6, 7, 7]
     )
     assert chunk.sample and chunk.output_index == 2
+
+
+def overlapped(sched, limit=1000):
+    """Step as the Ray loop does: plan N+1, then apply N's tokens; the number of plans (an
+    AssertionError if the requests never end)."""
+    in_flight, plans = None, 0
+    while in_flight is not None or not sched.idle:
+        plans += 1
+        assert plans < limit, "the requests never end"
+        plan = sched.plan()
+        check_invariants(sched, plan)
+        sent = None if plan.empty else (plan, {c.req_id: 7 for c in plan.chunks if c.sample})
+        if in_flight is not None:
+            sched.update(*in_flight)
+        in_flight = sent
+    return plans
+
+
+def test_a_request_whose_last_token_is_in_flight_is_not_evicted_for_a_stuck_prompt():
+    """Two requests the pool cannot hold together, steps overlapping: when a's last token is in
+    flight and b's prompt cannot grow, b waits for that step (it frees a's blocks) instead of
+    evicting a and throwing its work away; evicted, a came back, found its prefix cached, ran to
+    its last token again and evicted b in turn, forever."""
+    sched = StepPlanner(
+        num_slots=3,
+        capacity=96,
+        num_blocks=9,
+        block_size=16,
+        prefix_caching=True,
+        token_budget=24,
+        prefill_chunk=5,
+    )
+    sched.submit(make_request("a", prompt_len=67, max_tokens=15, seed=1, arrival_s=0.0))
+    sched.submit(make_request("b", prompt_len=54, max_tokens=15, seed=2, arrival_s=1.0))
+    a, b = sched.requests["a"], sched.requests["b"]
+    overlapped(sched)
+    assert a.output_ids == b.output_ids == [7] * 15
+    assert a.num_preemptions + b.num_preemptions <= 2
+
+
+def test_a_request_evicted_for_an_urgent_one_is_not_readmitted_by_the_same_plan():
+    """With its prefix cached and its first chunk small, the evicted request would fit again at
+    once (a seat is free and a third request waits, so the plan admits more than one); readmitted
+    in the same plan, its seat's chunk still in flight came back as a result for the new seat
+    (and the next for a token it already had)."""
+    sched = StepPlanner(
+        num_slots=3,
+        capacity=28,
+        num_blocks=7,
+        block_size=4,
+        prefix_caching=True,
+        token_budget=64,
+        prefill_chunk=8,
+    )
+    sched.submit(make_request("r", prompt_len=20, max_tokens=8, priority=1, seed=3))
+    in_flight = None
+    while len(sched.requests["r"].output_ids) < 3:
+        plan = sched.plan()
+        sent = (plan, {c.req_id: 7 for c in plan.chunks if c.sample})
+        if in_flight is not None:
+            sched.update(*in_flight)
+        in_flight = sent
+    sched.submit(make_request("u", prompt_len=8, max_tokens=2, priority=0, seed=4))
+    sched.submit(make_request("x", prompt_len=12, max_tokens=2, priority=2, seed=5))
+    plan = sched.plan()
+    assert plan.preempted == ["r"]
+    assert "r" not in {c.req_id for c in plan.chunks}
+    assert sched.requests["r"].status.value == "waiting"
+    sched.update(*in_flight)
+    sched.update(plan, {c.req_id: 7 for c in plan.chunks if c.sample})
+    overlapped(sched)
+    assert sched.requests == {} or all(r.finished for r in sched.requests.values())
+
+
+@pytest.mark.parametrize("seed", range(0, 300, 50))
+def test_random_workloads_under_block_pressure_end_when_steps_overlap(seed):
+    """Shared prefixes, priorities and pools of one to two requests' worth of blocks, stepped as
+    the Ray loop steps: every request ends with all its tokens (50 workloads a case)."""
+    for trial in range(seed, seed + 50):
+        rng = random.Random(trial)
+        block_size = rng.choice([1, 4, 8, 16])
+        system = prompt_ids(rng.randint(1, 70), trial)
+        requests = [
+            make_request(
+                f"r{i}",
+                max_tokens=rng.randint(1, 40),
+                priority=rng.choice([0, 0, 1]),
+                arrival_s=float(i),
+            )
+            for i in range(rng.randint(2, 8))
+        ]
+        for request in requests:
+            shared = system if rng.random() < 0.6 else []
+            request.prompt_ids = shared + prompt_ids(rng.randint(1, 60), rng.randrange(10**6))
+        longest = max(len(r.prompt_ids) + r.max_tokens for r in requests)
+        capacity = -(-longest // block_size) * block_size
+        one = capacity // block_size + 1
+        budget = rng.choice([8, 24, 64])
+        sched = StepPlanner(
+            num_slots=rng.randint(1, 5),
+            capacity=capacity,
+            num_blocks=one + rng.randint(0, one),
+            block_size=block_size,
+            prefix_caching=rng.random() < 0.8,
+            token_budget=budget,
+            prefill_chunk=rng.choice([c for c in (1, 5, 8, 16) if c <= budget]),
+        )
+        for request in requests:
+            sched.submit(request)
+        overlapped(sched, limit=5000)
+        assert all(len(r.output_ids) == r.max_tokens for r in requests), trial
