@@ -146,11 +146,12 @@ class StepPlanner:
         copies: list[tuple[int, int]] = []
         index = 0
         admit = len(self.waiting) if max_admit is None else max_admit
+        blocked = False  # a request found no room: only those with a reserved seat pass it
         while index < len(self.waiting) and admit > 0:
             request = self.waiting[index].request
-            if request.req_id in preempted:
+            if request.req_id in preempted or blocked and request.req_id not in self.reserved:
                 # evicted by this plan for a more urgent one: not back before the next (a step in
-                # flight may still carry a chunk of the seat it had)
+                # flight may still carry a chunk of the seat it had); or behind one that waits
                 index += 1
                 continue
             sibling = self._fork_source(request)
@@ -178,7 +179,11 @@ class StepPlanner:
                 self._preempt(victim)
                 preempted.append(victim.req_id)
             if not room:
-                break
+                # a handed-off request behind it may hold the seat it lacks (reserved while its
+                # prompt was prefilled, before this one arrived): it still goes in
+                blocked = True
+                index += 1
+                continue
             self.waiting.pop(index)
             admit -= 1
             if request.scheduled_s is None:

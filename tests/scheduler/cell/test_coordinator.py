@@ -750,3 +750,23 @@ def test_blocks_a_handoff_found_cached_are_imported_after_all_when_the_decode_wo
     assert restarted
     assert streams.tokens["b"] == expected_tokens("b", 3)
     assert_idle(coordinator)
+
+
+def test_a_handoff_holding_the_last_seat_goes_in_ahead_of_more_urgent_ones_that_wait():
+    """The decode worker's one seat is reserved for a prompt prefilling on one prefill worker
+    (its KV is imported as it comes) when urgent prompts arrive and are prefilled on the other.
+    They queue ahead of it on the decode worker, and none can go in while it holds the seat: it
+    goes in past them, or neither it nor they would ever run."""
+    coordinator, streams = cell(num_prefill_workers=2, decode_slots=1, prefill_slots=1), Streams()
+    low = req("low", prompt_len=40, max_tokens=3, priority=1)
+    coordinator.admit(low, consumer="c")
+    run_overlapped(coordinator, streams, steps=2)
+    decode = next(w for w in coordinator.workers if w.kind == "decode")
+    assert "low" in decode.sched.reserved
+    urgent = [req(f"u{i}", prompt_len=4, max_tokens=3, priority=0) for i in range(2)]
+    for request in urgent:
+        coordinator.admit(request, consumer="c")
+    run_overlapped(coordinator, streams, steps=2000)
+    for request in [low, *urgent]:
+        assert streams.tokens[request.req_id] == expected_tokens(request.req_id, 3)
+    assert_idle(coordinator)
