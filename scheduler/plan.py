@@ -32,6 +32,8 @@ class Chunk:
     # echo: prompt tokens start_pos+1.. whose log-probs this chunk returns; target i is predicted by
     # position start_pos + i
     prompt_targets: tuple[int, ...] = ()
+    # the request's `num_admissions` when planned: a result for an earlier seat of it is void
+    admission: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -166,6 +166,9 @@ class Request:
     text: str = ""  # detokenized output, cut before a stop string; filled by the engine
     num_recomputes: int = 0  # times its cache was lost (worker died, handoff lost) and recomputed
     num_preemptions: int = 0  # times it was evicted for a more urgent request (then recomputed)
+    # times it took a seat on the worker it is on (its chunks carry the count: a result planned for
+    # an earlier seat, in flight when the request left, is void)
+    num_admissions: int = 0
     # on a prefill worker: leading rows of its cache row already sent out (KV pieces)
     num_exported: int = 0
     num_cached: int | None = None  # prompt tokens its first admission loaded from the prefix cache

@@ -70,6 +70,9 @@ class StepPlanner:
         # handed-off prompts: their leading positions this worker held already (cached blocks), so
         # their import skips them
         self.held: dict[str, int] = {}
+        # handed-off requests whose import no step result has confirmed yet: until then their
+        # blocks are not named (cached) and forks do not share them, for the import may fail
+        self.importing: set[str] = set()
         self.waiting: list[WaitingEntry] = []  # sorted by admission key
         self.running: list[Request] = []  # most urgent, then oldest (re-sorted by every plan)
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
@@ -157,7 +160,11 @@ class StepPlanner:
             sibling = self._fork_source(request)
             if (
                 sibling is not None
-                and (sibling.slot is None or sibling.num_computed < len(request.prompt_ids) - 1)
+                and (
+                    sibling.slot is None
+                    or sibling.num_computed < len(request.prompt_ids) - 1
+                    or sibling.req_id in self.importing
+                )
                 or sibling is None
                 and self.prefix_caching
                 and self.tables.should_wait(request, self.running)
@@ -193,7 +200,10 @@ class StepPlanner:
             else:
                 request.slot, request.block_table = self.reserved.pop(request.req_id)
             request.status = RequestStatus.RUNNING
+            request.num_admissions += 1
             self.running.append(request)
+            if request.num_computed:  # its KV is imported by the step that runs its first chunk
+                self.importing.add(request.req_id)
             if sibling is not None and sibling.slot is not None:
                 copies += self.tables.share_prompt(sibling, request)
             elif (
@@ -275,7 +285,8 @@ class StepPlanner:
                 request.num_exported = request.num_computed
         if self.prefix_caching:
             for request in self.running:
-                self.tables.name_full_blocks(request)
+                if request.req_id not in self.importing:
+                    self.tables.name_full_blocks(request)
         # an empty plan is not sent
         released = self.worker_copy.take_released() if decode or prefill else []
         return StepPlan(
@@ -401,6 +412,7 @@ class StepPlanner:
             sampling=params,
             history=history,
             prompt_targets=targets,
+            admission=request.num_admissions,
         )
 
     # ---- results
@@ -415,14 +427,18 @@ class StepPlanner:
         `sampled` maps req_id to the token sampled for each chunk with `sample=True`; `logprobs` to
         its log-probs, for requests that asked; `prompt_logprobs` to those of the chunk's
         `prompt_targets`. Chunks of requests that left meanwhile (finished, aborted or evicted while
-        the step ran) are ignored; so is the token a later step in flight samples for a request that
-        finished in this one."""
+        the step ran, even if they have a seat here again) are ignored; so is the token a later
+        step in flight samples for a request that finished in this one."""
         finished: list[Request] = []
         accepted: dict[str, int] = {}
         now = time.perf_counter()
         for chunk in plan.chunks:
             request = self.requests.get(chunk.req_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
+            if (
+                request is None
+                or request.status is not RequestStatus.RUNNING
+                or chunk.admission != request.num_admissions
+            ):
                 continue
             if (
                 chunk.start_pos + chunk.num_tokens > request.num_computed
@@ -449,7 +465,8 @@ class StepPlanner:
                 request.logprobs.append(logprobs[chunk.req_id])
             request.num_pending -= 1
             request.output_ids.append(token)
-            if self.prefix_caching:  # a block planned before this token was known is full now
+            # a block planned before this token was known is full now
+            if self.prefix_caching and request.req_id not in self.importing:
                 self.tables.name_full_blocks(request)
             request.token_times_s.append(now)
             if request.first_token_s is None:
@@ -486,7 +503,12 @@ class StepPlanner:
         request.status = RequestStatus.WAITING
         return request
 
+    def confirm_import(self, req_id: str) -> None:
+        """A step imported a handed-off request's KV whole: its blocks may be cached and shared."""
+        self.importing.discard(req_id)
+
     def _release_slot(self, request: Request) -> None:
+        self.importing.discard(request.req_id)
         self.running.remove(request)
         assert request.slot is not None, f"{request.req_id} is running without a seat"
         bisect.insort(self.free_slots, request.slot)

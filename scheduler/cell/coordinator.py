@@ -317,19 +317,30 @@ class Coordinator:
         applied, finished prompts are handed off to a decode worker, and the outputs are
         published."""
         sched = worker.sched
-        # of requests still prefilling here (not aborted or preempted since)
+        # of requests still prefilling here in the seat the step was planned for (not aborted or
+        # preempted since, nor back in another seat: what that one exports replaces this)
+        current = {
+            c.req_id
+            for c in plan.chunks
+            if (r := sched.requests.get(c.req_id)) is not None
+            and r.status is RequestStatus.RUNNING
+            and c.admission == r.num_admissions
+        }
         for piece in result.kv_pieces:
             request = sched.requests.get(piece.req_id)
             if (
                 request is not None
-                and request.status is RequestStatus.RUNNING
+                and piece.req_id in current
                 and (target := self.kv.add_piece(piece, request, worker, self.decode)) is not None
             ):
                 self.wake(target)  # idle, it imports the piece now
         handoffs = [
             self.kv.finish(c.req_id, worker.index)
             for c in plan.prefill
-            if worker.kind == "prefill" and c.sample and c.req_id in result.samples.tokens
+            if worker.kind == "prefill"
+            and c.sample
+            and c.req_id in result.samples.tokens
+            and c.req_id in current
         ]
         for name, (num_bytes, seconds, failures) in result.kv_transfers.items():
             self.kv_transfers.add(name, num_bytes, seconds, failures)
@@ -346,6 +357,7 @@ class Coordinator:
             else:
                 self._recompute(request, "its KV handoff was lost")
         for req_id, seconds in result.import_s.items():
+            sched.confirm_import(req_id)
             if (handoff := self.kv.imported(req_id)) is not None:
                 self.metrics.on_handoff(handoff.num_bytes, handoff.export_s + seconds)
                 if req_id in self.placements:

@@ -39,11 +39,17 @@ req = functools.partial(make_request, prompt_len=6, max_tokens=5)
 
 # decode worker -> block -> offset -> row
 LEDGER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# decode worker -> requests whose import failed, until the scheduler releases them or imports
+# them again from their first piece: a step sent before it heard of the loss computes them from
+# missing rows
+LOST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+GARBAGE = ("garbage",)
 
 
 class Checked(Coordinator):
     def worker_died(self, worker):
         LEDGER.pop(worker, None)  # its restart comes back with an empty cache
+        LOST.pop(worker, None)
         super().worker_died(worker)
 
 
@@ -117,8 +123,13 @@ def fake_step(coordinator, worker, plan, imports, lose_imports=()):
 def check_blocks(worker, plan, imports, lost):
     """Apply a decode step to the worker's ledger: imports, copies, then each chunk (but those of
     the requests whose import was lost: the worker drops them), which must find its request's rows
-    at every position before its own."""
+    at every position before its own. A chunk of a request whose import an earlier step lost
+    (this one was sent before the scheduler heard) reads missing rows and writes garbage: its
+    result is void, and whoever reads those rows later fails."""
     blocks = LEDGER.setdefault(worker, {})
+    stale = LOST.setdefault(worker, set())
+    stale -= set(plan.released) | {i.handoff.req_id for i in imports if not i.handoff.imported}
+    stale |= set(lost)
     size = worker.sched.blocks.block_size
 
     def put(table, position, held):
@@ -135,8 +146,12 @@ def check_blocks(worker, plan, imports, lost):
     for source, target in plan.copies:
         blocks[target] = dict(blocks.get(source, {}))
     for chunk in (c for c in plan.chunks if c.req_id not in lost):
-        request = worker.sched.requests[chunk.req_id]
         table = chunk.block_table
+        if chunk.req_id in stale:
+            for p in range(chunk.start_pos, chunk.start_pos + chunk.num_tokens):
+                put(table, p, GARBAGE)
+            continue
+        request = worker.sched.requests[chunk.req_id]
         wrong = [p for p in range(chunk.start_pos) if get(table, p) != row(request, p)]
         assert not wrong, f"{chunk.req_id} (blocks {table}) finds wrong rows at positions {wrong}"
         for p in range(chunk.start_pos, chunk.start_pos + chunk.num_tokens):
@@ -439,14 +454,21 @@ def test_a_consumer_that_went_away_has_its_requests_aborted():
     assert_idle(coordinator)
 
 
-def run_overlapped(coordinator, streams, steps=400):
+def run_overlapped(coordinator, streams, steps=400, lose_once=(), final_only=False):
     """Each worker keeps one step in flight: step N+1 is planned before step N's results are
-    applied. What is still in flight when `steps` run out stays in flight for the next call."""
+    applied. What is still in flight when `steps` run out stays in flight for the next call. The
+    first import of each request in `lose_once` (its final one, with `final_only`) is lost."""
     in_flight = streams.in_flight
+    lose = set(lose_once)
     for _ in range(steps):
         for worker in coordinator.workers:
             step = coordinator.next_step(worker)
-            sent = (step[0], fake_step(coordinator, worker, *step)) if step is not None else None
+            sent = None
+            if step is not None:
+                imports = step[1]
+                lost = {i.handoff.req_id for i in imports if i.final or not final_only} & lose
+                sent = (step[0], fake_step(coordinator, worker, *step, lose_imports=lost))
+                lose -= lost
             if worker.name in in_flight:
                 coordinator.apply(worker, *in_flight.pop(worker.name))
                 streams.take(coordinator)
@@ -769,4 +791,35 @@ def test_a_handoff_holding_the_last_seat_goes_in_ahead_of_more_urgent_ones_that_
     run_overlapped(coordinator, streams, steps=2000)
     for request in [low, *urgent]:
         assert streams.tokens[request.req_id] == expected_tokens(request.req_id, 3)
+    assert_idle(coordinator)
+
+
+def test_a_lost_final_import_leaves_no_block_cached_and_its_recompute_is_exact():
+    """The decode worker names a handed-off prompt's full blocks only once a step has imported
+    them whole: named when planned, the blocks of a lost import stayed cached, and the prompt's
+    recompute (or any prompt sharing its prefix) took them as held and read rows never written."""
+    coordinator, streams = (
+        cell(decode_slots=1, token_budget=4, prefill_chunk=4, block_size=4, prefix_caching=True),
+        Streams(),
+    )
+    coordinator.admit(req("x", prompt_len=12, max_tokens=4), consumer="c")
+    run_overlapped(coordinator, streams, lose_once={"x"}, final_only=True)
+    assert coordinator.counts.recomputes == 1
+    assert streams.tokens["x"] == expected_tokens("x", 4)
+    assert_idle(coordinator)
+
+
+def test_a_result_planned_for_an_earlier_seat_neither_exports_nor_hands_off():
+    """An early import of a prompt is lost while its last chunk is in flight; its recompute on the
+    same prefill worker finds the prompt cached and takes a seat again before that chunk's result
+    comes. That result is void: its KV piece and handoff were taken for the new seat's, and the
+    decode worker imported a prompt with rows missing."""
+    coordinator, streams = (
+        cell(token_budget=4, prefill_chunk=4, block_size=4, prefix_caching=True),
+        Streams(),
+    )
+    coordinator.admit(req("a", prompt_len=12, max_tokens=4), consumer="c")
+    run_overlapped(coordinator, streams, lose_once={"a"})
+    assert coordinator.counts.recomputes == 1
+    assert streams.tokens["a"] == expected_tokens("a", 4)
     assert_idle(coordinator)
