@@ -73,6 +73,9 @@ class StepPlanner:
         # handed-off requests whose import no step result has confirmed yet: until then their
         # blocks are not named (cached) and forks do not share them, for the import may fail
         self.importing: set[str] = set()
+        # reservations given back for want of blocks since the caller last took them
+        # (`take_dropped_reservations`): what was imported into them is void
+        self.dropped_reservations: list[str] = []
         self.waiting: list[WaitingEntry] = []  # sorted by admission key
         self.running: list[Request] = []  # most urgent, then oldest (re-sorted by every plan)
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
@@ -180,6 +183,8 @@ class StepPlanner:
                 <= self.blocks.num_free
             ):
                 victim = self.victim(request)
+                if victim is None and self._drop_a_reservation():
+                    continue
                 room = victim is not None
                 if not room:
                     break
@@ -244,6 +249,8 @@ class StepPlanner:
             if running and not waits and request.num_uncomputed > 0:
                 wanted = min(request.num_uncomputed, self.prefill_chunk, budget)
                 length = self.tables.fit(request, wanted)
+                while not length and self._drop_a_reservation():
+                    length = self.tables.fit(request, wanted)
                 # every running prompt holds blocks and none can grow: the least urgent other one
                 # gives its blocks back (and is recomputed later), or nothing would ever run. Not
                 # while another has a token in flight: that step may finish it and free its
@@ -374,6 +381,8 @@ class StepPlanner:
         """`_grow`, preempting the least urgent running requests while the pool is short; False if
         `request` itself was the least urgent (it is preempted then)."""
         while not self.tables.grow(request, num_tokens):
+            if self._drop_a_reservation():
+                continue
             victim = max(self.running, key=lambda r: (r.priority, r.arrival_s))
             self._preempt(victim)
             preempted.append(victim.req_id)
@@ -502,6 +511,22 @@ class StepPlanner:
         request.slot = None
         request.status = RequestStatus.WAITING
         return request
+
+    def _drop_a_reservation(self) -> bool:
+        """Give back the latest reservation (its prompt, still prefilling elsewhere, imports its
+        KV whole when it is handed off): a running request that cannot grow, or a waiting one that
+        can evict none, goes before a prompt that may not arrive for a while (or, with the prefill
+        pool waiting on this worker's queue, ever). False if none is held."""
+        if not self.reserved:
+            return False
+        req_id = next(reversed(self.reserved))
+        self.unreserve(req_id)
+        self.dropped_reservations.append(req_id)
+        return True
+
+    def take_dropped_reservations(self) -> list[str]:
+        dropped, self.dropped_reservations = self.dropped_reservations, []
+        return dropped
 
     def confirm_import(self, req_id: str) -> None:
         """A step imported a handed-off request's KV whole: its blocks may be cached and shared."""

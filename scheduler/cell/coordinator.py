@@ -298,6 +298,8 @@ class Coordinator:
             else None
         )
         plan = worker.sched.plan(room)
+        for req_id in worker.sched.take_dropped_reservations():
+            self.kv.reservation_dropped(req_id)
         for req_id in plan.preempted:
             self.kv.void_pieces(req_id)
         if plan.preempted and worker.kind == "decode" and self.prefill:

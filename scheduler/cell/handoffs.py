@@ -146,6 +146,11 @@ class HandoffBook:
         """A prompt's last chunk is done: its pieces, in order, as one handoff (not yet booked)."""
         return KVHandoff(req_id, tuple(self.pieces.pop(req_id, ())), prefill_worker)
 
+    def reservation_dropped(self, req_id: str) -> None:
+        """The decode worker gave back the blocks reserved for a prompt (it needed them): what was
+        imported into them is void, and its handoff imports every piece."""
+        self.sent.pop(req_id, None)
+
     def void_pieces(self, req_id: str) -> None:
         """A preempted prompt exports again from its first row: the pieces sent so far are void."""
         self.pieces.pop(req_id, None)

@@ -191,3 +191,25 @@ def test_random_workloads_under_block_pressure_end_when_steps_overlap(seed):
             sched.submit(request)
         overlapped(sched, limit=5000)
         assert all(len(r.output_ids) == r.max_tokens for r in requests), trial
+
+
+def test_a_request_that_cannot_grow_takes_the_blocks_reserved_for_a_prompt_still_prefilling():
+    """A decode worker reserves blocks for a prompt prefilling elsewhere (its KV is imported as
+    it comes). When a running request needs them, the reservation goes back (the prompt imports
+    its KV whole at its handoff) rather than the request evicting itself, coming back and doing
+    so again, forever, while the prompt may be waiting for this very worker's queue to drain."""
+    sched = StepPlanner(
+        num_slots=2, capacity=28, num_blocks=8, block_size=4, token_budget=8, prefill_chunk=8
+    )
+    sched.submit(req("r", prompt_len=8, max_tokens=20))
+    while len(sched.requests["r"].output_ids) < 3:
+        step(sched)
+    assert sched.reserve("p", 16)  # 4 blocks of the 5 r does not hold
+    for _ in range(100):
+        if sched.idle:
+            break
+        plan = sched.plan()
+        sched.update(plan, {c.req_id: 7 for c in plan.chunks if c.sample})
+        assert sched.num_preemptions == 0
+    assert sched.requests == {} and sched.take_dropped_reservations() == ["p"]
+    assert "p" not in sched.reserved and sched.blocks.num_free == 8

@@ -823,3 +823,30 @@ def test_a_result_planned_for_an_earlier_seat_neither_exports_nor_hands_off():
     assert coordinator.counts.recomputes == 1
     assert streams.tokens["a"] == expected_tokens("a", 4)
     assert_idle(coordinator)
+
+
+def test_a_reservation_given_back_for_a_growing_answer_is_imported_whole_at_the_handoff():
+    """The decode worker reserves blocks for a prompt prefilling one token a step and imports its
+    pieces into them; its running answer needs them and takes them back; the prompt reserves
+    again later. The pieces imported into the first reservation are void: its handoff must bring
+    every piece again, not start after those."""
+    coordinator, streams = (
+        cell(decode_slots=2, decode_blocks=9, capacity=32, block_size=4, prefill_chunk=1),
+        Streams(),
+    )
+    coordinator.admit(req("r", prompt_len=4, max_tokens=20), consumer="c")
+    run_overlapped(coordinator, streams, steps=1)
+    coordinator.admit(req("p", prompt_len=20, max_tokens=4), consumer="c")
+    decode = coordinator.decode[0]
+    dropped, take = [], decode.sched.take_dropped_reservations
+
+    def taking():
+        taken = take()
+        dropped.extend(taken)
+        return taken
+
+    decode.sched.take_dropped_reservations = taking
+    run_overlapped(coordinator, streams)
+    assert dropped == ["p"]
+    assert streams.tokens == {"r": expected_tokens("r", 20), "p": expected_tokens("p", 4)}
+    assert_idle(coordinator)
