@@ -513,13 +513,14 @@ class StepPlanner:
         return request
 
     def _drop_a_reservation(self) -> bool:
-        """Give back the latest reservation (its prompt, still prefilling elsewhere, imports its
-        KV whole when it is handed off): a running request that cannot grow, or a waiting one that
-        can evict none, goes before a prompt that may not arrive for a while (or, with the prefill
-        pool waiting on this worker's queue, ever). False if none is held."""
-        if not self.reserved:
+        """Give back the latest reservation of a prompt still prefilling elsewhere (it imports
+        its KV whole when it is handed off): a running request that cannot grow, or a waiting one
+        that can evict none, goes before a prompt that may not arrive for a while (or, with the
+        prefill pool waiting on this worker's queue, ever). A prompt handed off already keeps its
+        own: it goes in next. False if there is none to give back."""
+        req_id = next((r for r in reversed(self.reserved) if r not in self.requests), None)
+        if req_id is None:
             return False
-        req_id = next(reversed(self.reserved))
         self.unreserve(req_id)
         self.dropped_reservations.append(req_id)
         return True

@@ -150,6 +150,8 @@ class HandoffBook:
         """The decode worker gave back the blocks reserved for a prompt (it needed them): what was
         imported into them is void, and its handoff imports every piece."""
         self.sent.pop(req_id, None)
+        if (handoff := self.handoffs.get(req_id)) is not None:
+            self.handoffs[req_id] = dataclasses.replace(handoff, imported=0)
 
     def void_pieces(self, req_id: str) -> None:
         """A preempted prompt exports again from its first row: the pieces sent so far are void."""
