@@ -3,15 +3,17 @@
 Each case draws a cell (colocated or disaggregated, one to three decode workers, pools of one to
 three requests' worth of blocks, prefix caching or not, short prompts prefilled locally or not)
 and a workload (shared prefixes, priorities, n > 1 choices, requests arriving in waves), then
-steps it as the Ray loop does, one step in flight per worker, while requests are aborted, KV
-imports lost and workers die and come back. The fake workers of `test_coordinator` check every
-row each chunk reads, so a block shared, reused or imported wrongly fails here.
+steps it as the Ray loop does, one call in flight per worker (a call of up to four decode steps
+when it may burst), while requests are aborted, KV imports lost and workers die and come back.
+The fake workers of `test_coordinator` check every row each chunk reads, so a block shared,
+reused or imported wrongly fails here.
 """
 
 import random
 
 import pytest
 
+from scheduler.cell.bursts import plan_call
 from scheduler.cell.state import WorkerStatus
 from scheduler.request import Request
 from tests.factories import prompt_ids
@@ -100,23 +102,40 @@ class Faults:
                 coordinator.worker_back(worker, {"pid": self.rng.randrange(10**6)})
 
 
-def run(coordinator, streams, faults: Faults, rounds: int) -> None:  # type: ignore[no-untyped-def]
-    """Step every live worker `rounds` times (or until all is done), one step in flight each."""
+def call(coordinator, worker, burst: int, lose: set[str]) -> list:  # type: ignore[no-untyped-def]
+    """A call's plans (`plan_call`), each with the fake worker's result, worked out as it is
+    planned (a later plan of the burst may evict a request an earlier one runs)."""
+    results = []
+    next_step = coordinator.next_step
+
+    def answered(worker):  # type: ignore[no-untyped-def]
+        step = next_step(worker)
+        if step is not None:
+            result = fake_step(coordinator, worker, *step, lose_imports=lose)
+            lose.difference_update(result.failed_imports)
+            results.append(result)
+        return step
+
+    coordinator.next_step = answered
+    try:
+        planned = plan_call(coordinator, worker, burst)
+    finally:
+        coordinator.next_step = next_step
+    return [] if planned is None else list(zip(planned[0], results, strict=True))
+
+
+def run(coordinator, streams, faults: Faults, burst: int, rounds: int) -> None:  # type: ignore[no-untyped-def]
+    """Step every live worker `rounds` times (or until all is done), one call in flight each."""
     in_flight = streams.in_flight
     for _ in range(rounds):
         for worker in coordinator.workers:
             if worker.status is not WorkerStatus.UP or faults.kill(coordinator, worker, streams):
                 continue
-            step = coordinator.next_step(worker)
-            sent = None
-            if step is not None:
-                result = fake_step(coordinator, worker, *step, lose_imports=faults.lose)
-                faults.lose -= set(result.failed_imports)
-                sent = (step[0], result)
-            if worker.name in in_flight:
-                coordinator.apply(worker, *in_flight.pop(worker.name))
-                streams.take(coordinator)
-            if sent is not None:
+            sent = call(coordinator, worker, burst, faults.lose)
+            for plan, result in in_flight.pop(worker.name, []):
+                coordinator.apply(worker, plan, result)
+            streams.take(coordinator)
+            if sent:
                 in_flight[worker.name] = sent
         faults.revive(coordinator)
         idle = all(w.sched.idle for w in coordinator.workers)
@@ -132,6 +151,7 @@ def test_random_cells_under_faults_give_every_stream_whole(first):
         coordinator, streams = random_cell(rng, requests), Streams()
         lose = {r.req_id for r in requests if rng.random() < 0.2}
         faults = Faults(rng, lose, death=rng.choice([0, 0.002, 0.01]))
+        burst = rng.choice([1, 1, 2, 4])
         waves = list(requests)
         while waves:
             size = rng.randint(1, 5)
@@ -140,13 +160,13 @@ def test_random_cells_under_faults_give_every_stream_whole(first):
             for request in waves[:size]:
                 coordinator.admit(request, consumer="c")
             waves = waves[size:]
-            run(coordinator, streams, faults, rng.randint(1, 30))
+            run(coordinator, streams, faults, burst, rng.randint(1, 30))
             live = [r for r in requests if r.req_id not in streams.finish and r not in waves]
             if live and rng.random() < 0.3:
                 coordinator.abort(rng.choice(live).req_id)
                 streams.take(coordinator)
         faults.death, faults.back = 0.0, 1.0
-        run(coordinator, streams, faults, 20_000)
+        run(coordinator, streams, faults, burst, 20_000)
         for request in requests:
             tokens = streams.tokens.get(request.req_id, [])
             expected = expected_tokens(request.req_id, request.max_tokens)
