@@ -21,6 +21,7 @@ from scheduler.cell.coordinator import Coordinator
 from scheduler.cell.metrics import RecordingBackend
 from scheduler.cell.state import CellConfig, WorkerStatus
 from scheduler.messages import KVPiece, Samples, StepResult
+from scheduler.plan import StepPlan
 from scheduler.request import Request, RequestStatus
 from scheduler.step_planner import QueueFullError
 from tests.factories import make_request
@@ -39,18 +40,31 @@ req = functools.partial(make_request, prompt_len=6, max_tokens=5)
 
 # decode worker -> block -> offset -> row
 LEDGER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# decode worker -> requests whose import failed, until the scheduler releases them or imports
-# them again from their first piece: a step sent before it heard of the loss computes them from
-# missing rows
-LOST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# (plan, request) -> what a chunk found wrong in the rows before it; the worker then wrote garbage.
+# Only a chunk whose result the scheduler then uses must have read right rows: one sent before
+# the scheduler heard that its request's import was lost is void.
+WRONG: dict[tuple[int, str], tuple[StepPlan, str]] = {}  # (the plan kept: its id stays its own)
 GARBAGE = ("garbage",)
 
 
 class Checked(Coordinator):
     def worker_died(self, worker):
         LEDGER.pop(worker, None)  # its restart comes back with an empty cache
-        LOST.pop(worker, None)
         super().worker_died(worker)
+
+    def apply(self, worker, plan, result):
+        for chunk in plan.chunks:
+            plan_wrong = WRONG.pop((id(plan), chunk.req_id), None)
+            wrong = None if plan_wrong is None else plan_wrong[1]
+            request = worker.sched.requests.get(chunk.req_id)
+            used = (
+                request is not None
+                and request.status is RequestStatus.RUNNING
+                and chunk.admission == request.num_admissions
+                and chunk.req_id not in result.failed_imports
+            )
+            assert wrong is None or not used, wrong
+        super().apply(worker, plan, result)
 
 
 def cell(mode="disaggregated", **kw):
@@ -122,14 +136,11 @@ def fake_step(coordinator, worker, plan, imports, lose_imports=()):
 
 def check_blocks(worker, plan, imports, lost):
     """Apply a decode step to the worker's ledger: imports, copies, then each chunk (but those of
-    the requests whose import was lost: the worker drops them), which must find its request's rows
-    at every position before its own. A chunk of a request whose import an earlier step lost
-    (this one was sent before the scheduler heard) reads missing rows and writes garbage: its
-    result is void, and whoever reads those rows later fails."""
+    the requests whose import was lost: the worker drops them), which should find its request's
+    rows at every position before its own. One that does not writes garbage rows, and its result
+    must be void when it is applied (`Checked.apply`): sent before the scheduler heard that its
+    request's import was lost."""
     blocks = LEDGER.setdefault(worker, {})
-    stale = LOST.setdefault(worker, set())
-    stale -= set(plan.released) | {i.handoff.req_id for i in imports if not i.handoff.imported}
-    stale |= set(lost)
     size = worker.sched.blocks.block_size
 
     def put(table, position, held):
@@ -147,15 +158,15 @@ def check_blocks(worker, plan, imports, lost):
         blocks[target] = dict(blocks.get(source, {}))
     for chunk in (c for c in plan.chunks if c.req_id not in lost):
         table = chunk.block_table
-        if chunk.req_id in stale:
-            for p in range(chunk.start_pos, chunk.start_pos + chunk.num_tokens):
-                put(table, p, GARBAGE)
-            continue
         request = worker.sched.requests[chunk.req_id]
         wrong = [p for p in range(chunk.start_pos) if get(table, p) != row(request, p)]
-        assert not wrong, f"{chunk.req_id} (blocks {table}) finds wrong rows at positions {wrong}"
+        if wrong:
+            WRONG[id(plan), chunk.req_id] = (
+                plan,
+                f"{chunk.req_id} (blocks {table}) finds wrong rows at positions {wrong}",
+            )
         for p in range(chunk.start_pos, chunk.start_pos + chunk.num_tokens):
-            put(table, p, row(request, p))
+            put(table, p, GARBAGE if wrong else row(request, p))
 
 
 class Streams:
