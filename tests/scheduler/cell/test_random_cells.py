@@ -4,7 +4,8 @@ Each case draws a cell (colocated or disaggregated, one to three decode workers,
 three requests' worth of blocks, prefix caching or not, short prompts prefilled locally or not)
 and a workload (shared prefixes, priorities, n > 1 choices, requests arriving in waves), then
 steps it as the Ray loop does, one call in flight per worker (a call of up to four decode steps
-when it may burst), while requests are aborted, KV imports lost and workers die and come back.
+when it may burst), while requests are aborted, KV imports lost, workers die and come back, and
+workers move between the pools.
 The fake workers of `test_coordinator` check every row each chunk reads, so a block shared,
 reused or imported wrongly fails here.
 """
@@ -78,11 +79,12 @@ def random_cell(rng: random.Random, requests: list[Request]):  # type: ignore[no
 
 class Faults:
     """Each round: a live worker dies (never the last of its kind) with probability `death`,
-    and a dead one comes back with probability `back`; the first import of each request in
-    `lose` is lost."""
+    a dead one comes back with probability `back`, and a worker starts moving to the other pool
+    (never the last that takes work in its own) with probability `move`; the first import of
+    each request in `lose` is lost."""
 
-    def __init__(self, rng: random.Random, lose: set[str], death: float) -> None:
-        self.rng, self.lose, self.death, self.back = rng, lose, death, 0.1
+    def __init__(self, rng: random.Random, lose: set[str], death: float, move: float) -> None:
+        self.rng, self.lose, self.death, self.back, self.move = rng, lose, death, 0.1, move
         self.dead: list = []
 
     def kill(self, coordinator, worker, streams) -> bool:  # type: ignore[no-untyped-def]
@@ -100,6 +102,20 @@ class Faults:
             if self.rng.random() < self.back:
                 self.dead.remove(worker)
                 coordinator.worker_back(worker, {"pid": self.rng.randrange(10**6)})
+
+    def change_roles(self, coordinator) -> None:  # type: ignore[no-untyped-def]
+        if coordinator.config.mode != "disaggregated" or self.rng.random() >= self.move:
+            return
+        movable = [
+            w
+            for w in coordinator.workers
+            if w.status is WorkerStatus.UP
+            and w.next_kind is None
+            and sum(o.accepts for o in coordinator.workers if o.kind == w.kind) > 1
+        ]
+        if movable:
+            worker = self.rng.choice(movable)
+            coordinator.roles.begin(worker, "decode" if worker.kind == "prefill" else "prefill")
 
 
 def call(coordinator, worker, burst: int, lose: set[str]) -> list:  # type: ignore[no-untyped-def]
@@ -138,6 +154,7 @@ def run(coordinator, streams, faults: Faults, burst: int, rounds: int) -> None: 
             if sent:
                 in_flight[worker.name] = sent
         faults.revive(coordinator)
+        faults.change_roles(coordinator)
         idle = all(w.sched.idle for w in coordinator.workers)
         if not in_flight and not faults.dead and idle:
             return
@@ -150,7 +167,9 @@ def test_random_cells_under_faults_give_every_stream_whole(first):
         requests = workload(rng, seed)
         coordinator, streams = random_cell(rng, requests), Streams()
         lose = {r.req_id for r in requests if rng.random() < 0.2}
-        faults = Faults(rng, lose, death=rng.choice([0, 0.002, 0.01]))
+        faults = Faults(
+            rng, lose, death=rng.choice([0, 0.002, 0.01]), move=rng.choice([0, 0.02, 0.1])
+        )
         burst = rng.choice([1, 1, 2, 4])
         waves = list(requests)
         while waves:
@@ -165,7 +184,7 @@ def test_random_cells_under_faults_give_every_stream_whole(first):
             if live and rng.random() < 0.3:
                 coordinator.abort(rng.choice(live).req_id)
                 streams.take(coordinator)
-        faults.death, faults.back = 0.0, 1.0
+        faults.death, faults.back, faults.move = 0.0, 1.0, 0.0
         run(coordinator, streams, faults, burst, 20_000)
         for request in requests:
             tokens = streams.tokens.get(request.req_id, [])
