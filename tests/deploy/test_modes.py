@@ -351,3 +351,48 @@ def test_a_conversations_later_turns_are_not_computed_again(ray_session, tiny_ch
         assert later.metrics["kv_handoff_bytes"] == 0 and later.metrics["prefill_worker"] is None
         # all but the new tokens and the last, partly filled block of the conversation so far
         assert later.metrics["cached_tokens"] >= later.prompt_tokens - 5 - 16
+
+
+def test_block_pressure_with_shared_prefixes_and_choices_equals_local(ray_session, tiny_checkpoint):
+    """Two prefill and two decode workers of 16 blocks each (a context and a half), the prefix
+    cache on: prompts sharing a prefix, urgent and normal ones, three choices of one prompt, all
+    at once. Preemption, blocks reserved and given back, handoffs that skip cached blocks: every
+    output is local mode's (roomy, no cache)."""
+    from tests.factories import prompt_ids
+
+    system = prompt_ids(37, 5)
+    seeded = SamplingParams(temperature=0.8, top_k=40, seed=11)
+
+    def workload():
+        requests = [
+            Request(
+                req_id=f"r{i}",
+                prompt_ids=(system if i % 3 else []) + prompt_ids(5 + 7 * i, 40 + i),
+                max_tokens=20 + 9 * (i % 4),
+                priority=i % 2,
+                sampling=seeded if i % 2 else SamplingParams(),
+            )
+            for i in range(8)
+        ]
+        return requests + [
+            Request(
+                req_id=f"n-{i}",
+                prompt_ids=system + prompt_ids(9, 60),
+                max_tokens=24,
+                fork_of="n-0" if i else None,
+                sampling=SamplingParams(temperature=0.9, seed=70 + i),
+            )
+            for i in range(3)
+        ]
+
+    with open_engine(EngineConfig(model=tiny_checkpoint, prefix_cache_tokens=0, **BASE)) as engine:
+        expected = {k: c.token_ids for k, c in engine.run(workload()).items()}
+    tight = BASE | dict(
+        mode="disaggregated", prefill_workers=2, decode_workers=2, kv_cache_memory="128KiB"
+    )
+    with RayEngine(EngineConfig(model=tiny_checkpoint, **tight)) as engine:
+        got = {k: c.token_ids for k, c in engine.run(workload()).items()}
+        stats = engine.stats()
+    assert got == expected
+    assert stats["counters"]["preemptions"] >= 1
+    assert all(w["slots_used"] == 0 for w in stats["workers"].values())
