@@ -183,6 +183,21 @@ def every_pdserve_flag() -> set[str]:
 
 
 @functools.cache
+def module_flags(page: str) -> set[str]:
+    """The options of the project's modules that a page runs with `python -m` (those with an
+    argparse command line; a study that takes bare words has none)."""
+    text = (ROOT / page).read_text(encoding="utf-8")
+    flags: set[str] = set()
+    for module in set(PYTHON_M.findall(text)):
+        if module.split(".")[0] not in PACKAGES:
+            continue
+        spec = importlib.util.find_spec(module)
+        if spec is not None and "argparse" in Path(spec.origin).read_text(encoding="utf-8"):
+            flags |= usage_flags(help_text("-m", module))
+    return flags
+
+
+@functools.cache
 def make_targets() -> set[str]:
     makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
     return set(re.findall(r"^([\w-]+):", makefile, flags=re.M))
@@ -353,8 +368,9 @@ def test_prose_names_what_exists(page):
             elif words[0].startswith("--"):
                 for word in words:
                     flag = word.split("=")[0]
-                    if flag.startswith("--") and flag not in every_pdserve_flag() | FOREIGN_FLAGS:
-                        problems.append(f"{where}: `{flag}`: not a flag of any pdserve command")
+                    known = every_pdserve_flag() | FOREIGN_FLAGS | module_flags(page)
+                    if flag.startswith("--") and flag not in known:
+                        problems.append(f"{where}: `{flag}`: not a flag of a command the page runs")
     assert not problems, "\n".join(problems)
 
 
