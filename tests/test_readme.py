@@ -184,16 +184,16 @@ def every_pdserve_flag() -> set[str]:
 
 @functools.cache
 def module_flags(page: str) -> set[str]:
-    """The options of the project's modules that a page runs with `python -m` (those with an
-    argparse command line; a study that takes bare words has none)."""
-    text = (ROOT / page).read_text(encoding="utf-8")
+    """The options of the project's modules that the page's bash blocks run with flags."""
     flags: set[str] = set()
-    for module in set(PYTHON_M.findall(text)):
-        if module.split(".")[0] not in PACKAGES:
-            continue
-        spec = importlib.util.find_spec(module)
-        if spec is not None and "argparse" in Path(spec.origin).read_text(encoding="utf-8"):
-            flags |= usage_flags(help_text("-m", module))
+    for line in bash_lines(page):
+        for argv in commands(line.text):
+            if not (Path(argv[0]).name.startswith("python") and "-m" in argv):
+                continue
+            module = argv[argv.index("-m") + 1]
+            ours = module.split(".")[0] in PACKAGES and importlib.util.find_spec(module)
+            if ours and any(a.startswith("--") for a in argv[argv.index("-m") + 2 :]):
+                flags |= usage_flags(help_text("-m", module))
     return flags
 
 
@@ -355,6 +355,7 @@ def test_bash_blocks_work_as_written(page, tmp_path):
 def test_prose_names_what_exists(page):
     """Paths, `python -m` modules, `pdserve ...` commands and flags named outside code blocks."""
     problems = []
+    known = every_pdserve_flag() | FOREIGN_FLAGS | module_flags(page)
     for number, row in prose(page):
         where = f"{page}:{number}"
         problems += path_problems(row, where)
@@ -368,7 +369,6 @@ def test_prose_names_what_exists(page):
             elif words[0].startswith("--"):
                 for word in words:
                     flag = word.split("=")[0]
-                    known = every_pdserve_flag() | FOREIGN_FLAGS | module_flags(page)
                     if flag.startswith("--") and flag not in known:
                         problems.append(f"{where}: `{flag}`: not a flag of a command the page runs")
     assert not problems, "\n".join(problems)
