@@ -74,6 +74,10 @@ def tiny_hf_config(kind: str = "llama"):  # type: ignore[no-untyped-def]
         return Qwen2Config(**common)
     if kind == "qwen3":
         return Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
+    # seven query heads on one KV head of 112 dims: neither an AVX-512 width nor a power of two
+    if kind == "qwen3-odd-heads":
+        heads = {**common, "num_attention_heads": 7, "num_key_value_heads": 1}
+        return Qwen3Config(**heads, head_dim=112, tie_word_embeddings=False)
     # Granite 3's multipliers (its attention one is 1 / head_dim, not head_dim ** -0.5)
     if kind == "granite":
         return GraniteConfig(

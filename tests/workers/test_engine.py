@@ -38,7 +38,7 @@ def mixed_requests(**kw):
     )
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3-odd-heads", "mistral"])
 def test_batched_greedy_equals_solo_and_transformers_generate(kind):
     eos = frozenset({VOCAB - 1})
     engine = make_engine(kind)

@@ -200,6 +200,8 @@ def paged_cases():
         for dim in (16, 64, 128, 24):  # 24: not an AVX-512 width, the scalar loops
             for heads_per_kv in (1, 3):
                 yield pytest.param(dtype, heads_per_kv, dim, id=f"{dtype}-G{heads_per_kv}-D{dim}")
+        # seven query heads of 112 dims: an odd group over vector widths and a scalar tail
+        yield pytest.param(dtype, 7, 112, id=f"{dtype}-G7-D112")
 
 
 @pytest.mark.usefixtures("compiled")

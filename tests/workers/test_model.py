@@ -33,7 +33,18 @@ def _run(model, cache, rows, decode_first: int):
 )
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernels", "torch"])
 @pytest.mark.parametrize(
-    "kind", ["llama", "qwen3", "qwen2", "llama3-scaled", "mistral", "phi3", "smollm3", "granite"]
+    "kind",
+    [
+        "llama",
+        "qwen3",
+        "qwen3-odd-heads",
+        "qwen2",
+        "llama3-scaled",
+        "mistral",
+        "phi3",
+        "smollm3",
+        "granite",
+    ],
 )
 def test_logits_match_transformers_for_chunks_and_batched_decode(
     kind, slot_a, slot_b, kernel, monkeypatch

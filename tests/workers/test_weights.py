@@ -11,7 +11,17 @@ import torch
 from tests.factories import save_tiny_checkpoint, tiny_tokenizer
 from workers.loader import from_hf_model, load_model
 
-KINDS = ["llama", "qwen3", "qwen2", "llama3-scaled", "mistral", "phi3", "smollm3", "granite"]
+KINDS = [
+    "llama",
+    "qwen3",
+    "qwen3-odd-heads",
+    "qwen2",
+    "llama3-scaled",
+    "mistral",
+    "phi3",
+    "smollm3",
+    "granite",
+]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
