@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
 from scheduler.request import MAX_LOGIT_BIAS, Request, SamplingParams
 
@@ -102,6 +102,14 @@ def check_context_length(num_prompt: int, max_tokens: int, capacity: int) -> Non
         raise error
 
 
+def null_is_the_default(model: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
+    """A field's value with null read as its default, as OpenAI's API takes `temperature`, `top_p`
+    and `stream` and vLLM its `top_k` and `min_p` (for a field validator in "before" mode)."""
+    if value is None and info.field_name is not None:
+        return model.model_fields[info.field_name].default
+    return value
+
+
 class GenerationParams(BaseModel):
     """How to generate, as the HTTP bodies and the batch lines take it: one field per parameter,
     its range checked here and nowhere else at the edge. `request()` turns it into the engine's
@@ -110,7 +118,7 @@ class GenerationParams(BaseModel):
 
     temperature: float = Field(1.0, ge=0, le=2, description="0 is greedy.")
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0, description="extension: 0 disables")
+    top_k: int = Field(0, ge=-1, description="extension: 0 (or -1, as vLLM takes it) disables")
     min_p: float = Field(
         0.0,
         ge=0,
@@ -160,6 +168,16 @@ class GenerationParams(BaseModel):
             "strings), grammar (EBNF or Lark) or json_object; the output follows it"
         ),
     )
+
+    @field_validator("temperature", "top_p", "top_k", "min_p", mode="before")
+    @classmethod
+    def _null_sampling(cls, value: Any, info: ValidationInfo) -> Any:
+        return null_is_the_default(cls, value, info)
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_off(cls, value: int) -> int:
+        return 0 if value == -1 else value
 
     @field_validator("logit_bias")
     @classmethod

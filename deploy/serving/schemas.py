@@ -4,20 +4,28 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from deploy.config import format_validation_errors
-from deploy.params import GenerationParams, ParameterError
+from deploy.params import GenerationParams, ParameterError, null_is_the_default
 from scheduler.request import MAX_LOGPROBS
 
 MAX_N = 16  # most choices one request may ask for (`n`)
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit on /v1/completions' `logprobs`
 
-# OpenAI parameters that would change what is generated and that pdserve does not implement: a
-# request that sets one (to anything but its no-op value) is refused with a 400 naming it, never
-# served as if the parameter were not there. Their no-op values are accepted. `echo`, `best_of` and
-# `top_logprobs` are implemented on the endpoint that declares them and land here only on the other
-# one.
+# OpenAI (and vLLM) parameters that would change what is generated and that pdserve does not
+# implement: a request that sets one (to anything but its no-op value) is refused with a 400
+# naming it, never served as if the parameter were not there. Their no-op values are accepted.
+# `echo`, `best_of` and `top_logprobs` are implemented on the endpoint that declares them and land
+# here only on the other one.
 UNSUPPORTED: dict[str, Any] = {
     "top_logprobs": (None, 0),
     "echo": (None, False),
@@ -28,6 +36,10 @@ UNSUPPORTED: dict[str, Any] = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "suffix": (None, ""),
+    # vLLM's: pdserve's text leaves special tokens out and stops before a stop string
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "include_stop_str_in_output": (None, False),
     "guided_whitespace_pattern": (None,),
     "guided_decoding_backend": (None, "xgrammar"),
     "structural_tag": (None,),
@@ -81,6 +93,11 @@ class _SamplingBody(GenerationParams):
         description="vLLM's extension: each choice carries `prompt_token_ids` (in its first "
         "chunk when streaming) and the `token_ids` it generated (per chunk when streaming).",
     )
+
+    @field_validator("stream", mode="before")
+    @classmethod
+    def _null_stream(cls, value: Any, info: ValidationInfo) -> Any:
+        return null_is_the_default(cls, value, info)
 
     @property
     def num_choices(self) -> int:
@@ -267,6 +284,12 @@ class ChatBody(_SamplingBody, ChatTemplateOptions):
     functions: list[FunctionDef] | None = Field(
         None, description="Legacy (before tools): the functions to call."
     )
+
+    @field_validator("parallel_tool_calls", mode="before")
+    @classmethod
+    def _null_parallel_tool_calls(cls, value: Any, info: ValidationInfo) -> Any:
+        return null_is_the_default(cls, value, info)
+
     function_call: Literal["none", "auto"] | FunctionName | None = Field(
         None, description="Legacy tool_choice."
     )

@@ -231,6 +231,40 @@ def test_n_choices_are_n_requests_with_consecutive_seeds_forking_the_first():
     assert single[0].sampling.repetition_penalty == 1.0 and single[0].sampling.logit_bias == ()
 
 
+@pytest.mark.parametrize("schema", [ChatBody, CompletionBody])
+def test_null_sampling_fields_and_vllms_top_k_of_minus_one_are_the_defaults(schema):
+    """OpenAI's API takes null for temperature, top_p and stream, vLLM null for top_k and min_p
+    and -1 for top_k off; clients send them so, and what reaches the engine is the default."""
+    server = make_server()
+    job = server.chat_job if schema is ChatBody else server.completion_job
+    nulls = dict(temperature=None, top_p=None, top_k=-1, min_p=None, stream=None, seed=3)
+    body, default = parse(schema, **nulls), parse(schema, seed=3)
+    assert (
+        body.stream is False and job(body).requests[0].sampling == job(default).requests[0].sampling
+    )
+    assert parse(schema, top_k=None).top_k == 0 and parse(schema, top_k=5).top_k == 5
+    assert refusal(schema, top_k=-2).param == "top_k"
+    if schema is ChatBody:
+        assert parse(schema, parallel_tool_calls=None).parallel_tool_calls is True
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"skip_special_tokens": True},
+        {"spaces_between_special_tokens": True},
+        {"include_stop_str_in_output": False},
+    ],
+)
+def test_vllms_detokenizing_options_are_accepted_at_what_pdserve_does(fields):
+    """pdserve's text leaves special tokens out and ends before a stop string: those values are
+    no-ops, the others are refused by name rather than ignored."""
+    parse(ChatBody, **fields)
+    ((name, value),) = fields.items()
+    error = refusal(CompletionBody, **{name: not value})
+    assert (error.status, error.param, error.code) == (400, name, "unsupported_parameter")
+
+
 @pytest.mark.parametrize(
     "schema, fields, logprobs, prompt_logprobs",
     [

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from deploy.params import null_is_the_default
 from deploy.serving.schemas import APIError
 from scheduler.request import MAX_LOGPROBS
 
@@ -72,6 +73,11 @@ class ResponsesBody(BaseModel):
         description="With log-probs: the k most likely tokens at each position too.",
     )
     stream: bool = False
+
+    @field_validator("stream", mode="before")
+    @classmethod
+    def _null_stream(cls, value: Any, info: ValidationInfo) -> Any:
+        return null_is_the_default(cls, value, info)
 
 
 def _message(role: str, content: Any, where: str) -> dict[str, Any]:
