@@ -27,6 +27,20 @@ LOGITS_CLOSE = (
 )
 
 
+# every kind `tiny_hf_config` builds
+TINY_KINDS = [
+    "llama",
+    "qwen3",
+    "qwen3-odd-heads",
+    "qwen2",
+    "llama3-scaled",
+    "mistral",
+    "phi3",
+    "smollm3",
+    "granite",
+]
+
+
 def tiny_hf_config(kind: str = "llama"):  # type: ignore[no-untyped-def]
     """A two-layer config. A large initializer_range spreads the logits so argmax has clear margins:
     greedy tokens then do not flip on the last-bit differences between batched and solo matmuls."""

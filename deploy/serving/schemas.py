@@ -285,15 +285,15 @@ class ChatBody(_SamplingBody, ChatTemplateOptions):
         None, description="Legacy (before tools): the functions to call."
     )
 
-    @field_validator("parallel_tool_calls", mode="before")
-    @classmethod
-    def _null_parallel_tool_calls(cls, value: Any, info: ValidationInfo) -> Any:
-        return null_is_the_default(cls, value, info)
-
     function_call: Literal["none", "auto"] | FunctionName | None = Field(
         None, description="Legacy tool_choice."
     )
     _legacy: bool = PrivateAttr(False)
+
+    @field_validator("parallel_tool_calls", mode="before")
+    @classmethod
+    def _null_parallel_tool_calls(cls, value: Any, info: ValidationInfo) -> Any:
+        return null_is_the_default(cls, value, info)
 
     @property
     def legacy_functions(self) -> bool:

@@ -7,6 +7,7 @@ import torch
 from tests.factories import (
     LOGITS_CLOSE,
     TEST_DEVICE,
+    TINY_KINDS,
     VOCAB,
     prompt_ids,
     slot_blocks,
@@ -32,20 +33,7 @@ def _run(model, cache, rows, decode_first: int):
     ("slot_a", "slot_b"), [(2, 0), (0, 1)], ids=["scattered-slots", "span-slots"]
 )
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernels", "torch"])
-@pytest.mark.parametrize(
-    "kind",
-    [
-        "llama",
-        "qwen3",
-        "qwen3-odd-heads",
-        "qwen2",
-        "llama3-scaled",
-        "mistral",
-        "phi3",
-        "smollm3",
-        "granite",
-    ],
-)
+@pytest.mark.parametrize("kind", TINY_KINDS)
 def test_logits_match_transformers_for_chunks_and_batched_decode(
     kind, slot_a, slot_b, kernel, monkeypatch
 ):

@@ -8,24 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.factories import save_tiny_checkpoint, tiny_tokenizer
+from tests.factories import TINY_KINDS, save_tiny_checkpoint, tiny_tokenizer
 from workers.loader import from_hf_model, load_model
-
-KINDS = [
-    "llama",
-    "qwen3",
-    "qwen3-odd-heads",
-    "qwen2",
-    "llama3-scaled",
-    "mistral",
-    "phi3",
-    "smollm3",
-    "granite",
-]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", TINY_KINDS)
 def test_weights_equal_those_loaded_through_transformers(tmp_path, kind, dtype):
     from transformers import AutoModelForCausalLM
 
