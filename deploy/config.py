@@ -175,6 +175,13 @@ class EngineConfig(BaseModel):
         "when the load has needed fewer for this long (Ray Serve's downscale_delay_s); about a "
         "worker's start-up, so one released on a dip is not needed again before it could start.",
     )
+    planner_period_s: float | None = Field(
+        None,
+        gt=0,
+        description="With max_prefill_workers or max_decode_workers: the load repeats with this "
+        "period (86400: daily); once a period is seen, the planner sizes the pools a start-up "
+        "ahead by what the same time of the last period needed, at today's level.",
+    )
     prefix_cache_tokens: int = Field(
         16384,
         ge=0,
@@ -313,6 +320,7 @@ class EngineConfig(BaseModel):
             max_prefill_workers=self.max_prefill_workers,
             max_decode_workers=self.max_decode_workers,
             planner_release_delay_s=self.planner_release_delay_s,
+            planner_period_s=self.planner_period_s,
         )
 
 

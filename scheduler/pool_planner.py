@@ -39,12 +39,22 @@ arrivals allow (the count plus 1.28 standard deviations: one-sided 90%), down to
 these. One window's arrivals are noisy (30 expected at 3 req/s, from 14 to 35
 seen), and a worker released on a dip in a rising load is started again a start-up later, while
 prompts queue.
+
+With scaling and a `SeasonalForecast` that has seen a whole period (scheduler/load_forecast.py),
+the forecast decides instead: the pools are sized for the most the last period's windows from
+now until a worker started now could answer and serve a window needed (at today's level), or for
+this window's load at the lower end of its arrivals when that needs more; growth, role changes
+and releases (one a window) follow it at once, with no patience or release delay, for the
+forecast's windows are pooled and it knows whether a falling load comes back before a new worker
+could start.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from scheduler.load_forecast import SeasonalForecast
 
 
 @dataclass
@@ -212,6 +222,10 @@ class PoolPlanner:
     # needs more than the model says (Dynamo's planner corrects its profile the same way)
     prefill_correction: float = 1.0
     decode_correction: float = 1.0
+    # with scaling: the last period's load, to size the pools a start-up ahead
+    forecast: SeasonalForecast | None = None
+    startup_s: float = 60.0  # a started worker's time to answer (the cell measures it)
+    last_ahead: tuple[int, int] | None = None  # what the forecast last asked for
 
     def needs(self, window: LoadWindow, rate: float | None = None) -> tuple[float, float] | None:
         """(prefill workers, decode workers) the window's load needs (at `rate` requests/s
@@ -225,19 +239,26 @@ class PoolPlanner:
             self.mean_output = window.output_tokens / window.finished
         if self.mean_prompt is None or self.mean_output is None:
             return None
+        rate = window.arrival_rate if rate is None else rate
+        return self.needs_at(rate, self.mean_prompt, self.prompt_spread, self.mean_output)
+
+    def needs_at(
+        self, rate: float, mean_prompt: float, prompt_spread: float, mean_output: float
+    ) -> tuple[float, float] | None:
+        """(prefill workers, decode workers) `rate` requests/s of this mix need; None before the
+        workers' speeds are measured."""
         batch = self.speeds.decode_batch(self.slo_itl_s, self.decode_slots)
         decode_rate = self.speeds.decode_tok_s(batch)
         if self.speeds.prefill_tok_s is None or decode_rate is None:
             return None
-        rate = window.arrival_rate if rate is None else rate
-        service_s = self.mean_prompt / self.speeds.prefill_tok_s
+        service_s = mean_prompt / self.speeds.prefill_tok_s
         load = rate * service_s * self.prefill_correction
         if self.slo_ttft_s is None or service_s >= self.slo_ttft_s:
             prefill = load / self.utilization
         else:
             most = max(self.max_prefill, self.total or 0)
-            prefill = queue_need(load, service_s, self.prompt_spread, self.slo_ttft_s, most)
-        decode = rate * self.mean_output / (decode_rate * self.utilization)
+            prefill = queue_need(load, service_s, prompt_spread, self.slo_ttft_s, most)
+        decode = rate * mean_output / (decode_rate * self.utilization)
         return prefill, decode * self.decode_correction
 
     def correct(self, window: LoadWindow, joining: tuple[int, int] = (0, 0)) -> None:
@@ -259,11 +280,21 @@ class PoolPlanner:
         (`joining`: how many of them) and not those on their way out."""
         self.speeds.observe(window)
         self.correct(window, joining)
+        if self.forecast is not None:
+            self.forecast.record(window)
         need = self.needs(window)
         self.last_needs = None if need is None else (round(need[0], 2), round(need[1], 2))
         if need is None:
             return None
         want = self._target(*need)
+        ahead = self._ahead(window) if self.total is None else None
+        self.last_ahead = None if ahead is None else (ahead.prefill, ahead.decode)
+        if ahead is not None:  # the forecast decides, at once: its windows are pooled
+            self.pending = None
+            self.seen = 0
+            if (ahead.prefill, ahead.decode) == (prefill, decode):
+                return None
+            return _one_step(ahead, prefill, decode, False)
         if self.total is None:
             recent = self.recent + [(window.arrivals, window.seconds, want)]
             self.recent = recent[-self.release_after :]
@@ -287,6 +318,38 @@ class PoolPlanner:
         self.pending = None
         self.seen = 0
         return step
+
+    def _ahead(self, window: LoadWindow) -> PoolTarget | None:
+        """With a forecast that has seen a period: the most workers of each kind the load
+        expected from now until a worker started now could answer and serve a window needs, or,
+        if more, what this window needs at the lower end of its arrivals (count - 1.28 standard
+        deviations: a load above the last period's by more than noise)."""
+        if self.forecast is None or self.mean_output is None:
+            return None
+        horizon_s = self.startup_s + window.seconds
+        expected = self.forecast.ahead(horizon_s)
+        targets = []
+        for load in expected:
+            output = self.mean_output if load.mean_output is None else load.mean_output
+            need = self.needs_at(load.rate, load.mean_prompt, load.prompt_spread, output)
+            if need is not None:
+                targets.append(self._target(*need))
+        if not targets:
+            return None
+        most = max(targets, key=lambda t: (t.prefill + t.decode, t.prefill))
+        ahead = PoolTarget(
+            max(t.prefill for t in targets), max(t.decode for t in targets), most.reason
+        )
+        arrivals = window.arrivals
+        low = max(0.0, arrivals - _RATE_Z * math.sqrt(arrivals)) / max(1e-9, window.seconds)
+        need = self.needs(window, low)
+        now = self._target(*need) if need is not None else ahead
+        reason = (
+            f"a period ago the next {horizon_s:.0f} s needed at most {ahead.prefill}:"
+            f"{ahead.decode} at {self.forecast.level:.2f}x today's level ({ahead.reason}); this "
+            f"window at the lower end of its arrivals {now.prefill}:{now.decode}"
+        )
+        return PoolTarget(max(ahead.prefill, now.prefill), max(ahead.decode, now.decode), reason)
 
     def _release(self, window: LoadWindow, prefill: int, decode: int) -> PoolTarget | None:
         """With scaling, a target no larger than the pools: release one worker if each of the

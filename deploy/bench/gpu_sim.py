@@ -26,7 +26,7 @@ import argparse
 import asyncio
 import functools
 import json
-import random
+import math
 import sys
 import time
 from dataclasses import asdict
@@ -37,6 +37,7 @@ import ray
 from deploy.bench.ceiling import RoundRobin
 from deploy.bench.cost_model import A10_LLAMA_8B, MODELS, CostModel, load_cost_model
 from deploy.bench.pool_floor import pool_floor
+from deploy.bench.traces import TRACES, days_trace, offered_load
 from deploy.engine_client import EngineClient, complete
 from scheduler.cell.actor import CellActor
 from scheduler.cell.state import CellConfig
@@ -106,62 +107,6 @@ def spawn_sim(
     return actor.remote(index, cost, scale)
 
 
-# ---- the trace
-
-
-def shifting_trace(
-    minutes: float,
-    seed: int,
-    phases: list[tuple[tuple[float, float], tuple[int, int], tuple[int, int]]],
-) -> list[tuple[float, int, int]]:
-    """(arrival s, prompt tokens, output tokens) of Poisson arrivals whose mix moves through
-    `phases` of equal length: ((requests/s at its start, at its end), prompt range, output range)
-    each; the rate moves linearly within a phase (arrivals drawn at the phase's highest rate, each
-    kept with the probability rate at its time / that rate)."""
-    rng = random.Random(seed)
-    length = minutes * 60 / len(phases)
-    trace = []
-    for number, ((first, last), prompt, output) in enumerate(phases):
-        start = number * length
-        t = start
-        while True:
-            t += rng.expovariate(max(first, last))
-            if t >= start + length:
-                break
-            rate = first + (last - first) * (t - start) / length
-            # (a steady phase draws nothing more: its trace is the one it always was)
-            if first == last or rng.random() * max(first, last) < rate:
-                trace.append((t, rng.randint(*prompt), rng.randint(*output)))
-    return trace
-
-
-PROMPT_HEAVY = ((2000, 4000), (16, 64))  # RAG: long prompts, short answers
-OUTPUT_HEAVY = ((100, 300), (300, 700))  # chat: short prompts, long answers
-
-# prompt-heavy, output-heavy, prompt-heavy again. Each phase's rate loads four A10s near 75% with
-# its own split and overloads the other phase's split, under the cost model below: a
-# 2,000-4,000-token prompt takes 0.75 s on a prefill worker, so 3 req/s keeps three at 75% and
-# would hold two at 112%; a decode worker stays under the 60 ms ITL SLO up to about 60 running
-# answers, about 1,100 tokens/s, so 2.75 req/s of 500-token answers (1,375 tokens/s) keeps two at
-# 62% and would hold one at 125%.
-SHIFTING_PHASES = [
-    ((3.0, 3.0), *PROMPT_HEAVY),
-    ((2.75, 2.75), *OUTPUT_HEAVY),
-    ((3.0, 3.0), *PROMPT_HEAVY),
-]
-# The same mixes and peaks on a day's shape: the load rises from a quarter or a third of the peak
-# to it and falls back, twice prompt-heavy and once output-heavy between. The peaks need 3:1 and
-# 1:2 as above (a fixed deployment sized for both: 3:2); at the troughs one worker of each kind
-# suffices.
-DAILY_PHASES = [
-    ((0.75, 3.0), *PROMPT_HEAVY),
-    ((3.0, 1.0), *PROMPT_HEAVY),
-    ((1.0, 2.75), *OUTPUT_HEAVY),
-    ((2.75, 1.0), *OUTPUT_HEAVY),
-    ((1.0, 3.0), *PROMPT_HEAVY),
-    ((3.0, 0.75), *PROMPT_HEAVY),
-]
-TRACES = {"shifting": SHIFTING_PHASES, "daily": DAILY_PHASES}
 RELEASE_DELAY_S = 30.0  # the planner's wait before it releases a worker, GPU time
 
 
@@ -177,6 +122,7 @@ def run(
     window_s: float,
     max_workers: tuple[int, int] | None = None,
     release_delay_s: float = RELEASE_DELAY_S,
+    period_s: float | None = None,
 ) -> dict[str, Any]:
     """Replay the trace through one cell; per request TTFT and ITL (GPU seconds), the pools'
     sizes every window, and the step timeline (wall seconds: a decode call's `period` against its
@@ -201,6 +147,7 @@ def run(
         slo_ttft_ms=slo_ttft_s * 1000 * scale,
         planner_window_s=window_s * scale,
         planner_release_delay_s=release_delay_s * scale,
+        planner_period_s=period_s * scale if period_s else None,
     )
     handle = (
         ray.remote(CellActor)
@@ -260,7 +207,8 @@ def run(
         )
     return {
         "split": f"{prefill}:{decode}"
-        + (f" up to {max_workers[0]}:{max_workers[1]}" if max_workers else ""),
+        + (f" up to {max_workers[0]}:{max_workers[1]}" if max_workers else "")
+        + (", forecast" if period_s and max_workers else ""),
         "planner": planner,
         "requests": per_request,
         "pools": pools,
@@ -270,17 +218,31 @@ def run(
     }
 
 
-def offered_load(
-    trace: list[tuple[float, int, int]], minutes: float, window_s: float
-) -> dict[str, Any]:
-    """The trace's prompt and output tokens arriving per second, window by window."""
-    windows = int(minutes * 60 // window_s) + 1
-    prompt = [0.0] * windows
-    output = [0.0] * windows
-    for arrival, prompt_tokens, output_tokens in trace:
-        prompt[int(arrival // window_s)] += prompt_tokens / window_s
-        output[int(arrival // window_s)] += output_tokens / window_s
-    return {"window_s": window_s, "prompt_tok_s": prompt, "output_tok_s": output}
+def by_day(result: dict[str, Any], minutes: float, days: int) -> list[dict[str, Any]]:
+    """Each day's goodput (requests that arrived that day and met both SLOs, per second of
+    the day) and worker-seconds (the last day's until the last answer)."""
+    period_s = minutes * 60
+    lines = []
+    for day in range(days):
+        start, end = day * period_s, (day + 1) * period_s
+        mine = [r for r in result["requests"] if start <= r["arrival_s"] < end]
+        last = math.inf if day == days - 1 else end
+        worker_s = sum(
+            max(0.0, min(b["at_s"], last) - max(a["at_s"], start)) * (a["prefill"] + a["decode"])
+            for a, b in zip(result["pools"], result["pools"][1:], strict=False)
+        )
+        good = sum(r["good"] for r in mine)
+        lines.append(
+            {
+                "day": day,
+                "requests": len(mine),
+                "lost": sum(not r["ok"] for r in mine),
+                "goodput_req_s": round(good / period_s, 3),
+                "slo_attainment": round(good / max(1, len(mine)), 3),
+                "worker_seconds": round(worker_s, 1),
+            }
+        )
+    return lines
 
 
 def summarize(result: dict[str, Any], minutes: float, window_s: float) -> dict[str, Any]:
@@ -345,6 +307,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--minutes", type=float, default=12.0, help="trace length, GPU time")
     parser.add_argument(
+        "--days",
+        type=int,
+        default=1,
+        help="replay the trace this many times in a row (day k drawn with --seed + k); each "
+        "day's figures are in the summary's by_day",
+    )
+    parser.add_argument(
+        "--forecast",
+        action="store_true",
+        help="the --scaling run's planner remembers the last day (a period of --minutes) and "
+        "sizes the pools a start-up ahead by it",
+    )
+    parser.add_argument(
         "--time-scale", type=float, default=1.0, help="wall s per GPU s (below 1: a quick look)"
     )
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
@@ -366,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     cost = load_cost_model(args.model)
-    trace = shifting_trace(args.minutes, args.seed, TRACES[args.trace])
+    trace = days_trace(args.minutes, args.seed, TRACES[args.trace], args.days)
     splits = [split for split in args.splits.split(",") if split]
     runs = [(*map(int, split.split(":")), False) for split in splits]
     if args.planner:
@@ -408,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        plot_pools(lines, offered_load(trace, args.minutes, args.window_s), args.plot)
+        load = offered_load(trace, args.minutes * args.days, args.window_s)
+        plot_pools(lines, load, args.plot)
         print(f"figure: {args.plot} ({len(lines)} runs)", file=sys.stderr)
     return 0
 
@@ -426,6 +402,7 @@ def _run_all(
     ray.init(include_dashboard=False, log_to_driver=False)
     try:
         for number, (prefill, decode, planner) in enumerate(runs):
+            scaled = scaling if scaling and number == len(runs) - 1 else None
             result = run(
                 trace,
                 prefill,
@@ -436,9 +413,13 @@ def _run_all(
                 args.slo_ttft_ms / 1000,
                 args.slo_itl_ms / 1000,
                 args.window_s,
-                scaling if scaling and number == len(runs) - 1 else None,
+                scaled,
+                period_s=args.minutes * 60 if scaled and args.forecast else None,
             )
-            line = {"trace": args.trace} | summarize(result, args.minutes, args.window_s)
+            minutes = args.minutes * args.days
+            line = {"trace": args.trace} | summarize(result, minutes, args.window_s)
+            if args.days > 1:
+                line["by_day"] = by_day(result, args.minutes, args.days)
             lines.append(line)
             print(json.dumps(line), flush=True)
             if args.output:

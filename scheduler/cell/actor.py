@@ -198,8 +198,10 @@ class CellActor(CellSteps):
     async def _start(self, worker: WorkerState) -> None:
         """A worker the planner added: once its actor answers (Ray places it when resources are
         free; on an autoscaling cluster, a node is started for it), it joins its pool and steps."""
+        started = time.monotonic()
         worker.placement = await self.handles[worker.actor].ready.remote()
         worker.status = WorkerStatus.UP
+        self.coordinator.pools.on_started(time.monotonic() - started)
         log.info("%s started in the %s pool", worker.actor, worker.kind)
         if worker.kind == "prefill":
             await self._connect(worker)

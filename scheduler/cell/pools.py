@@ -22,6 +22,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from scheduler.cell.state import WorkerState, WorkerStatus
+from scheduler.load_forecast import SeasonalForecast
 from scheduler.outputs import RequestOutput
 from scheduler.plan import StepPlan
 from scheduler.pool_planner import LoadWindow, PoolPlanner
@@ -160,6 +161,9 @@ class PoolPlans:
                 release_after=max(
                     1, math.ceil(config.planner_release_delay_s / config.planner_window_s)
                 ),
+                forecast=SeasonalForecast(config.planner_period_s)
+                if scaling and config.planner_period_s
+                else None,
             )
             if config.pool_planner
             else None
@@ -191,6 +195,12 @@ class PoolPlans:
         elif plan.decode and not plan.prefill:
             self.window.decode_steps.append((len(plan.decode), step_s))
 
+    def on_started(self, seconds: float) -> None:
+        """A worker the planner started answered `seconds` after its start: the forecast looks
+        that far ahead (the latest start-up measured)."""
+        if self.planner is not None:
+            self.planner.startup_s = seconds
+
     def end_window(self, now_s: float | None = None) -> list[dict[str, Any]]:
         """Close the window; start the role change, release or starts the planner decides, and
         return the decisions (one per worker)."""
@@ -210,6 +220,7 @@ class PoolPlans:
             "arrivals": window.arrivals,
             "finished": window.finished,
             "needs": self.planner.last_needs,
+            "forecast": self.planner.last_ahead,
         }
         if target is None:
             return []

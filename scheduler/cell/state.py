@@ -52,6 +52,9 @@ class CellConfig:
     max_decode_workers: int | None = None
     # a worker is released only once the load has needed fewer this long
     planner_release_delay_s: float = 30.0
+    # set: the load repeats with this period (a day): the planner sizes the pools a start-up
+    # ahead by what the last period saw (scheduler/load_forecast.py)
+    planner_period_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.kv_transfer_failure not in ("recompute", "fail"):

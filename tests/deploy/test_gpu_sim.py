@@ -6,16 +6,9 @@ import json
 import pytest
 
 from deploy.bench.cost_model import A10_LLAMA_8B, CostModel
-from deploy.bench.gpu_sim import (
-    DAILY_PHASES,
-    SHIFTING_PHASES,
-    main,
-    offered_load,
-    run,
-    shifting_trace,
-    summarize,
-)
+from deploy.bench.gpu_sim import main, run, summarize
 from deploy.bench.pool_floor import pool_floor
+from deploy.bench.traces import DAILY_PHASES, SHIFTING_PHASES, offered_load, shifting_trace
 from scheduler.plan import Chunk, StepPlan
 
 MODEL = CostModel("toy", 0.010, 0.001, 1e-6, 0.020, 0.002, 1e-5, 100, 10_000, 1e9, "by hand")
