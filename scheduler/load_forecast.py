@@ -11,7 +11,8 @@ way, with seasonal models among its predictors).
 `SeasonalForecast` keeps each window's arrivals, prompt lengths and output lengths for one period
 and a little more. `ahead(horizon_s)` returns, for every window of the last period from now to
 `horizon_s` ahead, the load it saw: its arrivals pooled with those of the window on each side (one
-window's count is Poisson-noisy: 30 expected, from 20 to 40 seen), times the level (today's
+window's count is Poisson-noisy: 30 expected, from 20 to 40 seen), or, where more, its own at the
+lower end of its count (a sharp edge is not blurred away), times the level (today's
 arrivals over the last `level_s` against the same span a period ago, within 0.5-2; 1 while less
 than a quarter of that span a period ago has been seen). Nothing until a whole period has been
 seen. Pure: the planner feeds it the windows it closes.
@@ -19,6 +20,7 @@ seen. Pure: the planner feeds it the windows it closes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
     from scheduler.pool_planner import LoadWindow
 
 _LEVEL_BOUNDS = (0.5, 2.0)
+_Z = 1.28  # one-sided 90%: a window's count minus this many standard deviations
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,10 @@ class SeasonalForecast:
             spread = max(0.0, mean_sq / prompt**2 - 1) if mean_sq and prompt else 0.0
             finished = sum(w.finished for w in pooled)
             output = sum(w.output_tokens for w in pooled) / finished if finished else None
-            rate = arrivals / seconds * self.level
+            # (at least the window's own rate at the lower end of its arrivals: pooling blurs
+            # a sharp edge, and the edge of a peak is where its last worker is still needed)
+            own = max(0.0, window.arrivals - _Z * math.sqrt(window.arrivals)) / window.seconds
+            rate = max(arrivals / seconds, own) * self.level
             expected.append(ExpectedLoad(end - then, rate, prompt, spread, output))
         return expected
 
