@@ -215,6 +215,12 @@ class EngineConfig(BaseModel):
                 f"prefill_chunk ({self.prefill_chunk}) must not exceed token_budget "
                 f"({self.token_budget}): a chunk larger than a step's budget never runs whole"
             )
+        scaling = self.max_prefill_workers is not None or self.max_decode_workers is not None
+        if self.planner_period_s is not None and not (self.pool_planner and scaling):
+            raise ValueError(
+                "planner_period_s sizes pools that scale: set pool_planner and "
+                "max_prefill_workers or max_decode_workers too"
+            )
         return self
 
     @field_validator("kv_cache_memory")

@@ -10,9 +10,9 @@ way, with seasonal models among its predictors).
 
 `SeasonalForecast` keeps each window's arrivals, prompt lengths and output lengths for one period
 and a little more. `ahead(horizon_s)` returns, for every window of the last period from now to
-`horizon_s` ahead, the load it saw: its arrivals pooled with those of the window on each side (one
-window's count is Poisson-noisy: 30 expected, from 20 to 40 seen), or, where more, its own at the
-lower end of its count (a sharp edge is not blurred away), times the level (today's
+`horizon_s` ahead, the load it saw: its arrivals and lengths pooled with those of the window on
+each side (one window's count is Poisson-noisy: 30 expected, from 20 to 40 seen), and the window
+alone at the lower end of its count (so a sharp edge is not blurred away), times the level (today's
 arrivals over the last `level_s` against the same span a period ago, within 0.5-2; 1 while less
 than a quarter of that span a period ago has been seen). Nothing until a whole period has been
 seen. Pure: the planner feeds it the windows it closes.
@@ -68,7 +68,8 @@ class SeasonalForecast:
 
     def ahead(self, horizon_s: float) -> list[ExpectedLoad]:
         """The load each window of the last period from now to `horizon_s` ahead saw, pooled
-        with its neighbours and scaled to today's level; empty until `ready`."""
+        with its neighbours, then alone at the lower end of its count, each scaled to today's
+        level; empty until `ready`."""
         if not self.ready():
             return []
         then = self.now_s - self.period_s
@@ -84,21 +85,26 @@ class SeasonalForecast:
             if end <= then or end - window.seconds >= then + horizon_s:
                 continue
             pooled = [w for _, w in self.seen[max(0, index - 1) : index + 2]]
-            arrivals = sum(w.arrivals for w in pooled)
-            seconds = sum(w.seconds for w in pooled)
-            if not arrivals or seconds <= 0:
-                continue
-            prompt = sum(w.prompt_tokens for w in pooled) / arrivals
-            mean_sq = sum(w.prompt_tokens_sq for w in pooled) / arrivals
-            spread = max(0.0, mean_sq / prompt**2 - 1) if mean_sq and prompt else 0.0
-            finished = sum(w.finished for w in pooled)
-            output = sum(w.output_tokens for w in pooled) / finished if finished else None
-            # (at least the window's own rate at the lower end of its arrivals: pooling blurs
-            # a sharp edge, and the edge of a peak is where its last worker is still needed)
-            own = max(0.0, window.arrivals - _Z * math.sqrt(window.arrivals)) / window.seconds
-            rate = max(arrivals / seconds, own) * self.level
-            expected.append(ExpectedLoad(end - then, rate, prompt, spread, output))
-        return expected
+            expected.append(self._load(end - then, pooled, 0.0))
+            # and the window alone at the lower end of its count: pooling blurs a sharp edge,
+            # and the edge of a peak is where its last worker is still needed
+            expected.append(self._load(end - then, [window], _Z))
+        return [load for load in expected if load is not None]
+
+    def _load(self, in_s: float, windows: list[LoadWindow], z: float) -> ExpectedLoad | None:
+        """The load of `windows` together, their count lowered by `z` standard deviations, at
+        today's level."""
+        arrivals = sum(w.arrivals for w in windows)
+        seconds = sum(w.seconds for w in windows)
+        if not arrivals or seconds <= 0:
+            return None
+        prompt = sum(w.prompt_tokens for w in windows) / arrivals
+        mean_sq = sum(w.prompt_tokens_sq for w in windows) / arrivals
+        spread = max(0.0, mean_sq / prompt**2 - 1) if mean_sq and prompt else 0.0
+        finished = sum(w.finished for w in windows)
+        output = sum(w.output_tokens for w in windows) / finished if finished else None
+        rate = max(0.0, arrivals - z * math.sqrt(arrivals)) / seconds * self.level
+        return ExpectedLoad(in_s, rate, prompt, spread, output)
 
     def _arrivals(self, start: float, end: float) -> int:
         return sum(w.arrivals for t, w in self.seen if start < t <= end)

@@ -40,6 +40,7 @@ def test_serve_config_loads_through_serves_schema_and_builds():
         ({"prefill_chunk": 512, "token_budget": 256}, "must not exceed token_budget"),
         ({"mode": "local"}, "cannot be served"),
         ({"colour": "red"}, "colour"),
+        ({"pool_planner": True, "planner_period_s": 86400}, "max_prefill_workers"),
     ],
 )
 def test_bad_service_args_are_rejected_with_a_clear_message(args, message):

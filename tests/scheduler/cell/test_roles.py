@@ -209,3 +209,35 @@ def test_with_a_fixed_total_a_pool_may_grow_past_the_size_it_started_with():
     # prompt-heavy: 20,000 tok/s of prompts needs 2.5 prefill workers, decode almost nothing
     [decision] = close_window(coordinator, 200_000, 100)
     assert (decision["prefill"], decision["decode"]) == (3, 1)
+
+
+def test_with_a_period_the_planner_starts_workers_a_start_up_before_the_load_comes_back():
+    coordinator = planned_cell(
+        num_prefill_workers=1,
+        num_decode_workers=1,
+        max_prefill_workers=3,
+        planner_period_s=70,
+    )
+    pools = coordinator.pools
+    pools.on_started(25.0)  # a started worker answered 25 s after its start
+    assert pools.planner.forecast.period_s == 70 and pools.planner.startup_s == 25.0
+    # 10 s windows: three quiet, three of 10 req/s of 2,000-token prompts (2.1 workers), one
+    # quiet, twice. The first time, the busy windows start the workers when they come
+    quiet, busy = (1_000, 2_000), (200_000, 2_000)
+    day = [quiet] * 3 + [busy] * 3 + [quiet]
+    sizes, reasons = [], []
+    for tokens in day + day[:3]:
+        decisions = close_window(coordinator, *tokens)
+        for worker in coordinator.workers:
+            worker.status = WorkerStatus.UP  # (started workers answer at once here)
+        sizes.append(len(coordinator.prefill))
+        reasons.append([d["reason"] for d in decisions])
+    assert sizes[:4] == [1, 1, 1, 3]
+    # the second time, at 70 s the next 35 s (a start-up and a window) a period ago needed two:
+    # the third worker is released, for it is needed only from 110 s on (the middle busy window,
+    # whose neighbours are busy too); at 80 s that window is within 35 s: it starts again
+    assert sizes[6:9] == [2, 3, 3]
+    assert reasons[7] and all(
+        "a period ago the next 35 s needed at most 3:1" in r for r in reasons[7]
+    )
+    assert coordinator.stats()["pools"]["last_window"]["forecast"] == (3, 1)
