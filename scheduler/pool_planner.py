@@ -243,15 +243,21 @@ class PoolPlanner:
         return self.needs_at(rate, self.mean_prompt, self.prompt_spread, self.mean_output)
 
     def needs_at(
-        self, rate: float, mean_prompt: float, prompt_spread: float, mean_output: float
+        self,
+        rate: float,
+        mean_prompt: float,
+        prompt_spread: float,
+        mean_output: float,
+        speeds: Speeds | None = None,
     ) -> tuple[float, float] | None:
-        """(prefill workers, decode workers) `rate` requests/s of this mix need; None before the
-        workers' speeds are measured."""
-        batch = self.speeds.decode_batch(self.slo_itl_s, self.decode_slots)
-        decode_rate = self.speeds.decode_tok_s(batch)
-        if self.speeds.prefill_tok_s is None or decode_rate is None:
+        """(prefill workers, decode workers) `rate` requests/s of this mix need at `speeds` (the
+        ones measured last by default); None before the workers' speeds are measured."""
+        speeds = self.speeds if speeds is None else speeds
+        batch = speeds.decode_batch(self.slo_itl_s, self.decode_slots)
+        decode_rate = speeds.decode_tok_s(batch)
+        if speeds.prefill_tok_s is None or decode_rate is None:
             return None
-        service_s = mean_prompt / self.speeds.prefill_tok_s
+        service_s = mean_prompt / speeds.prefill_tok_s
         load = rate * service_s * self.prefill_correction
         if self.slo_ttft_s is None or service_s >= self.slo_ttft_s:
             prefill = load / self.utilization
@@ -331,7 +337,14 @@ class PoolPlanner:
         targets = []
         for load in expected:
             output = self.mean_output if load.mean_output is None else load.mean_output
-            need = self.needs_at(load.rate, load.mean_prompt, load.prompt_spread, output)
+            # the speeds measured on that load where it had any (they depend on the mix)
+            fit = load.decode_fit
+            speeds = Speeds(
+                prefill_tok_s=load.prefill_tok_s or self.speeds.prefill_tok_s,
+                decode_fixed_s=self.speeds.decode_fixed_s if fit is None else fit[0],
+                decode_per_seq_s=self.speeds.decode_per_seq_s if fit is None else fit[1],
+            )
+            need = self.needs_at(load.rate, load.mean_prompt, load.prompt_spread, output, speeds)
             if need is not None:
                 targets.append(self._target(*need))
         if not targets:

@@ -142,3 +142,23 @@ def test_a_load_above_the_last_period_s_by_more_than_noise_is_met_at_once():
     # 120 arrivals in 10 s: at the lower end of their rate, 10.6 req/s, 2.65 workers
     assert target.prefill == 3
     assert "lower end of its arrivals 3:1" in target.reason
+
+
+def test_a_forecast_window_brings_the_speeds_measured_on_its_mix():
+    measured = load(2)  # 2 req/s of 2,000-token prompts, prefilled at 4,000 tok/s
+    measured.prefill_tokens, measured.prefill_busy_s = 40_000, 10.0
+    measured.decode_steps = [(1, 0.011), (11, 0.021), (21, 0.031)]
+    p = planner()
+    p.speeds = Speeds(prefill_tok_s=4_000, decode_fixed_s=0.010, decode_per_seq_s=0.001)
+    follow(p, [measured] * 20, (1, 1))
+    [expected, *_] = p.forecast.ahead(10.0)
+    assert expected.prefill_tok_s == 4_000
+    assert expected.decode_fit == pytest.approx((0.010, 0.001))
+    # today's short prompts were prefilled at 2,000 tok/s: the long prompts a period ago are
+    # sized at their own speed, 2 x 0.5 s = 1.0 of a worker's time, 2 workers at 80% (at
+    # today's speed they would need 3)
+    short = load(2, prompt=200)
+    short.prefill_tokens, short.prefill_busy_s = 4_000, 2.0
+    target = p.decide(short, prefill=1, decode=1)
+    assert (target.prefill, target.decode) == (2, 1)
+    assert p.needs_at(2, 2000, 0.0, 20)[0] == pytest.approx(2.5)
