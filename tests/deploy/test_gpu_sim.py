@@ -6,9 +6,15 @@ import json
 import pytest
 
 from deploy.bench.cost_model import A10_LLAMA_8B, CostModel
-from deploy.bench.gpu_sim import main, run, summarize
+from deploy.bench.gpu_sim import by_day, main, run, summarize
 from deploy.bench.pool_floor import pool_floor
-from deploy.bench.traces import DAILY_PHASES, SHIFTING_PHASES, offered_load, shifting_trace
+from deploy.bench.traces import (
+    DAILY_PHASES,
+    SHIFTING_PHASES,
+    days_trace,
+    offered_load,
+    shifting_trace,
+)
 from scheduler.plan import Chunk, StepPlan
 
 MODEL = CostModel("toy", 0.010, 0.001, 1e-6, 0.020, 0.002, 1e-5, 100, 10_000, 1e9, "by hand")
@@ -37,7 +43,7 @@ def test_step_times_follow_the_cost_model():
 def test_the_shifting_trace_moves_through_its_phases():
     phases = [((2.0, 2.0), (1000, 2000), (10, 20)), ((1.0, 1.0), (10, 20), (300, 400))]
     trace = shifting_trace(2.0, seed=1, phases=phases)
-    first = [t for t in trace if t[0] < 60]
+    first = [a for a in trace if a[0] < 60]
     second = [t for t in trace if t[0] >= 60]
     assert 90 < len(first) < 150 and 40 < len(second) < 80  # Poisson at 2/s, then 1/s
     assert all(p >= 1000 and o <= 20 for _, p, o in first)
@@ -63,6 +69,29 @@ def test_a_short_trace_through_the_planner_loses_nothing(ray_session):
     assert line["pools"] and all(p["prefill"] + p["decode"] == 4 for p in line["pools"])
     assert 0 < line["goodput_req_s"] and len(line["goodput_per_window"]) == 7
     assert {"prefill", "decode"} <= set(line["timeline"])  # where each kind's step time went
+
+
+def test_days_repeat_the_trace_each_drawn_afresh_and_are_reported_one_by_one():
+    phases = [((2.0, 2.0), (10, 20), (5, 6))]
+    trace = days_trace(1.0, seed=4, phases=phases, days=2)
+    first = [a for a in trace if a[0] < 60]
+    second = [(t - 60, p, o) for t, p, o in trace if t >= 60]
+    assert first == shifting_trace(1.0, 4, phases)
+    again = shifting_trace(1.0, 5, phases)
+    assert [(p, o) for _, p, o in second] == [(p, o) for _, p, o in again]
+    assert [t for t, _, _ in second] == pytest.approx([t for t, _, _ in again])
+    requests = [
+        {"arrival_s": 10.0, "ok": True, "good": True},
+        {"arrival_s": 70.0, "ok": True, "good": False},
+        {"arrival_s": 80.0, "ok": False, "good": False},
+    ]
+    # 3 workers for the first 90 s, 2 until the last answer at 130 s
+    pools = [{"at_s": 0.0, "prefill": 2, "decode": 1}, {"at_s": 90.0, "prefill": 1, "decode": 1}]
+    pools.append({"at_s": 130.0, "prefill": 1, "decode": 1})
+    days = by_day({"requests": requests, "pools": pools}, 1.0, 2)
+    assert [d["requests"] for d in days] == [1, 2] and [d["lost"] for d in days] == [0, 1]
+    assert [d["goodput_req_s"] for d in days] == [round(1 / 60, 3), 0.0]
+    assert [d["worker_seconds"] for d in days] == [180.0, 30 * 3 + 40 * 2]
 
 
 def test_the_offered_load_counts_each_arrival_in_its_window():
