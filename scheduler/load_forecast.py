@@ -15,8 +15,9 @@ now to `horizon_s` ahead, the load it saw: its arrivals and lengths pooled with 
 window on each side (one window's count is Poisson-noisy: 30 expected, from 20 to 40 seen), and
 the window alone at the lower end of its count (so a sharp edge is not blurred away), times the
 level (today's arrivals over the last `level_s` against the same span a period ago, within 0.5-2;
-1 while less than a quarter of that span a period ago has been seen). Nothing until a whole
-period has been seen. Pure: the planner feeds it the windows it closes.
+1 while less than a quarter of that span a period ago has been seen, or while it saw fewer than 20
+arrivals: a ratio of a few arrivals is noise, 3 against 6 no sign of a day twice as busy). Nothing
+until a whole period has been seen. Pure: the planner feeds it the windows it closes.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 
 _LEVEL_BOUNDS = (0.5, 2.0)
 _Z = 1.28  # one-sided 90%: a window's count minus this many standard deviations
+_LEVEL_MIN_ARRIVALS = 20  # fewer a period ago: the level is 1
 
 
 @dataclass(frozen=True)
@@ -113,9 +115,9 @@ class SeasonalForecast:
         then = self.now_s - self.period_s
         span = min(self.level_s, then)  # (the first period's start has nothing before it)
         self.level = 1.0
-        if span >= self.level_s / 4:
+        before = self._arrivals(then - span, then)
+        if span >= self.level_s / 4 and before >= _LEVEL_MIN_ARRIVALS:
             today = self._arrivals(self.now_s - span, self.now_s)
-            before = self._arrivals(then - span, then)
             low, high = _LEVEL_BOUNDS
             self.level = min(high, max(low, (today + 1) / (before + 1)))
         expected = []

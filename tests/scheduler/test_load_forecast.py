@@ -64,6 +64,16 @@ def test_the_forecast_follows_today_s_level():
     assert surge.ahead(10.0)[0].rate == pytest.approx(2.0)  # at most twice
 
 
+def test_a_level_from_a_few_arrivals_a_period_ago_is_not_trusted():
+    # the period began quiet (a server started before its clients): 0.2 req/s, 8 arrivals in
+    # the 40 s before the window ahead; today the same 40 s saw 40: no sign of a day 4.6x busier
+    forecast = SeasonalForecast(period_s=100.0, level_s=40.0)
+    for window in day([0.2] * 4 + [3] * 6) + day([1] * 4):
+        forecast.record(window)
+    assert forecast.ahead(10.0)[0].rate == pytest.approx((2 + 30 + 30) / 30)  # at level 1
+    assert forecast.level == 1.0
+
+
 def test_only_a_period_and_the_level_s_span_are_kept():
     forecast = SeasonalForecast(period_s=100.0, level_s=40.0)
     for window in day([1] * 30):
