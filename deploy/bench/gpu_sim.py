@@ -340,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
         "when given (those of earlier invocations too; --splits '' draws without running)",
     )
     args = parser.parse_args(argv)
+    if args.forecast and not (args.scaling and args.days > 1):
+        # the forecast sizes pools that scale, once a whole day has been seen
+        parser.error("--forecast needs --scaling and --days 2 or more")
     cost = load_cost_model(args.model)
     trace = days_trace(args.minutes, args.seed, TRACES[args.trace], args.days)
     splits = [split for split in args.splits.split(",") if split]

@@ -158,3 +158,11 @@ def test_floor_prints_without_running_anything(capsys):
     assert main(["--trace", "daily", "--floor", "--scaling", "3:2", "--window-s", "10"]) == 0
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line["trace"] == "daily" and line["floor"]["fixed"] == "3:2"
+
+
+def test_a_forecast_without_pools_that_scale_or_a_day_to_learn_from_is_refused(capsys):
+    for args in (["--days", "2"], ["--scaling", "3:2"]):
+        with pytest.raises(SystemExit) as refused:
+            main(["--splits", "", "--forecast", *args])
+        assert refused.value.code == 2
+        assert "--forecast needs --scaling and --days 2 or more" in capsys.readouterr().err
