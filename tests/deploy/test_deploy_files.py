@@ -1,6 +1,7 @@
 """serve_config.yaml passes Serve's own schema and our config checks; cluster.yaml passes Ray's."""
 
 import copy
+import re
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,22 @@ def test_serve_config_loads_through_serves_schema_and_builds():
         and config.decode_workers == 1
     )
     build_app(app.args)  # composes without starting anything
+
+
+def test_the_options_commented_out_in_serve_config_yaml_build_when_uncommented():
+    raw = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
+    args = dict(raw["applications"][0]["args"])
+    commented = {}
+    for line in (ROOT / "deploy" / "serve_config.yaml").read_text().splitlines():
+        # "      # name: value   # what it does": an option a user uncomments
+        option = line.strip().removeprefix("# ").split("  #")[0].strip()
+        value = r"(\d+|true|false|\{.*\})"  # (not "cells: each is one scheduler...")
+        if line.strip().startswith("# ") and re.fullmatch(r"[a-z_]+: " + value, option):
+            commented |= yaml.safe_load(option)
+    assert {"max_cells", "prefill_resources", "pool_planner", "planner_period_s"} <= set(commented)
+    config = ServiceConfig(**(args | commented))
+    assert config.pool_planner and config.max_prefill_workers == 3
+    build_app(args | commented)
 
 
 @pytest.mark.parametrize(
