@@ -60,6 +60,11 @@ METRICS: tuple[Metric, ...] = (
         "Streams continued on another cell or on their restarted scheduler.",
     ),
     Metric("pdserve:recomputes_total", "counter", "Requests recomputed after a lost cache."),
+    Metric(
+        "pdserve:pool_changes_total",
+        "counter",
+        "Pool planner decisions: workers started, released or moved (into the pool they joined).",
+    ),
     Metric("pdserve:worker_failures_total", "counter", "Worker actors that stopped answering."),
     Metric("pdserve:scheduler_restarts_total", "counter", "Scheduler actors restarted by Ray."),
     Metric("pdserve:request_timeouts_total", "counter", "Requests ended by a deadline."),
@@ -99,6 +104,13 @@ def cell_counters(cell: dict[str, Any]) -> Counter[Key]:
     out[_key("pdserve:kv_handoff_bytes_total")] += counts.get("handoff_bytes", 0)
     out[_key("pdserve:recomputes_total")] += counts.get("recomputes", 0)
     out[_key("pdserve:worker_failures_total")] += counts.get("worker_failures", 0)
+    pools = stats.get("pools") or {}
+    if pools.get("prefill"):  # a disaggregated cell: each change shows, at 0 until it happens
+        changes = pools.get("changes") or {}
+        for change in ("start", "release", "role_change"):
+            for pool in ("prefill", "decode"):
+                n = changes.get(change, {}).get(pool, 0)
+                out[_key("pdserve:pool_changes_total", change=change, pool=pool)] += n
     for _, line in _workers(stats):
         cache = line.get("kv_cache", {})
         out[_key("vllm:prefix_cache_queries_total")] += cache.get("queried_tokens", 0)
@@ -216,6 +228,7 @@ def _labelled(metric: Metric) -> bool:
         "pdserve:num_requests_waiting",
         "pdserve:kv_cache_usage_perc",
         "pdserve:workers_alive",
+        "pdserve:pool_changes_total",
     }
 
 

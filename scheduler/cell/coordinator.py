@@ -449,6 +449,7 @@ class Coordinator(CellFaults):
                 "leaving": {w.name: w.next_kind for w in self.workers if w.next_kind},
                 "role_changes": self.roles.count,
                 "decisions": self.pools.decisions,
+                "changes": self.pools.changes,
                 "last_window": self.pools.last_window,
             },
             "max_waiting": self.config.max_waiting,

@@ -170,7 +170,10 @@ class PoolPlans:
         )
         self.window = LoadWindow()
         self.started_s = time.monotonic()
-        self.decisions: list[dict[str, Any]] = []
+        self.decisions: list[dict[str, Any]] = []  # the last ones, with their reasons
+        # every decision since the cell started: {"start" | "release" | "role_change": {pool: n}}
+        # (a role change counts in the pool the worker joins)
+        self.changes: dict[str, dict[str, int]] = {}
         self.last_window: dict[str, Any] = {}  # what the planner last saw, for /stats
 
     # hooks: the coordinator calls these as requests come and go and steps return
@@ -233,6 +236,7 @@ class PoolPlans:
         if target.prefill >= prefill and target.decode >= decode:  # pools grow: start workers
             kinds = ["prefill"] * (target.prefill - prefill) + ["decode"] * (target.decode - decode)
             decisions = [decision | {"worker": cell.roles.add(k).name, "to": k} for k in kinds]
+            changes = [("start", k) for k in kinds]
         elif target.prefill + target.decode < prefill + decode:  # a pool shrinks: release one
             kind = "prefill" if target.prefill < prefill else "decode"
             worker = self._least_loaded_accepting(kind)
@@ -240,6 +244,7 @@ class PoolPlans:
                 return []
             decisions = [decision | {"worker": worker.name, "to": RELEASE}]
             cell.roles.begin(worker, RELEASE)
+            changes = [("release", kind)]
         else:  # a role change
             shrinking = "prefill" if target.prefill < prefill else "decode"
             worker = self._least_loaded_accepting(shrinking)
@@ -248,8 +253,12 @@ class PoolPlans:
             growing = "decode" if shrinking == "prefill" else "prefill"
             decisions = [decision | {"worker": worker.name, "to": growing}]
             cell.roles.begin(worker, growing)
+            changes = [("role_change", growing)]
         for line in decisions:
             self._record(line)
+        for change, pool in changes:
+            counts = self.changes.setdefault(change, {})
+            counts[pool] = counts.get(pool, 0) + 1
         return decisions
 
     def _least_loaded_accepting(self, kind: str) -> WorkerState | None:

@@ -8,7 +8,15 @@ from scheduler.cell.serving_metrics import ServingMetrics
 from scheduler.outputs import RequestOutput
 
 
-def cell_answer(num_requests, running=1, waiting=2, kv_transfer=None, instance="i0", restarts=0):
+def cell_answer(
+    num_requests,
+    running=1,
+    waiting=2,
+    kv_transfer=None,
+    instance="i0",
+    restarts=0,
+    changes=None,
+):
     book = ServingMetrics()
     metrics = {"ttft_s": 0.03, "e2e_s": 0.9, "queue_s": 0.0, "prefill_s": 0.03, "decode_s": 0.8}
     for i in range(num_requests):
@@ -30,6 +38,8 @@ def cell_answer(num_requests, running=1, waiting=2, kv_transfer=None, instance="
     }
     if kv_transfer is not None:
         stats["kv_transfer"] = kv_transfer
+    if changes is not None:  # a disaggregated cell's pools, and the planner's decisions
+        stats["pools"] = {"prefill": 1, "decode": 1, "changes": changes}
     return {"stats": stats, "serving": book.snapshot(), "instance": instance}
 
 
@@ -81,6 +91,26 @@ def test_cells_sum_into_vllm_names_and_a_gone_cell_keeps_its_counts():
     # b answers again, having served one more: counted once
     got = samples(render(totals.update({"a": cell_answer(4), "b": cell_answer(3)}), "tiny"))
     assert got["vllm:request_success_total", (("finished_reason", "stop"),)] == 4 + 3
+
+
+def test_the_pool_planner_s_decisions_are_counted_by_change_and_pool():
+    totals = CellTotals()
+    moved = {"start": {"prefill": 2, "decode": 1}, "role_change": {"decode": 1}}
+    got = samples(
+        render(totals.update({"a": cell_answer(1, changes=moved), "b": cell_answer(1)}), "tiny")
+    )
+    assert got["pdserve:pool_changes_total", (("change", "start"), ("pool", "prefill"))] == 2
+    assert got["pdserve:pool_changes_total", (("change", "role_change"), ("pool", "decode"))] == 1
+    # every change of a disaggregated cell shows, at 0 until it happens
+    assert got["pdserve:pool_changes_total", (("change", "release"), ("pool", "decode"))] == 0
+    assert sum(1 for name, _ in got if name == "pdserve:pool_changes_total") == 6
+    # cell a restarted (a new instance counting from zero): its predecessor's count stays
+    later = {"release": {"prefill": 1}}
+    got = samples(
+        render(totals.update({"a": cell_answer(1, changes=later, instance="i1")}), "tiny")
+    )
+    assert got["pdserve:pool_changes_total", (("change", "start"), ("pool", "prefill"))] == 2
+    assert got["pdserve:pool_changes_total", (("change", "release"), ("pool", "prefill"))] == 1
 
 
 def test_no_cell_yet_still_names_every_unlabelled_metric():

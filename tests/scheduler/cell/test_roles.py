@@ -150,6 +150,7 @@ def test_the_planner_moves_a_worker_to_the_pool_the_load_needs():
     # an idle worker holds nothing: it moves at once
     assert len(coordinator.prefill) == 1 and len(coordinator.decode) == 3
     assert coordinator.stats()["pools"]["decisions"] == [decision]
+    assert coordinator.stats()["pools"]["changes"] == {"role_change": {"decode": 1}}
     assert coordinator.metrics.role_changes.values  # counted
 
 
@@ -202,6 +203,11 @@ def test_with_room_to_grow_the_planner_starts_a_worker_and_releases_an_idle_one(
     released = coordinator.roles.take_released()
     assert len(released) == 1 and released[0].status is WorkerStatus.GONE
     assert len(coordinator.prefill) == 2 and coordinator.roles.removed == 1
+    # every decision counted by kind and pool, for /metrics (the decisions list keeps the last 50)
+    assert coordinator.stats()["pools"]["changes"] == {
+        "start": {"prefill": 2, "decode": 1},
+        "release": {"prefill": 1},
+    }
 
 
 def test_with_a_fixed_total_a_pool_may_grow_past_the_size_it_started_with():
