@@ -105,8 +105,8 @@ def cell_counters(cell: dict[str, Any]) -> Counter[Key]:
     out[_key("pdserve:recomputes_total")] += counts.get("recomputes", 0)
     out[_key("pdserve:worker_failures_total")] += counts.get("worker_failures", 0)
     pools = stats.get("pools") or {}
-    if pools.get("prefill"):  # a disaggregated cell: each change shows, at 0 until it happens
-        changes = pools.get("changes") or {}
+    changes = pools.get("changes") or {}
+    if pools.get("prefill") or changes:  # disaggregated: each change shows, 0 until it happens
         for change in ("start", "release", "role_change"):
             for pool in ("prefill", "decode"):
                 n = changes.get(change, {}).get(pool, 0)
