@@ -16,6 +16,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from scheduler.cell.pools import POOL_CHANGES
+
 # (name, labels as sorted pairs): one sample
 Key = tuple[str, tuple[tuple[str, str], ...]]
 
@@ -107,7 +109,7 @@ def cell_counters(cell: dict[str, Any]) -> Counter[Key]:
     pools = stats.get("pools") or {}
     changes = pools.get("changes") or {}
     if pools.get("prefill") or changes:  # disaggregated: each change shows, 0 until it happens
-        for change in ("start", "release", "role_change"):
+        for change in POOL_CHANGES:
             for pool in ("prefill", "decode"):
                 n = changes.get(change, {}).get(pool, 0)
                 out[_key("pdserve:pool_changes_total", change=change, pool=pool)] += n

@@ -35,6 +35,8 @@ _DECISIONS_KEPT = 50
 
 
 RELEASE = "release"  # a worker's `next_kind` when it leaves the cell
+# what the planner's decisions do to the pools, as /stats' `pools.changes` counts them
+POOL_CHANGES = ("start", "release", "role_change")
 
 
 class RoleChanges:
