@@ -3,6 +3,8 @@ bf16 rounding, paged decode and prompt attention over shuffled and shared blocks
 
 import itertools
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -228,6 +230,37 @@ def test_paged_decode_attention_matches_a_float64_softmax(dtype, heads_per_kv, d
     case = PagedCase(dtype, heads_per_kv, dim)
     got = kernels.decode_attention(case.query, *case.shuffled, case.lengths)  # [B, KVH, G, D]
     torch.testing.assert_close(got, case.reference().to(dtype), **TOLERANCE[dtype])
+
+
+def _huge_page_kib(address: int) -> int:
+    """AnonHugePages (KiB) of this process's mapping that holds `address`."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if not head.endswith(":"):  # a mapping's first line: "start-end perms ..."
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux" or not THP.exists() or "[never]" in THP.read_text(),
+    reason="no transparent huge pages here",
+)
+def test_a_kv_pool_lies_on_huge_pages_where_linux_has_them():
+    """A decode row reads its keys a block at a time from anywhere in the pool: on 4 KiB pages
+    nearly every block is a TLB miss. 64 MiB pools: mmapped whatever malloc's threshold."""
+    cache = PagedKVCache(4, 2048, 2, BLOCK, 64)
+    for pool in (cache.k, cache.v):
+        assert pool.shape == (4, 2048, 2, BLOCK, 64) and not pool.any()
+        middle = pool.data_ptr() + pool.numel() * pool.element_size() // 2
+        # madvise splits the mapping at 2 MiB boundaries: the middle's part holds the huge pages
+        assert _huge_page_kib(middle) >= 32 * 1024  # at least half of the pool
 
 
 @pytest.mark.parametrize(("dtype", "heads_per_kv", "dim"), paged_cases())
