@@ -18,6 +18,7 @@ where they lie, as decode rows do, with no copy of a request's keys."""
 # must be a multiple of 4, elsewhere `prompt_attention_available` says no and the gather + SDPA
 # path runs.
 PROMPT_ATTENTION = r"""
+#include <type_traits>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -72,6 +73,18 @@ static inline vf vexp(vf x) {
     return p * (vf)bits;
 }
 
+// f(std::integral_constant<int, n>) for 0 < n <= MAX: the row vectors left after the full passes
+// go through in one pass too (the default 96 rows are 6 vectors of 16: one at a time, a pass's few
+// accumulators leave the FMA units waiting on each other). Each row's sums are the same whichever
+// pass it is in.
+template <int MAX, typename F>
+static inline void with_rows(int64_t n, F&& f) {
+    if constexpr (MAX > 0) {
+        if (n == MAX) return f(std::integral_constant<int, MAX>{});
+        with_rows<MAX - 1>(n, f);
+    }
+}
+
 // Scores of keys j and j + 1 (each query load serves both) for NG row vectors from g0:
 // st[j][rows] = sum_d qt[d][rows] * key_j[d]. qt: [D][W]; st: [keys][W].
 template <int NG, typename T>
@@ -106,7 +119,9 @@ static void block_scores(const float* qt, int64_t W, const T* block, int64_t nk,
         int64_t g0 = 0;
         for (; g0 + SCORE_ROWS <= ng; g0 += SCORE_ROWS)
             score_pair<SCORE_ROWS>(qt, W, g0, k0, k1, D, s0, s1);
-        for (; g0 < ng; ++g0) score_pair<1>(qt, W, g0, k0, k1, D, s0, s1);
+        with_rows<SCORE_ROWS - 1>(ng - g0, [&](auto rows) {
+            score_pair<decltype(rows)::value>(qt, W, g0, k0, k1, D, s0, s1);
+        });
     }
 }
 
@@ -140,7 +155,9 @@ static void block_values(const float* p, int64_t W, const T* block, int64_t nk, 
         int64_t g0 = 0;
         for (; g0 + VALUE_ROWS <= ng; g0 += VALUE_ROWS)
             value_pass<VALUE_ROWS>(p, W, g0, block, nk, D, d0, alpha, acct);
-        for (; g0 < ng; ++g0) value_pass<1>(p, W, g0, block, nk, D, d0, alpha, acct);
+        with_rows<VALUE_ROWS - 1>(ng - g0, [&](auto rows) {
+            value_pass<decltype(rows)::value>(p, W, g0, block, nk, D, d0, alpha, acct);
+        });
     }
 }
 
