@@ -64,7 +64,8 @@ struct Pages {
 // f(t, row) for t = 0..len-1 in order, row the D elements of key (or value) t of `base`: the table
 // is read once per block, and within a block the rows follow each other D apart. With `also` (the
 // key pass, given the values), row t of `also` is prefetched into L2 as row t of `base` is read:
-// the value pass then finds its rows there instead of in memory (5-8% on a memory-bound step).
+// the value pass then finds its rows there, not in memory (most of the 1.03-1.44x this and huge
+// pages gave its reads of a 1 GiB pool: docs/BENCHMARKS.md, "Decode rows over their blocks").
 template <typename T, typename F>
 static inline __attribute__((always_inline)) void for_each_row(const T* base, const Pages& pages,
                                                                  int64_t len, int64_t D, F&& f,

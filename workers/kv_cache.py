@@ -108,9 +108,10 @@ class PagedKVCache:
 def _pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed K or V pool. On Linux CPUs, 2 MiB pages are asked for before its memory is first
     touched: a decode row reads its keys a block (a few KiB) at a time from anywhere in the pool,
-    and on 4 KiB pages nearly every block is a TLB miss (the decode-attention kernel reads its KV
-    10-15% faster on huge pages: `deploy/bench/studies/decode_attention.py`). Where Linux declines
-    (transparent huge pages off), nothing else changes."""
+    and on 4 KiB pages nearly every block is a TLB miss (the decode-attention kernel read its KV
+    0.96-1.10x as fast as on 4 KiB pages, 12% faster before it prefetched the values:
+    `deploy/bench/studies/decode_attention.py`). Where Linux declines (transparent huge pages
+    off), nothing else changes."""
     pool = torch.empty(shape, dtype=dtype, device=device)
     if device.type == "cpu" and sys.platform == "linux":
         start = pool.data_ptr()
