@@ -3,13 +3,12 @@ tables, exported and imported by position."""
 
 from __future__ import annotations
 
-import ctypes
-import sys
+import math
+import mmap
 
 import numpy as np
 import torch
 
-_MADV_HUGEPAGE = 14  # linux/mman.h
 _HUGE_PAGE = 2 << 20
 
 
@@ -106,21 +105,25 @@ class PagedKVCache:
 
 
 def _pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed K or V pool. On Linux CPUs, 2 MiB pages are asked for before its memory is first
-    touched: a decode row reads its keys a block (a few KiB) at a time from anywhere in the pool,
-    and on 4 KiB pages nearly every block is a TLB miss (the decode-attention kernel read its KV
-    0.96-1.10x as fast as on 4 KiB pages, 12% faster before it prefetched the values:
-    `deploy/bench/studies/decode_attention.py`). Where Linux declines (transparent huge pages
-    off), nothing else changes."""
-    pool = torch.empty(shape, dtype=dtype, device=device)
-    if device.type == "cpu" and sys.platform == "linux":
-        start = pool.data_ptr()
-        first = -(-start // _HUGE_PAGE) * _HUGE_PAGE  # the pool's first 2 MiB boundary
-        length = (start + pool.numel() * pool.element_size() - first) // _HUGE_PAGE * _HUGE_PAGE
-        if length > 0:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(length), _MADV_HUGEPAGE)
-    return pool.zero_()
+    """A zeroed K or V pool. On a CPU it is a mapping of its own, asked for 2 MiB pages where the OS
+    has them (Linux's transparent huge pages) and laid from a 2 MiB boundary: a decode row reads
+    its keys a block (a few KiB) at a time from anywhere in the pool, and on 4 KiB pages nearly
+    every block is a TLB miss (the decode-attention kernel read its KV 0.95-1.10x as fast as on
+    4 KiB pages, 12% faster before it prefetched the values:
+    `deploy/bench/studies/decode_attention.py`). A mapping of its own, because memory from malloc
+    may be pages already touched, which stay small. Its pages are zero until written, as
+    `torch.zeros`' are."""
+    size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or size == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # private and anonymous (Python's default is shared, which Linux keeps in 4 KiB pages): each
+    # page zero-filled as it is first touched
+    memory = mmap.mmap(-1, size + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(memory, dtype=torch.uint8)  # keeps the mapping alive
+    skip = -raw.data_ptr() % _HUGE_PAGE
+    return raw[skip : skip + size].view(dtype).view(shape)
 
 
 def available_bytes(device: torch.device) -> int | None:

@@ -270,9 +270,13 @@ def from_hf_model(hf: Any, dtype: torch.dtype = torch.float32, device: str = "cp
     state = unfused(hf.state_dict(), hf.config)
     spec = spec_from_hf(hf.config, state)
     rotary = hf.model.rotary_emb
+    # the frequencies it was built with: a longrope model that has run a sequence past its original
+    # context holds the long ones in `inv_freq` until it runs a shorter one, and the short ones are
+    # the only ones served (`model_context`)
+    inv_freq = getattr(rotary, "original_inv_freq", rotary.inv_freq)
     model = DecoderLM(
         spec,
-        rotary.inv_freq.detach().float().cpu(),
+        inv_freq.detach().float().cpu(),
         float(getattr(rotary, "attention_scaling", 1.0)),
     )
     if spec.tie_word_embeddings:

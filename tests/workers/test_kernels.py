@@ -254,13 +254,17 @@ THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 )
 def test_a_kv_pool_lies_on_huge_pages_where_linux_has_them():
     """A decode row reads its keys a block at a time from anywhere in the pool: on 4 KiB pages
-    nearly every block is a TLB miss. 64 MiB pools: mmapped whatever malloc's threshold."""
-    cache = PagedKVCache(4, 2048, 2, BLOCK, 64)
-    for pool in (cache.k, cache.v):
-        assert pool.shape == (4, 2048, 2, BLOCK, 64) and not pool.any()
-        middle = pool.data_ptr() + pool.numel() * pool.element_size() // 2
-        # madvise splits the mapping at 2 MiB boundaries: the middle's part holds the huge pages
-        assert _huge_page_kib(middle) >= 32 * 1024  # at least half of the pool
+    nearly every block is a TLB miss. The pool's pages are taken as it is written, as a worker's
+    KV is."""
+    for dtype, blocks in ((torch.float32, 128), (torch.bfloat16, 256)):
+        cache = PagedKVCache(2, blocks, 2, BLOCK, 64, dtype=dtype)  # 2 MiB a pool
+        for pool in (cache.k, cache.v):
+            assert pool.shape == (2, blocks, 2, BLOCK, 64) and pool.dtype == dtype
+            assert pool.data_ptr() % (2 << 20) == 0
+            pool.fill_(1.0)  # (a read first would map the zero page, which stays small)
+            assert _huge_page_kib(pool.data_ptr()) >= 2048
+        fresh = PagedKVCache(2, blocks, 2, BLOCK, 64, dtype=dtype)
+        assert not fresh.k.any() and not fresh.v.any()
 
 
 @pytest.mark.parametrize(("dtype", "heads_per_kv", "dim"), paged_cases())

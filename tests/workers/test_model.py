@@ -220,6 +220,19 @@ def test_a_longrope_checkpoint_is_served_up_to_its_original_context_where_its_sh
     assert not torch.allclose(long[:64], short, atol=1e-3)
 
 
+def test_a_model_built_after_transformers_ran_past_the_original_context_takes_the_short_factors():
+    """`transformers` keeps a longrope model's long factors in `inv_freq` after a sequence past the
+    original context, until a shorter one: a model built from it then must rotate as served."""
+    hf = tiny_hf_model("phi3")
+    seq = prompt_ids(65, seed=6)
+    with torch.no_grad():
+        hf(torch.tensor([seq]))  # holds the long factors now
+        model = tiny_model("phi3")
+        short = hf(torch.tensor([seq[:40]])).logits[0]  # the short ones again
+        ours = _run(model, paged(model.spec), [(0, seq[:40], 0)], 0)
+    torch.testing.assert_close(ours, short, atol=2e-5, rtol=1e-4)
+
+
 def test_a_partial_rotary_checkpoint_is_refused_by_name():
     from tests.factories import tiny_hf_config
     from workers.loader import spec_from_hf
