@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-# the Prometheus server that tests/deploy/test_prometheus_scrape.py scrapes the app with: Debian's
+# the Prometheus server tests/deploy/serving/test_prometheus_scrape.py scrapes the app with: Debian's
 # package, unpacked into .venv (nothing installed system-wide; apt's lists are fetched if missing)
 PROMETHEUS := $(VENV)/prometheus/prometheus
 $(PROMETHEUS):

@@ -164,7 +164,7 @@ def _cmd_gpu_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_gpu_check(args: argparse.Namespace) -> int:
-    from deploy.gpu_check import main
+    from deploy.bench.gpu_check import main
 
     return main(args)
 

@@ -45,11 +45,11 @@ FOREIGN_FLAGS = {
     "--gpu-memory-utilization",
 }
 # The project's packages: `python -m` of anything else (a server, a tool) is not ours to check.
-PACKAGES = ("scheduler", "workers", "deploy", "tests")
+PACKAGES = ("scheduler", "workers", "deploy", "benchmarks", "tests")
 # What the pages name that lives in the repository: its packages' paths and its root files.
 REPO_PATH = re.compile(
     r"(?<![\w./~-])"
-    r"((?:scheduler|workers|deploy|tests|docs)/[\w./*-]*[\w/*]"
+    r"((?:scheduler|workers|deploy|benchmarks|tests|docs)/[\w./*-]*[\w/*]"
     r"|cluster\.yaml|Makefile|pyproject\.toml|README\.md)"
     r"(?![\w-])"
 )

@@ -110,7 +110,7 @@ def _pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     its keys a block (a few KiB) at a time from anywhere in the pool, and on 4 KiB pages nearly
     every block is a TLB miss (the decode-attention kernel read its KV 0.95-1.10x as fast as on
     4 KiB pages, 12% faster before it prefetched the values:
-    `deploy/bench/studies/decode_attention.py`). A mapping of its own, because memory from malloc
+    `benchmarks/studies/decode_attention.py`). A mapping of its own, because memory from malloc
     may be pages already touched, which stay small. Its pages are zero until written, as
     `torch.zeros`' are."""
     size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()

@@ -245,7 +245,7 @@ def add_gpu_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--fit-cost-model",
         metavar="PATH",
         help="instead of the sweep, time the model's forward on a grid of prompts and decode "
-        "batches and write the fitted cost model of `python -m deploy.bench.gpu_sim` (JSON)",
+        "batches and write the fitted cost model of `python -m benchmarks.gpu_sim` (JSON)",
     )
     parser.add_argument(
         "--link-gb-s",

@@ -1,4 +1,4 @@
-"""GPU step-time cost models for `deploy.bench.gpu_sim`: the model, its cited constants, and a fit
+"""GPU step-time cost models for `benchmarks.gpu_sim`: the model, its cited constants, and a fit
 of the constants to pdserve's own forward timed on a device (`pdserve gpu-bench --fit-cost-model`).
 """
 

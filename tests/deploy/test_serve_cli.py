@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from deploy.cli import main
-from tests.deploy.test_serve_api import local_text
+from tests.deploy.serving.test_serve_api import local_text
 from tests.factories import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,11 +5,11 @@ for a new worker. The floor is what a planner with perfect foresight would use w
 sizing model (`scheduler.pool_planner.PoolPlanner.needs`): each window's pools sized for the
 highest rate the trace's phases give it (not the arrivals drawn), the workers' speeds exactly
 those of the cost model, every new worker started one start-up ahead of the window that needs it
-(the start-up counts as worker-seconds, as it does in `deploy.bench.gpu_sim`'s runs) and released
+(the start-up counts as worker-seconds, as it does in `benchmarks.gpu_sim`'s runs) and released
 the moment no window needs it; the first window's pools are there at the start. No real planner
 beats it; how close one comes is what its hysteresis and its blindness to the future cost.
 
-    python -m deploy.bench.gpu_sim --trace daily --floor --scaling 3:2 --window-s 10
+    python -m benchmarks.gpu_sim --trace daily --floor --scaling 3:2 --window-s 10
 """
 
 from __future__ import annotations

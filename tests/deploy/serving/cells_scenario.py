@@ -1,7 +1,8 @@
 """Run by test_cells in its own process: the Serve app with two cells on simulated nodes, under
 streams.
 
-`python -m tests.deploy.cells_scenario CHECKPOINT SCENARIO` prints one JSON line of what it saw:
+`python -m tests.deploy.serving.cells_scenario CHECKPOINT SCENARIO` prints one JSON line of what it
+saw:
 * failover: a cell's scheduler is SIGKILLed mid-stream; every stream against the same streams
   unkilled; then a cell whose workers are all gone, and requests sent after.
 * scaling: cells autoscale 1 -> 2 -> 1 under streaming load; every request's text against a run

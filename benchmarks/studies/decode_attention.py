@@ -1,7 +1,7 @@
 """Decode rows' attention over a KV pool of a worker's size: how fast the kernel reads the keys and
 values from memory, in the pool `PagedKVCache` allocates and in a plain one (docs/BENCHMARKS.md).
 
-    .venv/bin/python -m deploy.bench.studies.decode_attention [THREADS]
+    .venv/bin/python -m benchmarks.studies.decode_attention [THREADS]
 
 The embedded model's heads (3 KV heads of 3 query heads, head dim 64) and 30 layers over 1 GiB of
 KV (1,456 blocks of 16 tokens in fp32, 2,912 in bf16), each row's blocks drawn from a shuffled

@@ -1,7 +1,7 @@
 """The KV handoff with the prefill and the decode worker on one simulated node or on two
 (docs/BENCHMARKS.md).
 
-    .venv/bin/python -m deploy.bench.studies.kv_prefetch one|two REQUESTS PROMPT_LEN
+    .venv/bin/python -m benchmarks.studies.kv_prefetch one|two REQUESTS PROMPT_LEN
 
 The embedded model, disaggregated, 1 prefill + 1 decode worker of 1 CPU each, requests one at a time
 (each its own prompt, so no prefix cache hit), 16 output tokens; prints each request's

@@ -5,16 +5,16 @@ import json
 
 import pytest
 
-from deploy.bench.cost_model import A10_LLAMA_8B, CostModel
-from deploy.bench.gpu_sim import by_day, main, run, summarize
-from deploy.bench.pool_floor import pool_floor
-from deploy.bench.traces import (
+from benchmarks.gpu_sim import by_day, main, run, summarize
+from benchmarks.pool_floor import pool_floor
+from benchmarks.traces import (
     DAILY_PHASES,
     SHIFTING_PHASES,
     days_trace,
     offered_load,
     shifting_trace,
 )
+from deploy.bench.cost_model import A10_LLAMA_8B, CostModel
 from scheduler.plan import Chunk, StepPlan
 
 MODEL = CostModel("toy", 0.010, 0.001, 1e-6, 0.020, 0.002, 1e-5, 100, 10_000, 1e9, "by hand")

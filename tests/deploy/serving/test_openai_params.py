@@ -13,7 +13,7 @@ from deploy.serving.schemas import (
     TokenizeBody,
     validation_error,
 )
-from tests.deploy.fake_engine import make_server
+from tests.deploy.serving.fake_engine import make_server
 
 MESSAGES = [{"role": "user", "content": "paris is in"}]
 
@@ -297,7 +297,7 @@ def test_chat_template_options_shape_the_prompt():
     import copy
 
     from deploy.serving.openai_api import OpenAIServer, ServedModel
-    from tests.deploy.fake_engine import FakeEngine
+    from tests.deploy.serving.fake_engine import FakeEngine
     from tests.factories import CHAT_TEMPLATE, tiny_tokenizer
 
     tokenizer = copy.deepcopy(tiny_tokenizer())

@@ -17,7 +17,7 @@ from deploy.serving.schemas import (
     TokenizeBody,
     validation_error,
 )
-from tests.deploy.fake_engine import FakeEngine, Says, reply
+from tests.deploy.serving.fake_engine import FakeEngine, Says, reply
 from tests.factories import tiny_tokenizer
 
 MESSAGES = [{"role": "user", "content": "weather in paris?"}]

@@ -3,7 +3,7 @@ consumer."""
 
 import pytest
 
-from deploy.bench.ceiling import measure
+from benchmarks.ceiling import measure
 
 pytestmark = pytest.mark.slow
 

@@ -1,2 +1,2 @@
 """Measurement studies behind docs/BENCHMARKS.md: scripts run with `python -m
-deploy.bench.studies.<name>`."""
+benchmarks.studies.<name>`."""

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from deploy.serving.schemas import APIError, ChatBody, CompletionBody
-from tests.deploy.fake_engine import FakeEngine, make_server, reply, sampled_ids, script
+from tests.deploy.serving.fake_engine import FakeEngine, make_server, reply, sampled_ids, script
 from tests.factories import tiny_tokenizer
 
 MESSAGES = [{"role": "user", "content": "paris is in"}]

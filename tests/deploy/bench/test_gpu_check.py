@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from deploy import gpu_check
+from deploy.bench import gpu_check
 from deploy.cli import main
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ scheduler's `live_handoffs` (handed off, not yet imported) every 20 ms, and prin
 the peak and mean backlog, output tok/s and the decode worker's steps per call. docs/BENCHMARKS.md
 has the runs. Usage:
 
-    .venv/bin/python -m deploy.bench.studies.handoff_backlog \
+    .venv/bin/python -m benchmarks.studies.handoff_backlog \
         CHECKPOINT REQUESTS PROMPT_LEN OUTPUT_LEN SLOTS
 """
 

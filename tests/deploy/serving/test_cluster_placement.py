@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_workers_land_on_their_node_types_and_outputs_equal_local(tiny_checkpoint):
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.deploy.cluster_placement_scenario", tiny_checkpoint],
+        [sys.executable, "-m", "tests.deploy.serving.cluster_placement_scenario", tiny_checkpoint],
         cwd=ROOT,
         capture_output=True,
         text=True,

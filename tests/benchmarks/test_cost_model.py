@@ -5,9 +5,9 @@ import json
 
 import pytest
 
+from benchmarks.gpu_sim import main as gpu_sim
 from deploy.bench.cost_model import A10_LLAMA_8B, _fit, load_cost_model
 from deploy.bench.gpu import main as gpu_bench
-from deploy.bench.gpu_sim import main as gpu_sim
 
 
 def _points(a: float, b: float, c: float, shapes: list[tuple[float, float]]) -> list[dict]:

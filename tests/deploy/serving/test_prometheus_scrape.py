@@ -21,7 +21,7 @@ from tests.factories import free_port, served_app
 
 pytestmark = pytest.mark.slow
 APP = "scraped"
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DASHBOARD = ROOT / "deploy" / "grafana" / "pdserve.json"
 ARGS = dict(
     mode="disaggregated",

@@ -1,7 +1,7 @@
 """A prompt chunk's attention over a paged cache: the gathered copy + SDPA of before against the
 kernel that reads the blocks in place (docs/BENCHMARKS.md).
 
-    .venv/bin/python -m deploy.bench.studies.prompt_attention [THREADS]
+    .venv/bin/python -m benchmarks.studies.prompt_attention [THREADS]
 
 The embedded model's heads (3 KV heads of 3 query heads, head dim 64, blocks of 16 tokens, shuffled
 in the pool), one chunk of T tokens ending at context C, fp32 and bf16; prints microseconds per

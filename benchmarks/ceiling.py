@@ -8,7 +8,7 @@ many real decode workers one scheduler can drive: a worker whose forward takes F
 steps/s. With `--cells N`, N schedulers (each with its own stubs) share the requests round robin
 through one consumer, as the ingress spreads them over cells.
 
-    python -m deploy.bench.ceiling --slots 64 --num-requests 256 --output-len 200 --cells 1,2
+    python -m benchmarks.ceiling --slots 64 --num-requests 256 --output-len 200 --cells 1,2
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ def measure(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m deploy.bench.ceiling", description=__doc__.split("\n\n")[0]
+        prog="python -m benchmarks.ceiling", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--modes", default="colocated,disaggregated")
     parser.add_argument("--slots", default="64", help="comma list")

@@ -3,7 +3,7 @@
 Not part of pdserve (llguidance is not a dependency). From the repository root:
     .venv/bin/pip install 'llguidance==1.9.*'
     # compile times, then the A/B per step:
-    .venv/bin/python -m deploy.bench.studies.grammar_choice llguidance xgrammar ab
+    .venv/bin/python -m benchmarks.studies.grammar_choice llguidance xgrammar ab
     .venv/bin/pip uninstall -y llguidance
 SmolLM2-135M tokenizer, one float32 logits row of 49,152, one torch thread; the figures are in
 docs/BENCHMARKS.md ("Structured output").

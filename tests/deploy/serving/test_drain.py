@@ -17,7 +17,7 @@ import pytest
 from tests.deploy.test_serve_cli import _wait_ready
 from tests.factories import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DRAIN_TIMEOUT_S = 1.5
 
 

@@ -1,4 +1,4 @@
-"""`python -m deploy.bench.gpu_sim`: how many prefill and decode workers a traffic pattern needs,
+"""`python -m benchmarks.gpu_sim`: how many prefill and decode workers a traffic pattern needs,
 and what the pool planner buys, answered by the real scheduler and planner on Ray actors driving
 stub workers whose steps take the time a GPU would.
 
@@ -17,7 +17,7 @@ measured 2026-12-03), which at 0.25 reads as 5-22 ms of a 40 ms GPU step, and a 
 ITL p50 is 47.7 ms at scale 1 reads 58 ms at 0.25, the same trace. A smaller scale is for a quick
 look, not for figures measured against an ITL SLO.
 
-    python -m deploy.bench.gpu_sim --workers 4 --splits 1:3,2:2,3:1 --planner --minutes 12
+    python -m benchmarks.gpu_sim --workers 4 --splits 1:3,2:2,3:1 --planner --minutes 12
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from typing import Any
 
 import ray
 
-from deploy.bench.ceiling import RoundRobin
+from benchmarks.ceiling import RoundRobin
+from benchmarks.pool_floor import pool_floor
+from benchmarks.traces import TRACES, days_trace, offered_load
 from deploy.bench.cost_model import A10_LLAMA_8B, MODELS, CostModel, load_cost_model
-from deploy.bench.pool_floor import pool_floor
-from deploy.bench.traces import TRACES, days_trace, offered_load
 from deploy.engine_client import EngineClient, complete
 from scheduler.cell.actor import CellActor
 from scheduler.cell.state import CellConfig
@@ -277,7 +277,7 @@ def summarize(result: dict[str, Any], minutes: float, window_s: float) -> dict[s
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m deploy.bench.gpu_sim", description=__doc__.split("\n\n")[0]
+        prog="python -m benchmarks.gpu_sim", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument(
         "--model",

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def run_check(checkpoint: str, scenario: str) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.deploy.cells_scenario", checkpoint, scenario],
+        [sys.executable, "-m", "tests.deploy.serving.cells_scenario", checkpoint, scenario],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -1,13 +1,13 @@
 """Run by test_cell_restarts in its own process: the default single-cell Serve app under 12 greedy
 streams while its scheduler, its `Cell` replica, both, or its decode worker are SIGKILLed.
 
-`python -m tests.deploy.restart_scenario CHECKPOINT [FAULT ...]` prints one JSON line: the no-fault
-run, then per fault each stream's text, errors and longest gap between two chunks, the scheduler
-actors seen after it, and the actors of pdserve left after a scale-down, after the app is
+`python -m tests.deploy.serving.restart_scenario CHECKPOINT [FAULT ...]` prints one JSON line: the
+no-fault run, then per fault each stream's text, errors and longest gap between two chunks, the
+scheduler actors seen after it, and the actors of pdserve left after a scale-down, after the app is
 deleted, and after it is deleted while its replica is dead. Faults: replica, scheduler, both,
-handoff (the scheduler killed while a prompt's KV is handed off), burst (the replica killed while
-a burst of requests is being admitted), worker (the decode worker killed mid-stream: its streams
-are recomputed on it once Ray restarts it).
+handoff (the scheduler killed while a prompt's KV is handed off), burst (the replica killed while a
+burst of requests is being admitted), worker (the decode worker killed mid-stream: its streams are
+recomputed on it once Ray restarts it).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from ray import serve
 
 from deploy.serving.app import build_app
 from deploy.serving.cell_actors import NAMESPACE, WORKER_NAMESPACE, named_actors
-from tests.deploy.cells_scenario import outcome, prompts, stream_all
+from tests.deploy.serving.cells_scenario import outcome, prompts, stream_all
 from tests.factories import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 APP = "restarts"
 NUM_STREAMS = 12
 MAX_TOKENS = 900  # streams still run seconds after the kill

@@ -2,7 +2,7 @@
 
 The figures are the `output_tok_s` lines of the runs listed in docs/BENCHMARKS.md ("Against vLLM's
 CPU backend"), measured on the 2-core development machine on 2026-11-30; where a setting was run
-twice, both runs are drawn. Run: `.venv/bin/python -m deploy.bench.studies.runtime_figure`.
+twice, both runs are drawn. Run: `.venv/bin/python -m benchmarks.studies.runtime_figure`.
 """
 
 from pathlib import Path

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 FAULTS = ["scheduler", "replica", "both", "handoff", "burst", "worker"]
 
 
@@ -19,7 +19,7 @@ def test_streams_continue_through_scheduler_and_replica_deaths_and_no_actor_is_l
     tiny_checkpoint,
 ):
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.deploy.restart_scenario", tiny_checkpoint, *FAULTS],
+        [sys.executable, "-m", "tests.deploy.serving.restart_scenario", tiny_checkpoint, *FAULTS],
         cwd=ROOT,
         capture_output=True,
         text=True,
