@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from scheduler.cell.pools import POOL_CHANGES
+from scheduler.request import OPENAI_FINISH_REASON
 
 # (name, labels as sorted pairs): one sample
 Key = tuple[str, tuple[tuple[str, str], ...]]
@@ -72,6 +73,14 @@ METRICS: tuple[Metric, ...] = (
     Metric("pdserve:request_timeouts_total", "counter", "Requests ended by a deadline."),
 )
 _BY_NAME = {m.name: m for m in METRICS}
+# labelled counters whose every label value is known from start-up: each shows at 0 until it
+# counts, as vLLM's do, so Prometheus' rate() sees a series' first increment
+_KNOWN_LABELS: dict[str, tuple[tuple[str, str], ...]] = {
+    "vllm:request_success_total": tuple(
+        ("finished_reason", reason) for reason in OPENAI_FINISH_REASON.values()
+    ),
+}
+
 # the deadline label of pdserve:request_timeouts_total, by the error code the cell gave
 _DEADLINES = {"queue_timeout": "queue", "timeout": "request"}
 
@@ -196,7 +205,12 @@ class CellTotals:
 
 def render(samples: Counter[Key], model_name: str) -> str:
     """Prometheus' text format (0.0.4): every metric of METRICS, each sample with `model_name`;
-    a metric no cell has reported yet shows 0 (a histogram: empty buckets are not invented)."""
+    a metric no cell has reported yet shows 0 (a histogram: empty buckets are not invented), and
+    so does each known label value of a labelled counter (`_KNOWN_LABELS`)."""
+    samples = samples.copy()
+    for name, labels in _KNOWN_LABELS.items():
+        for label in labels:
+            samples[_key(name, **dict([label]))] += 0
     by_metric: dict[str, list[tuple[str, tuple[tuple[str, str], ...], float]]] = {}
     for (name, labels), value in samples.items():
         base = name

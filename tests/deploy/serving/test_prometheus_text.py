@@ -132,3 +132,17 @@ def test_a_restarted_scheduler_adds_to_its_predecessors_counts():
     got = samples(render(totals.update({"a": cell_answer(3, instance="i1", restarts=1)}), "tiny"))
     assert got["vllm:request_success_total", (("finished_reason", "stop"),)] == 5 + 3
     assert got["pdserve:scheduler_restarts_total", ()] == 1
+
+
+def test_every_finished_reason_shows_at_zero_from_start_up():
+    """As vLLM's: rate() over request_success_total sees the first finish of each reason."""
+    got = samples(render(CellTotals().update({}), "tiny"))
+    reasons = {
+        dict(labels)["finished_reason"]: v
+        for (name, labels), v in got.items()
+        if name == "vllm:request_success_total"
+    }
+    assert reasons == {"stop": 0, "length": 0, "abort": 0, "error": 0}
+    got = samples(render(CellTotals().update({"a": cell_answer(3)}), "tiny"))
+    assert got["vllm:request_success_total", (("finished_reason", "stop"),)] == 3
+    assert got["vllm:request_success_total", (("finished_reason", "error"),)] == 0
