@@ -184,7 +184,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     proxy_port = _free_port(args.host) if direct else args.port
     from ray import serve
 
-    from deploy.ray_engine import init_ray
+    from deploy.ray_cell import init_ray
     from deploy.serving.app import APP_NAME, build_app
     from deploy.serving.drain import clear_drain, request_drain, wait_drained
 

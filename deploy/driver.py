@@ -162,14 +162,14 @@ class RayEngine(Engine):
             self.tokenizer = None
             self.eos_token_ids = frozenset()
             return
-        from deploy.ray_engine import start_scheduler
+        from deploy.ray_cell import start_cell_actor
         from workers.loader import load_tokenizer
 
         info = load_tokenizer(config.model)
         self.capacity = config.context_len(info.max_context)
         self.tokenizer = use_chat_template(info.tokenizer, config.chat_template)
         self.eos_token_ids = info.eos_token_ids
-        self.handle = start_scheduler(config, info=info)
+        self.handle = start_cell_actor(config, info=info)
 
     def run(
         self,

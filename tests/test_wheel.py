@@ -2,6 +2,7 @@
 from outside the checkout, with every subpackage and the files it reads beside its modules."""
 
 import json
+import shutil
 import site
 import subprocess
 import sys
@@ -28,13 +29,19 @@ def checkout_modules() -> set[str]:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
+    """Built from a copy of the checkout's sources (setuptools leaves a build/ folder beside
+    them, whose stale modules a later build would pack)."""
+    source = tmp_path_factory.mktemp("source")
+    for name in (*PACKAGES, "benchmarks", "tests"):
+        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
     out = tmp_path_factory.mktemp("wheel")
-    build = tmp_path_factory.mktemp("build")
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
-        + ["--wheel-dir", str(out), str(ROOT)],
+        + ["--wheel-dir", str(out), str(source)],
         check=True,
-        cwd=build,
+        cwd=source,
         capture_output=True,
     )
     (path,) = out.glob("pdserve-*.whl")

@@ -296,7 +296,7 @@ def check_sampling(checkpoint: Path, device: str) -> dict[str, Any]:
 def check_kv_transports(device: str) -> dict[str, Any]:
     import ray
 
-    from deploy.ray_engine import init_ray
+    from deploy.ray_cell import init_ray
     from workers.kv_transfer import TRANSPORTS, usable_transports
 
     init_ray(EngineConfig(device=device))

@@ -17,7 +17,7 @@ from typing import Any
 import ray
 
 from deploy.config import EngineConfig
-from deploy.ray_engine import create_scheduler
+from deploy.ray_cell import create_cell_actor
 
 log = logging.getLogger(__name__)
 NAMESPACE = "pdserve-cells"  # the scheduler actors
@@ -57,7 +57,7 @@ async def adopt_or_create(
         if answer == "broken":
             await stop_cell(name, handle)
     name = cell_name(app_name, replica)
-    handle = create_scheduler(
+    handle = create_cell_actor(
         config,
         cell={
             "worker_namespace": WORKER_NAMESPACE,

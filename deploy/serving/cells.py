@@ -35,7 +35,7 @@ from ray.serve.config import RequestRouterConfig
 
 from deploy.config import EngineConfig
 from deploy.engine_client import Placement, unwrap
-from deploy.ray_engine import kv_pool_lines
+from deploy.ray_cell import kv_pool_lines
 from deploy.serving.cell_actors import (
     NAMESPACE,
     adopt_or_create,

@@ -76,7 +76,7 @@ def test_workers_share_gpus_when_asked_and_too_few_gpus_fail_at_start_with_the_n
 
 
 def test_start_up_says_what_each_workers_kv_pool_holds():
-    from deploy.ray_engine import kv_pool_lines
+    from deploy.ray_cell import kv_pool_lines
 
     # a scheduler's `ready()` answer: each worker's placement with its pool, and the context
     pool = {"blocks": 2912, "block_size": 16, "bytes": 2**30}

@@ -8,7 +8,7 @@ import ray
 
 from deploy.config import EngineConfig
 from deploy.engine_client import EngineClient
-from deploy.ray_engine import start_scheduler
+from deploy.ray_cell import start_cell_actor
 from deploy.serving.openai_api import OpenAIServer, ServedModel
 from deploy.serving.schemas import APIError, CompletionBody
 from tests.factories import wait_for_stats
@@ -28,7 +28,7 @@ def test_full_queue_gets_429_with_retry_after(ray_session, tiny_checkpoint):
         prefill_chunk=8,
         max_waiting=1,
     )
-    handle = start_scheduler(config)
+    handle = start_cell_actor(config)
     info = load_tokenizer(tiny_checkpoint)
     server = OpenAIServer(
         EngineClient(handle), ServedModel("tiny", info.tokenizer, info.eos_token_ids, 1024)

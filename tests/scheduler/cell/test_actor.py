@@ -17,7 +17,7 @@ from ray._private.internal_api import memory_summary
 from deploy.config import EngineConfig
 from deploy.driver import RayEngine, open_engine
 from deploy.engine_client import EngineClient, complete
-from deploy.ray_engine import start_scheduler
+from deploy.ray_cell import start_cell_actor
 from scheduler.cell.state import CellClosed
 from scheduler.step_planner import QueueFullError
 from tests.factories import make_request, make_requests, wait_for_stats
@@ -71,7 +71,7 @@ def test_abort_in_every_state_frees_slots_and_handoff_objects(ray_session, tiny_
     # objects an earlier test left in the shared Ray (after test_lost_handoff_is_prefilled_again
     # kills an object owner, 2 stay, referenced by no live process) are not this test's
     before = plasma_objects()
-    handle = start_scheduler(crowded_config(tiny_checkpoint, prefill_slots=2))
+    handle = start_cell_actor(crowded_config(tiny_checkpoint, prefill_slots=2))
     stream = streamer(handle)
     decode, prefill = "decode-0", "prefill-0"
 
@@ -131,7 +131,7 @@ def test_abort_in_every_state_frees_slots_and_handoff_objects(ray_session, tiny_
 
 
 def test_a_closed_stream_aborts_its_request(ray_session, tiny_checkpoint):
-    handle = start_scheduler(crowded_config(tiny_checkpoint))
+    handle = start_cell_actor(crowded_config(tiny_checkpoint))
     client = EngineClient(handle)
 
     async def scenario():
@@ -160,7 +160,7 @@ def test_outputs_of_many_streams_arrive_in_few_messages(ray_session, tiny_checkp
         token_budget=64,
         prefill_chunk=16,
     )
-    handle = start_scheduler(config)
+    handle = start_cell_actor(config)
     client = EngineClient(handle)
 
     async def scenario():
@@ -177,7 +177,7 @@ def test_outputs_of_many_streams_arrive_in_few_messages(ray_session, tiny_checkp
 
 
 def test_full_queue_and_oversized_requests_are_rejected_at_once(ray_session, tiny_checkpoint):
-    handle = start_scheduler(crowded_config(tiny_checkpoint, max_waiting=1))
+    handle = start_cell_actor(crowded_config(tiny_checkpoint, max_waiting=1))
     stream = streamer(handle)
 
     async def scenario():
@@ -204,7 +204,7 @@ def test_a_draining_cell_refuses_new_requests_and_ends_when_its_open_ones_have(
     """What a Cell replica being scaled down does: the open request runs to its end, a new one is
     refused (the ingress places it on another cell), and the drain returns only after the open one
     ended."""
-    handle = start_scheduler(crowded_config(tiny_checkpoint))
+    handle = start_cell_actor(crowded_config(tiny_checkpoint))
     stream = streamer(handle)
 
     async def scenario():
@@ -241,7 +241,7 @@ def test_lost_handoff_is_prefilled_again(ray_session, tiny_checkpoint, tmp_path)
     The two requests holding the slots must outlast the kill and the second it waits."""
     config = crowded_config(long_context(tiny_checkpoint, tmp_path), max_model_len=8192)
     expected = local_outputs(config, [req("C", 6, 12, 3)])["C"]
-    handle = start_scheduler(config)
+    handle = start_cell_actor(config)
     stream = streamer(handle)
     waiting = req("C", 6, 12, 3)
 
@@ -337,7 +337,7 @@ def test_a_decode_worker_restarted_while_idle_is_noticed_before_its_next_step(
     the request still produces local mode's tokens."""
     config = crowded_config(tiny_checkpoint)
     expected = local_outputs(config, [req("P", 400, 12, 5)])["P"]  # 100 four-token chunks
-    handle = start_scheduler(config)
+    handle = start_cell_actor(config)
     stream = streamer(handle)
     workers = ray.get(handle.worker_handles.remote())
     prefill_pid = ray.get(workers["prefill-0"].ready.remote())["pid"]

@@ -1,4 +1,4 @@
-"""Starts Ray (or joins a cluster) and the scheduler actor of a Ray mode, with its workers."""
+"""Starts Ray (or joins a cluster) and a cell of a Ray mode: its cell actor, with its workers."""
 
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ def init_ray(config: EngineConfig) -> None:
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
 
 
-def scheduler_args(config: EngineConfig, info: TokenizerInfo | None = None) -> tuple[Any, ...]:
-    """The scheduler actor's constructor arguments for a config: its cell, how to spawn its workers
+def cell_actor_args(config: EngineConfig, info: TokenizerInfo | None = None) -> tuple[Any, ...]:
+    """The cell actor's constructor arguments for a config: its cell, how to spawn its workers
     and the tokenizer its outputs are detokenized with (`info`, or loaded here). Loading the
     tokenizer converts a GGUF once, before the workers look for the converted checkpoint."""
     config.gpus_for(ray.cluster_resources().get("GPU", 0))  # fail here, not in a worker's wait
@@ -47,41 +47,41 @@ def scheduler_args(config: EngineConfig, info: TokenizerInfo | None = None) -> t
     )
 
 
-def create_scheduler(
+def create_cell_actor(
     config: EngineConfig,
     info: TokenizerInfo | None = None,
     cell: dict[str, Any] | None = None,
     **options: Any,
 ) -> Any:
-    """Create the scheduler actor (which creates the workers); `options` are Ray actor options (a
+    """Create the cell actor (which creates the workers); `options` are Ray actor options (a
     name), `cell` more of CellActor's own arguments (`worker_namespace`, `owner`)."""
     options = {"num_cpus": 0, "max_concurrency": 100_000, "enable_task_events": False} | options
     actor = ray.remote(CellActor).options(**options)
-    return actor.remote(*scheduler_args(config, info), **(cell or {}))
+    return actor.remote(*cell_actor_args(config, info), **(cell or {}))
 
 
-def start_scheduler(
+def start_cell_actor(
     config: EngineConfig, name: str | None = None, info: TokenizerInfo | None = None
 ) -> Any:
-    """Create the scheduler actor and wait until every worker is ready."""
+    """Create the cell actor and wait until every worker is ready."""
     init_ray(config)
-    handle = create_scheduler(
+    handle = create_cell_actor(
         config, info, **({"name": name, "get_if_exists": True} if name else {})
     )
     try:
         placement = ray.get(handle.ready.remote())
     except ray.exceptions.RayTaskError as error:  # a worker refused its config: stop them all
-        stop_scheduler(handle)
+        stop_cell_actor(handle)
         cause = error.cause
         raise (cause if isinstance(cause, Exception) else error) from None
-    log.info("scheduler ready: %s", placement)
+    log.info("cell ready: %s", placement)
     for line in kv_pool_lines(placement):
         log.info("%s", line)
     return handle
 
 
 def kv_pool_lines(ready: dict[str, Any]) -> list[str]:
-    """What each worker's KV pool holds, from a scheduler's `ready()` answer: its blocks, tokens
+    """What each worker's KV pool holds, from a cell actor's `ready()` answer: its blocks, tokens
     and GiB, and how many requests of the cell's whole context (`max_model_len`) it could hold."""
     capacity = ready["capacity"]
     lines = []
@@ -98,8 +98,8 @@ def kv_pool_lines(ready: dict[str, Any]) -> list[str]:
     return lines
 
 
-def stop_scheduler(handle: Any) -> None:
-    """Stop the scheduler actor and its workers."""
+def stop_cell_actor(handle: Any) -> None:
+    """Stop the cell actor and its workers."""
     try:
         ray.get(handle.shutdown.remote(), timeout=30)
     finally:
