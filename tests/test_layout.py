@@ -136,3 +136,19 @@ def test_lines_read_one_statement_at_a_time():
         ]
     assert wide == []
     assert continued == []
+
+
+def test_every_cpp_file_says_its_one_job_in_its_first_line():
+    """C++ lives in .cpp/.h files of its own (workers/csrc/), each opening with a comment that
+    says its job, and reads as the Python does: at most 100 characters a line."""
+    files = sorted((ROOT / "workers" / "csrc").iterdir())
+    assert {path.suffix for path in files} == {".cpp", ".h"}
+    unsaid = [path.name for path in files if not path.read_text().startswith("// ")]
+    wide = [
+        f"{path.name}:{n}"
+        for path in files
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if len(line) > 100
+    ]
+    assert unsaid == []
+    assert wide == []

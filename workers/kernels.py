@@ -6,23 +6,24 @@ number of keys: one SDPA call per row forks the thread pool per row per layer, o
 slot span reads up to twice the keys) and to a dozen small eager ops per layer, each a dispatch and
 a thread fork; and MKL's sgemm re-packs the weight on every call, which at decode's few rows costs
 about as much as the multiply. So: a ragged attention kernel over every (row, KV head) pair in one
-parallel loop, with scores in fp32 whatever the cache dtype (`workers.kernel_source`); the prompt
-chunks of a step likewise over their blocks where they lie, rather than gathered into a copy per
-chunk per layer for SDPA (`workers.prompt_attention_source`); residual add + RMSNorm, rotary +
-KV cache write, and SiLU-mul as one pass each (`workers.elementwise_source`);
-and a matmul over weights packed once into 64-column panels, fp32 on AVX-512 and bf16 on AVX512-BF16
-without AMX (`workers.gemm_source`; with AMX, oneDNN's AMX tiles over a copy of the weight reordered
-once into oneDNN's layout, as vLLM's CPU backend does: 4-7x the packed kernel at 64-256 rows, and
-1.3-2.6x torch's own bf16 matmul, which reorders the weight on every call; blocked by the number of
-rows, so bf16 decode rows are then not bit-identical whatever the batch). Every kernel computes a
-row alone, in an order that does not depend on how many rows share the call.
+parallel loop, with scores in fp32 whatever the cache dtype (`csrc/decode_attention.cpp`); the
+prompt chunks of a step likewise over their blocks where they lie, rather than gathered into a copy
+per chunk per layer for SDPA (`csrc/prompt_attention.cpp`); residual add + RMSNorm, rotary + KV
+cache write, and SiLU-mul as one pass each (`csrc/elementwise.cpp`); and a matmul over weights
+packed once into 64-column panels, fp32 on AVX-512 and bf16 on AVX512-BF16 without AMX
+(`csrc/gemm.cpp`; with AMX, oneDNN's AMX tiles over a copy of the weight reordered once into
+oneDNN's layout, as vLLM's CPU backend does: 4-7x the packed kernel at 64-256 rows, and 1.3-2.6x
+torch's own bf16 matmul, which reorders the weight on every call; blocked by the number of rows, so
+bf16 decode rows are then not bit-identical whatever the batch). Every kernel computes a row alone,
+in an order that does not depend on how many rows share the call.
 
-They are built with `torch.utils.cpp_extension.load_inline` (a C++ compiler, as `torch.compile` on
-CPU needs too) into torch's extension cache, once per machine type and source (about 40 s); where
-building fails, or `PDSERVE_KERNELS=0` is set, each function here runs its torch ops instead (SDPA
-for attention). The build uses -fopenmp because `at::parallel_for` is an OpenMP pragma in a header:
-without it the loops run on one thread (libgomp.so.1 is the one torch has already loaded, so there
-is one thread pool), and -ffp-contract=off so that fp32 `a*b + c*d` rounds as the eager ops do.
+They are built from the files of `workers/csrc/` with `torch.utils.cpp_extension.load` (a C++
+compiler, as `torch.compile` on CPU needs too) into torch's extension cache, once per machine type
+and version of those files (about 40 s, the files compiled in parallel); where building fails, or
+`PDSERVE_KERNELS=0` is set, each function here runs its torch ops instead (SDPA for attention).
+The build uses -fopenmp because `at::parallel_for` is an OpenMP pragma in a header: without it the
+loops run on one thread (libgomp.so.1 is the one torch has already loaded, so there is one thread
+pool), and -ffp-contract=off so that fp32 `a*b + c*d` rounds as the eager ops do.
 """
 
 from __future__ import annotations
@@ -31,15 +32,11 @@ import hashlib
 import logging
 import os
 import threading
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-from workers.elementwise_source import ELEMENTWISE
-from workers.gemm_source import GEMM
-from workers.kernel_source import SOURCE
-from workers.prompt_attention_source import PROMPT_ATTENTION
 
 log = logging.getLogger(__name__)
 
@@ -47,22 +44,43 @@ log = logging.getLogger(__name__)
 # bf16 matmuls on CPUs with AMX go to torch's (oneDNN's AMX tiles): faster, but blocked by the
 # number of rows (tests turn it off to check the packed kernel there too)
 LIBRARY_BF16_ON_AMX = True
+# the kernels' C++ (.cpp files, their headers), beside this file in a checkout and in a wheel alike
+CSRC = Path(__file__).resolve().parent / "csrc"
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 _lock = threading.Lock()
 _module: Any = None
 _tried = False
 
 
-def _machine_tag() -> str:
+def _machine_tag(csrc: Path = CSRC) -> str:
     """Built with -march=native, so one build per CPU type (a shared home directory must not mix
-    them), torch version and source."""
+    them), torch version and the bytes of every file in `csrc`, headers included."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    return hashlib.sha1(
-        (flags + torch.__version__ + SOURCE + PROMPT_ATTENTION + ELEMENTWISE + GEMM).encode()
-    ).hexdigest()[:10]
+    digest = hashlib.sha1((flags + torch.__version__).encode())
+    for path in sorted(p for p in csrc.iterdir() if p.is_file()):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:10]
+
+
+def build(csrc: Path = CSRC, name: str | None = None, build_directory: Path | None = None) -> Any:
+    """Compile every .cpp file of `csrc` into one module for this CPU (or load the one already
+    built for these files), in torch's extension cache unless `build_directory` is given. The files
+    include their headers by path, so a compiler error names the real file and line: it is raised
+    as a RuntimeError with the compiler's output."""
+    from torch.utils.cpp_extension import load
+
+    return load(
+        name=name or f"pdserve_kernels_{_machine_tag(csrc)}",
+        sources=sorted(str(path) for path in csrc.glob("*.cpp")),
+        extra_include_paths=[str(csrc)],
+        extra_cflags=CFLAGS,
+        extra_ldflags=["-fopenmp"],
+        build_directory=None if build_directory is None else str(build_directory),
+    )
 
 
 def load_kernels() -> Any:
@@ -74,26 +92,7 @@ def load_kernels() -> Any:
             _tried = True
             if os.environ.get("PDSERVE_KERNELS", "1") != "0":
                 try:
-                    from torch.utils.cpp_extension import load_inline
-
-                    functions = [
-                        "decode_attention",
-                        "prompt_attention",
-                        "prompt_attention_available",
-                        "add_rms_norm",
-                        "rope_and_cache",
-                        "silu_mul",
-                        "packed_linear",
-                        "packed_linear_available",
-                        "amx_bf16",
-                    ]
-                    _module = load_inline(
-                        name=f"pdserve_kernels_{_machine_tag()}",
-                        functions=functions,
-                        cpp_sources=[SOURCE, PROMPT_ATTENTION, ELEMENTWISE, GEMM],
-                        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-                        extra_ldflags=["-fopenmp"],
-                    )
+                    _module = build()
                 # no compiler, no headers, an unknown CPU: torch ops do the work
                 except Exception as error:
                     log.warning("CPU kernels unavailable (%s); using torch ops", error)

@@ -1,65 +1,27 @@
-"""C++ source of the ragged decode-attention kernel over the paged KV cache, and the helpers the
-other kernel sources share."""
-
-# Built by `workers.kernels` with `elementwise_source` and `gemm_source` appended. The cache is a
-# pool of blocks of BS tokens, [NB, KVH, BS, D] per layer, and a row's keys are the blocks its block
-# table names, in order: the loops over keys walk the table a block at a time (a block's BS keys
-# are contiguous, D apart) rather than gathering a row's keys into a copy, which would double the
-# memory traffic of a memory-bound loop. Scores, max, exp and sums run over t = 0..len-1 in the
-# same order whatever the block size or where the blocks lie, so a row's result is bit for bit the
-# one of its keys laid out contiguously. Two paths:
-# AVX-512 intrinsics where the build machine has them (-march=native) and the head dim is 16, 32, 64
-# or 128, and plain loops otherwise (other CPUs, other head dims). Both keep scores and sums in fp32
-# whatever the cache dtype.
-SOURCE = r"""
-#include <torch/extension.h>
+// The ragged decode-attention kernel: each decode row's queries over its keys in the paged cache.
+//
+// The cache is a pool of blocks of BS tokens, [NB, KVH, BS, D] per layer, and a row's keys are the
+// blocks its block table names, in order: the loops over keys walk the table a block at a time (a
+// block's BS keys are contiguous, D apart) rather than gathering a row's keys into a copy, which
+// would double the memory traffic of a memory-bound loop. Scores, max, exp and sums run over
+// t = 0..len-1 in the same order whatever the block size or where the blocks lie, so a row's result
+// is bit for bit the one of its keys laid out contiguously. Two paths: AVX-512 intrinsics where the
+// build machine has them (-march=native) and the head dim is 16, 32, 64 or 128, and plain loops
+// otherwise (other CPUs, other head dims). Both keep scores and sums in fp32 whatever the cache
+// dtype.
 #include <ATen/Parallel.h>
+#include <torch/types.h>
+
 #include <algorithm>
 #include <atomic>
-#include <cstring>
 #include <cmath>
+#include <cstdint>
 #include <numeric>
 #include <vector>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
-static inline float load(const float* p, int64_t i) { return p[i]; }
-static inline float load(const uint16_t* p, int64_t i) {
-    return __builtin_bit_cast(float, uint32_t(p[i]) << 16);  // bfloat16 is the top half of a float
-}
-static inline void store(float* p, int64_t i, float x) { p[i] = x; }
-static inline void store(uint16_t* p, int64_t i, float x) {
-    uint32_t bits = __builtin_bit_cast(uint32_t, x);
-    bits += 0x7FFF + ((bits >> 16) & 1);  // round to nearest even, as torch's conversion does
-    p[i] = uint16_t(bits >> 16);
-}
-
-// exp(x) for x <= 0 (scores minus their max): x = n ln2 + r, exp(r) by Cephes' degree-6 polynomial,
-// 2^n in the exponent bits. About 1 ulp; below -87 it returns about 1e-38, which a softmax sum
-// cannot tell from 0.
-static inline float exp_nonpositive(float x) {
-    x = x < -87.f ? -87.f : x;
-    const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    return p * __builtin_bit_cast(float, (int32_t(n) + 127) << 23);
-}
-
-// Where one (row, KV head)'s keys and values lie: key t at
-// `k + table[t / BS] * stride + (t % BS) * D`, k (and v) pointing at the KV head's part of block 0
-// and stride the size of a block (KVH BS D).
-struct Pages {
-    const int64_t* table;  // the row's block table: ceil(len / BS) entries are read
-    int64_t stride, BS;
-};
+#include "common.h"
+#include "kernels.h"
+#include "paged_kv.h"
 
 // f(t, row) for t = 0..len-1 in order, row the D elements of key (or value) t of `base`: the table
 // is read once per block, and within a block the rows follow each other D apart. With `also` (the
@@ -132,41 +94,6 @@ static void attend_scalar(const T* q, const T* k, const T* v, const Pages& pages
 }
 
 #if defined(__AVX512F__)
-static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16(const uint16_t* p) {
-    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-static inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
-static inline void store16(uint16_t* p, __m512 x) {
-    alignas(64) float tmp[16];
-    _mm512_store_ps(tmp, x);
-    for (int i = 0; i < 16; ++i) store(p, i, tmp[i]);
-}
-
-static inline __m512 exp16_nonpositive(__m512 x) {  // exp_nonpositive, 16 lanes at a time
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    const __m512 half_up =
-        _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
-    const __m512 n = _mm512_roundscale_ps(half_up, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    const __m512i bits =
-        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-
-static inline __mmask16 tail(int64_t t, int64_t len) {
-    return len - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (len - t)) - 1);
-}
-
 // attend_scalar with D = 16 NV: up to GB query rows at a time keep their q and their output
 // accumulators in registers (GB * NV <= 16 of the 32), so each key and value row is loaded once per
 // group of GB.
@@ -265,26 +192,6 @@ static void run(const T* q, const T* k, const T* v, const int64_t* tables, const
     });
 }
 
-// What both attention kernels (decode rows here, prompt chunks in prompt_attention_source) ask of
-// their query and paged K and V.
-static void check_paged_qkv(const torch::Tensor& q, const torch::Tensor& k,
-                            const torch::Tensor& v) {
-    TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
-                "contiguous tensors expected");
-    TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
-                "one dtype expected");
-    TORCH_CHECK(q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kBFloat16,
-                "float32 or bfloat16 expected");
-    TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.sizes() == v.sizes() &&
-                    k.size(1) == q.size(1) && k.size(3) == q.size(3),
-                "q [rows, KVH, G, D], k and v [NB, KVH, BS, D] expected");
-}
-
-// a bf16 tensor's elements as the 16-bit words the kernels read
-static uint16_t* bf16_bits(const torch::Tensor& t) {
-    return reinterpret_cast<uint16_t*>(t.data_ptr());
-}
-
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                torch::Tensor block_tables, torch::Tensor lengths, double scale) {
     check_paged_qkv(q, k, v);
@@ -309,9 +216,8 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
         run<float>(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), tables, l,
                    out.data_ptr<float>(), B, KVH, G, D, BS, MAXB, float(scale));
     } else {
-        run<uint16_t>(bf16_bits(q), bf16_bits(k), bf16_bits(v), tables, l, bf16_bits(out), B, KVH,
-                      G, D, BS, MAXB, float(scale));
+        run<uint16_t>(ptr<uint16_t>(q), ptr<uint16_t>(k), ptr<uint16_t>(v), tables, l,
+                      ptr<uint16_t>(out), B, KVH, G, D, BS, MAXB, float(scale));
     }
     return out;
 }
-"""

@@ -1,14 +1,23 @@
-"""C++ source of the packed-weight matmul (`x @ W.T + b`, fp32 and bf16) that `workers.kernels`
-builds."""
+// The packed-weight matmul `x @ W.T + b`, fp32 on AVX-512 and bf16 on AVX512-BF16.
+//
+// The weight is packed once into panels of 64 output columns, `[ceil(N / 64), K, 64]`
+// (`kernels.linear` does it in torch and keeps the result beside the weight), so a 6 x 64 tile of
+// the output accumulates in 24 registers while its panel streams through in order: per k, 4 loads
+// and up to 6 broadcasts feed 24 FMAs. MKL's sgemm, called per step, is far from the FMA peak at
+// decode's few rows (most likely it re-packs the weight each call): measured on one thread against
+// F.linear, 1.4-3x faster at 4-32 rows and 1.1-1.2x at 64-256. Each output is the same K products
+// summed in k order, so fp32 results differ from MKL's only by summation order.
+#include <ATen/Parallel.h>
+#include <torch/types.h>
 
-# The weight is packed once into panels of 64 output columns, `[ceil(N / 64), K, 64]`
-# (`kernels.linear` does it in torch and keeps the result beside the weight), so a 6 x 64 tile of
-# the output accumulates in 24 registers while its panel streams through in order: per k, 4 loads
-# and up to 6 broadcasts feed 24 FMAs. MKL's sgemm, called per step, is far from the FMA peak at
-# decode's few rows (most likely it re-packs the weight each call): measured on one thread against
-# F.linear, 1.4-3x faster at 4-32 rows and 1.1-1.2x at 64-256. Each output is the same K products
-# summed in k order, so fp32 results differ from MKL's only by summation order.
-GEMM = r"""
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+#include "common.h"
+#include "kernels.h"
+
 #if defined(__AVX512F__)
 template <int MR>
 static inline void gemm_tile(const float* x, int64_t K, const float* panel, const float* bias,
@@ -166,4 +175,3 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed,
     });
     return out;
 }
-"""

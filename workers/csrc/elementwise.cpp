@@ -1,28 +1,23 @@
-"""C++ source of the fused per-layer elementwise kernels (residual add + RMSNorm, rotary + cache
-write, SiLU-mul)."""
+// The fused per-layer elementwise kernels: residual add + RMSNorm, rotary + cache write, SiLU-mul.
+//
+// Each kernel does what the eager torch ops of `workers/kernels.py` do, rounding to the tensor's
+// dtype wherever they round (bf16 after every op, as torch does), in one pass over the rows instead
+// of several ops of a dozen dispatches and thread forks each. fp32 differs from the eager ops only
+// in the order of a row's sum of squares and by about 1 ulp in exp (built with -ffp-contract=off,
+// so a*b + c*d is not fused into one rounding).
+#include <ATen/Parallel.h>
+#include <torch/types.h>
 
-# Appended to `workers.kernel_source.SOURCE` (it uses its load/store helpers). Each kernel does what
-# the eager torch ops of `workers.kernels` do, rounding to the tensor's dtype wherever they round
-# (bf16 after every op, as torch does), in one pass over the rows instead of several ops of a dozen
-# dispatches and thread forks each. fp32 differs from the eager ops only in the order of a row's sum
-# of squares and by about 1 ulp in exp (built with -ffp-contract=off, so a*b + c*d is not fused into
-# one rounding).
-ELEMENTWISE = r"""
-template <typename T> static inline float rounded(float x);
-template <> inline float rounded<float>(float x) { return x; }
-template <> inline float rounded<uint16_t>(float x) {  // to the nearest bfloat16, as a float
-    uint32_t bits = __builtin_bit_cast(uint32_t, x);
-    bits += 0x7FFF + ((bits >> 16) & 1);
-    return __builtin_bit_cast(float, bits & 0xFFFF0000u);
-}
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
 
-// exp(x) for any x: kernel_source's exp_nonpositive (the same polynomial holds for x > 0), clamped
-// to +87. (The sources are compiled as one unit, kernel_source's first.)
+#include "common.h"
+#include "kernels.h"
+
+// exp(x) for any x: exp_nonpositive (the same polynomial holds for x > 0), clamped to +87.
 static inline float exp_any(float x) { return exp_nonpositive(x > 87.f ? 87.f : x); }
-
-template <typename T> static T* ptr(const torch::Tensor& t) {
-    return reinterpret_cast<T*>(t.data_ptr());
-}
 
 static int64_t rows_per_task(int64_t row_elems) { return std::max<int64_t>(1, 32768 / row_elems); }
 
@@ -128,14 +123,6 @@ torch::Tensor rope_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor
 }
 
 #if defined(__AVX512F__)
-template <typename T> static inline __m512 rounded16(__m512 x);
-template <> inline __m512 rounded16<float>(__m512 x) { return x; }
-template <> inline __m512 rounded16<uint16_t>(__m512 x) {  // rounded<uint16_t>, 16 lanes at a time
-    const __m512i bits = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-    return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(int(0xFFFF0000u))));
-}
 static inline void store_rounded16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
 static inline void store_rounded16(uint16_t* p, __m512 x) {  // x already a bfloat16 value
     const __m256i top = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16));
@@ -181,4 +168,3 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
         silu_mul_run<uint16_t>(ptr<uint16_t>(gate_up), ptr<uint16_t>(out), N, I);
     return out;
 }
-"""

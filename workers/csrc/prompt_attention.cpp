@@ -1,27 +1,38 @@
-"""C++ source of the paged prompt-attention kernel: the chunks of a step attend over their blocks
-where they lie, as decode rows do, with no copy of a request's keys."""
+// The paged prompt-attention kernel: a step's prompt chunks over their blocks where they lie.
+//
+// Until this kernel, a prompt chunk gathered its request's blocks into one contiguous copy per
+// layer and called SDPA: 30-50% of the chunk's attention for a short chunk over a long context (a
+// conversation's next turn), 2-11% for 128-256 tokens (a microbenchmark over the embedded model's
+// heads, one thread).
+//
+// One work item is (chunk, KV head, tile of the chunk's tokens): its rows are the tile's tokens
+// times the G query heads sharing that KV head, at most 128 (about 96 by default). It walks the
+// request's blocks in table order, flash-attention style: per block, scores for every row, a
+// running max and sum per row, and the output accumulators rescaled when the max grows. Scores
+// and the outputs are both computed across rows, the rows a vector's lanes: the queries and the
+// accumulators are kept transposed ([D][rows]), so a key's (or a value's) element is broadcast
+// against a vector of rows, with no horizontal sums, and the rescaling and softmax run on whole
+// vectors. Row r of token t sees keys 0..start+t (causal within the chunk). Written with GCC's
+// vector extensions: 16 lanes where the CPU has AVX-512, 8 elsewhere (AVX2), the same source; D
+// must be a multiple of 4, elsewhere `prompt_attention_available` says no and the gather + SDPA
+// path runs.
+#include <ATen/Parallel.h>
+#include <torch/types.h>
 
-# Built by `workers.kernels` after `kernel_source` (whose helpers it uses). Until this kernel, a
-# prompt chunk gathered its request's blocks into one contiguous copy per layer and called SDPA:
-# 30-50% of the chunk's attention for a short chunk over a long context (a conversation's next
-# turn), 2-11% for 128-256 tokens (a microbenchmark over the embedded model's heads, one thread).
-#
-# One work item is (chunk, KV head, tile of the chunk's tokens): its rows are the tile's tokens
-# times the G query heads sharing that KV head, at most 128 (about 96 by default). It walks the
-# request's blocks in table order, flash-attention style: per block, scores for every row, a
-# running max and sum per row, and the output accumulators rescaled when the max grows. Scores
-# and the outputs are both computed across rows, the rows a vector's lanes: the queries and the
-# accumulators are kept transposed ([D][rows]), so a key's (or a value's) element is broadcast
-# against a vector of rows, with no horizontal sums, and the rescaling and softmax run on whole
-# vectors. Row r of token t sees keys 0..start+t (causal within the chunk). Written with GCC's
-# vector extensions: 16 lanes where the CPU has AVX-512, 8 elsewhere (AVX2), the same source; D
-# must be a multiple of 4, elsewhere `prompt_attention_available` says no and the gather + SDPA
-# path runs.
-PROMPT_ATTENTION = r"""
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <type_traits>
+#include <vector>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
+#include "common.h"
+#include "kernels.h"
+#include "paged_kv.h"
 
 namespace prompt {
 
@@ -297,9 +308,8 @@ torch::Tensor prompt_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
         prompt::run<float>(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), tables,
                            s, f, n, out.data_ptr<float>(), C, KVH, G, D, BS, MAXB, float(scale));
     } else {
-        prompt::run<uint16_t>(bf16_bits(q), bf16_bits(k), bf16_bits(v), tables, s, f, n,
-                              bf16_bits(out), C, KVH, G, D, BS, MAXB, float(scale));
+        prompt::run<uint16_t>(ptr<uint16_t>(q), ptr<uint16_t>(k), ptr<uint16_t>(v), tables, s, f,
+                              n, ptr<uint16_t>(out), C, KVH, G, D, BS, MAXB, float(scale));
     }
     return out;
 }
-"""
