@@ -188,7 +188,7 @@ class CellActor:
         """Every planner window, let the coordinator resize the pools (role changes)."""
         while True:
             await asyncio.sleep(self.config.planner_window_s)
-            for decision in self.coordinator.pools.end_window():
+            for decision in self.coordinator.end_window():
                 log.info("pool planner: %s", decision)
             self.coordinator.roles.finish()
             await self._after_role_changes()

@@ -8,6 +8,7 @@ methods from its loops and does the remote calls, and tests drive them with hand
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +17,7 @@ from scheduler.block_pool import block_names, routing_cost
 from scheduler.cell.forks import WaitingForks, sibling_worker
 from scheduler.cell.handoffs import HandoffBook
 from scheduler.cell.metrics import CellMetrics, RecordingBackend
-from scheduler.cell.pools import PoolPlans, RoleChanges
+from scheduler.cell.pools import RELEASE, PoolPlans
 from scheduler.cell.state import (
     CellConfig,
     CellCounts,
@@ -94,7 +95,7 @@ class Coordinator:
         self.outbox: dict[str, list[RequestOutput]] = {}  # consumer -> outputs not yet taken
         self.counts = CellCounts()
         self.roles = RoleChanges(self)
-        self.pools = PoolPlans(self)
+        self.pools = PoolPlans(config, len(self.workers))
 
     def new_planner(self, kind: str, num_blocks: int | None) -> StepPlanner:
         """The step planner of a worker in pool `kind` whose cache has `num_blocks` blocks."""
@@ -477,6 +478,14 @@ class Coordinator:
             target.sched.submit(request)
             self.wake(target)
 
+    # ---- pools
+    def end_window(self, now_s: float | None = None) -> list[dict[str, Any]]:
+        """Close the pool planner's window and start the workers, the release or the role change it
+        decides (`PoolPlans.end_window`); the decisions, one per worker."""
+        return self.pools.end_window(
+            (self.prefill, self.decode), self.roles.add, self.roles.begin, now_s
+        )
+
     # ---- introspection
     def pool_exhausted(self) -> bool:
         """A pool has no worker left: the cell cannot serve."""
@@ -509,3 +518,112 @@ class Coordinator:
             },
             "max_waiting": self.config.max_waiting,
         }
+
+
+class RoleChanges:
+    """A cell's workers on their way from one pool to the other, joining the cell, or leaving it.
+
+    A worker leaving its pool (`begin`) takes no new work: nothing is routed, bound or handed to
+    it, and the prompts still waiting in its queue go to the rest of its pool. What it already
+    holds runs to the end there (a prefill worker's prompts are prefilled and handed off; a decode
+    worker's requests finish), so no request is moved, recomputed or changed by a role change. Once
+    it holds nothing and has no call in flight (`finish`), it joins the other pool under a new name
+    with a planner for that role; the actor, its cache and its KV transfers stay as they are (its
+    named prefix blocks are forgotten). It changes the coordinator's pools in place, so it lives
+    beside it."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.cell = coordinator
+        self.switched: list[WorkerState] = []  # since the actor shell last took them
+        self.released: list[WorkerState] = []  # likewise: their actors are to be stopped
+        self.count = 0
+        self.added = 0
+        self.removed = 0
+
+    def add(self, kind: str) -> WorkerState:
+        """A new worker for pool `kind`, not yet started (`RESTARTING` until its actor answers
+        `ready`; the actor shell starts it)."""
+        cell = self.cell
+        pool = cell.prefill if kind == "prefill" else cell.decode
+        taken = {w.index for w in pool}
+        index = next(i for i in itertools.count() if i not in taken)
+        actors = {w.actor for w in cell.workers} | {w.actor for w in self.released}
+        actor = next(
+            name
+            for n in itertools.count()
+            if (name := f"{kind}-{index}" + (f"-{n}" if n else "")) not in actors
+        )
+        blocks = cell.config.decode_blocks if kind == "decode" else cell.config.prefill_blocks
+        worker = WorkerState(
+            kind, index, cell.new_planner(kind, blocks), WorkerStatus.RESTARTING, actor=actor
+        )
+        pool.append(worker)
+        cell.workers = cell.prefill + cell.decode
+        self.added += 1
+        return worker
+
+    def begin(self, worker: WorkerState, kind: str) -> None:
+        """Start moving `worker` to pool `kind` (or out of the cell: `RELEASE`): no new work from
+        now on."""
+        if kind == worker.kind or worker.next_kind is not None:
+            return
+        worker.next_kind = kind
+        cell = self.cell
+        if worker.kind == "prefill":  # prompts not started go to the rest of the pool
+            cell.move_waiting(worker)
+        for req_id in [r for r, w in cell.kv.bound.items() if w is worker]:
+            cell.kv.unbind(req_id)  # rebound, with its next piece, to a worker that stays
+        self.finish()
+
+    def holds_nothing(self, worker: WorkerState) -> bool:
+        sched = worker.sched
+        kv = self.cell.kv
+        return (
+            not sched.running
+            and not sched.num_waiting
+            and not sched.reserved
+            and all(w is not worker for w in kv.bound.values())
+            and not worker.calls_in_flight
+        )
+
+    def finish(self) -> None:
+        """Move every leaving worker that holds nothing any more to its new pool."""
+        cell = self.cell
+        for worker in list(cell.workers):
+            if worker.next_kind is None or worker.status is not WorkerStatus.UP:
+                continue
+            if not self.holds_nothing(worker):
+                continue
+            source = cell.prefill if worker.kind == "prefill" else cell.decode
+            if worker.next_kind == RELEASE:
+                source.remove(worker)
+                cell.workers = cell.prefill + cell.decode
+                worker.status = WorkerStatus.GONE
+                worker.next_kind = None
+                self.removed += 1
+                self.released.append(worker)
+                continue
+            target = cell.decode if worker.next_kind == "decode" else cell.prefill
+            source.remove(worker)
+            taken = {w.index for w in target}
+            worker.index = next(i for i in itertools.count() if i not in taken)
+            worker.kind = worker.next_kind
+            worker.next_kind = None
+            released = worker.sched.worker_copy.take_released()
+            worker.sched = cell.new_planner(worker.kind, worker.sched.blocks.num_blocks)
+            # (its next call still tells the worker which requests' states to drop)
+            worker.sched.worker_copy.released = released
+            target.append(worker)
+            cell.workers = cell.prefill + cell.decode
+            self.count += 1
+            self.switched.append(worker)
+            cell.metrics.on_role_change(worker.kind)
+            cell.wake(worker)
+
+    def take_switched(self) -> list[WorkerState]:
+        switched, self.switched = self.switched, []
+        return switched
+
+    def take_released(self) -> list[WorkerState]:
+        released, self.released = self.released, []
+        return released
