@@ -16,9 +16,10 @@ from typing import Any
 
 from scheduler.cell.state import CellConfig, WorkerState, WorkerStatus
 from scheduler.load_forecast import SeasonalForecast
+from scheduler.load_window import LoadWindow
 from scheduler.outputs import RequestOutput
 from scheduler.plan import StepPlan
-from scheduler.pool_planner import LoadWindow, PoolPlanner
+from scheduler.pool_planner import PoolPlanner
 from scheduler.request import Request
 
 _DECISIONS_KEPT = 50

@@ -4,7 +4,8 @@ moves the worker the load asks for."""
 import pytest
 
 from scheduler.cell.state import WorkerStatus
-from scheduler.pool_planner import LoadWindow, Speeds
+from scheduler.load_window import LoadWindow
+from scheduler.pool_planner import Speeds
 from tests.scheduler.cell.test_coordinator import (
     LEDGER,
     Streams,
