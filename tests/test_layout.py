@@ -18,14 +18,24 @@ SHELL = "scheduler.cell.actor"  # the one module of scheduler/ that may import r
 
 def imported_modules(path: Path) -> set[str]:
     """Every module a file imports, wherever the import sits (top level, function,
-    TYPE_CHECKING)."""
+    TYPE_CHECKING); `from package import module` names the project's module too."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
+            names |= {
+                f"{node.module}.{alias.name}"
+                for alias in node.names
+                if _is_project_module(f"{node.module}.{alias.name}")
+            }
     return names
+
+
+def _is_project_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
 def project_files():
@@ -45,6 +55,35 @@ def test_imports_point_one_way():
         if name.split(".")[0] in RANK and RANK[name.split(".")[0]] > RANK[package]
     ]
     assert upward == []
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each project module and the project modules it imports (anywhere in the file)."""
+    files = {module: path for _, module, path in project_files()}
+    return {module: imported_modules(path) & files.keys() for module, path in files.items()}
+
+
+def test_no_import_circles():
+    """No module imports, even inside a function or under TYPE_CHECKING, a module that imports it
+    back, directly or through others: a class cut in two leaves such a circle behind."""
+    graph = import_graph()
+    assert "workers.loader" in graph["workers.actors"]  # (the graph has edges)
+    done: set[str] = set()
+    circles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            circles.append(" -> ".join(path[path.index(module) :] + [module]))
+            return
+        if module in done:
+            return
+        for name in sorted(graph[module]):
+            visit(name, path + [module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+    assert circles == []
 
 
 def test_nothing_in_scheduler_imports_the_actor_shell():
