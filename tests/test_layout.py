@@ -167,3 +167,34 @@ def test_lines_read_one_statement_at_a_time():
         ]
     assert wide == []
     assert continued == []
+
+
+def _abstract_base(node: ast.ClassDef) -> bool:
+    """An ABC or a Protocol (its methods may be stubs for the classes that implement it)."""
+    bases = [b.value if isinstance(b, ast.Subscript) else b for b in node.bases]
+    names = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in bases}
+    metaclasses = {ast.unparse(k.value) for k in node.keywords if k.arg == "metaclass"}
+    return bool(names & {"ABC", "Protocol"} or metaclasses & {"ABCMeta", "abc.ABCMeta"})
+
+
+def _only_raises_not_implemented(function: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    body = function.body[1:] if ast.get_docstring(function) is not None else function.body
+    if len(body) != 1 or not isinstance(body[0], ast.Raise) or body[0].exc is None:
+        return False
+    exc = body[0].exc.func if isinstance(body[0].exc, ast.Call) else body[0].exc
+    return isinstance(exc, ast.Name) and exc.id == "NotImplementedError"
+
+
+def test_no_method_is_a_stub_outside_an_abstract_base():
+    """A method whose body only raises NotImplementedError belongs to an abstract base (ABC,
+    Protocol); anywhere else it stands for a host's method in a class cut in half (a mixin)."""
+    stubs = [
+        f"{module}.{node.name}.{function.name}"
+        for _, module, path in project_files()
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.ClassDef) and not _abstract_base(node)
+        for function in node.body
+        if isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef)
+        and _only_raises_not_implemented(function)
+    ]
+    assert stubs == []
