@@ -18,7 +18,8 @@ import math
 from typing import Any
 
 from deploy.bench.cost_model import CostModel
-from scheduler.pool_planner import LoadWindow, PoolPlanner, Speeds
+from scheduler.load_window import LoadWindow
+from scheduler.pool_planner import PoolPlanner, Speeds
 
 Phase = tuple[tuple[float, float], tuple[int, int], tuple[int, int]]
 

@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from scheduler.pool_planner import LoadWindow
+from scheduler.load_window import LoadWindow
 
 _LEVEL_BOUNDS = (0.5, 2.0)
 _Z = 1.28  # one-sided 90%: a window's count minus this many standard deviations

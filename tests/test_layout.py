@@ -15,19 +15,28 @@ ROOT = Path(__file__).resolve().parents[1]
 # benchmarks/ is the lab beside the service: it may use every package, and none may use it
 RANK = {"scheduler": 0, "workers": 1, "deploy": 2, "benchmarks": 3}
 SHELL = "scheduler.cell.actor"  # the one module of scheduler/ that may import ray
-MAX_LINES = 500  # a cohesive file may reach about 450 lines
 
 
 def imported_modules(path: Path) -> set[str]:
     """Every module a file imports, wherever the import sits (top level, function,
-    TYPE_CHECKING)."""
+    TYPE_CHECKING); `from package import module` names the project's module too."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
+            names |= {
+                f"{node.module}.{alias.name}"
+                for alias in node.names
+                if _is_project_module(f"{node.module}.{alias.name}")
+            }
     return names
+
+
+def _is_project_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
 def project_files():
@@ -47,6 +56,35 @@ def test_imports_point_one_way():
         if name.split(".")[0] in RANK and RANK[name.split(".")[0]] > RANK[package]
     ]
     assert upward == []
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each project module and the project modules it imports (anywhere in the file)."""
+    files = {module: path for _, module, path in project_files()}
+    return {module: imported_modules(path) & files.keys() for module, path in files.items()}
+
+
+def test_no_import_circles():
+    """No module imports, even inside a function or under TYPE_CHECKING, a module that imports it
+    back, directly or through others: a class cut in two leaves such a circle behind."""
+    graph = import_graph()
+    assert "workers.loader" in graph["workers.actors"]  # (the graph has edges)
+    done: set[str] = set()
+    circles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            circles.append(" -> ".join(path[path.index(module) :] + [module]))
+            return
+        if module in done:
+            return
+        for name in sorted(graph[module]):
+            visit(name, path + [module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+    assert circles == []
 
 
 def test_nothing_in_scheduler_imports_the_actor_shell():
@@ -100,19 +138,13 @@ def test_pdserve_help_loads_no_torch():
 
 def test_every_file_says_its_one_job_in_its_first_line():
     """A file does one job and its docstring's first line says which; split by job, never by
-    length. A file past MAX_LINES has probably grown a second job: split it where the jobs part."""
+    length (a cohesive class may be long: vLLM's scheduler is one file)."""
     unsaid = []
-    long = {}
     for _, module, path in project_files():
-        text = path.read_text()
-        tree = ast.parse(text)
-        doc = ast.get_docstring(tree)
+        doc = ast.get_docstring(ast.parse(path.read_text()))
         if module.count(".") and path.name != "__init__.py" and not (doc and doc.strip()):
             unsaid.append(module)
-        if (num_lines := len(text.splitlines())) > MAX_LINES:
-            long[module] = num_lines
     assert unsaid == []
-    assert long == {}
 
 
 def test_lines_read_one_statement_at_a_time():
@@ -152,3 +184,34 @@ def test_every_cpp_file_says_its_one_job_in_its_first_line():
     ]
     assert unsaid == []
     assert wide == []
+
+
+def _abstract_base(node: ast.ClassDef) -> bool:
+    """An ABC or a Protocol (its methods may be stubs for the classes that implement it)."""
+    bases = [b.value if isinstance(b, ast.Subscript) else b for b in node.bases]
+    names = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in bases}
+    metaclasses = {ast.unparse(k.value) for k in node.keywords if k.arg == "metaclass"}
+    return bool(names & {"ABC", "Protocol"} or metaclasses & {"ABCMeta", "abc.ABCMeta"})
+
+
+def _only_raises_not_implemented(function: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    body = function.body[1:] if ast.get_docstring(function) is not None else function.body
+    if len(body) != 1 or not isinstance(body[0], ast.Raise) or body[0].exc is None:
+        return False
+    exc = body[0].exc.func if isinstance(body[0].exc, ast.Call) else body[0].exc
+    return isinstance(exc, ast.Name) and exc.id == "NotImplementedError"
+
+
+def test_no_method_is_a_stub_outside_an_abstract_base():
+    """A method whose body only raises NotImplementedError belongs to an abstract base (ABC,
+    Protocol); anywhere else it stands for a host's method in a class cut in half (a mixin)."""
+    stubs = [
+        f"{module}.{node.name}.{function.name}"
+        for _, module, path in project_files()
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.ClassDef) and not _abstract_base(node)
+        for function in node.body
+        if isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef)
+        and _only_raises_not_implemented(function)
+    ]
+    assert stubs == []

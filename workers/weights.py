@@ -2,10 +2,10 @@
 device and in its dtype.
 
 The model is built on the `meta` device (no memory), given storage on the target device in the
-target dtype, and each checkpoint tensor is read (memory-mapped), converted as `loader.unfused`
-does and copied into its parameter. The host never holds more than one tensor in fp32 beyond the
-file's own pages: an 8B model in bf16 starts with about its 16 GB of weights, not the ~32 GB of
-an fp32 copy first.
+target dtype, and each checkpoint tensor is read (memory-mapped), converted by
+`hf_checkpoint.unfused` and copied into its parameter. The host never holds more than one tensor
+in fp32 beyond the file's own pages: an 8B model in bf16 starts with about its 16 GB of weights,
+not the ~32 GB of an fp32 copy first.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from workers.hf_checkpoint import spec_from_hf, unfused
 from workers.model import DecoderLM
 
 
@@ -72,8 +73,6 @@ def load_weights(
 ) -> DecoderLM:
     """Our model of a checkpoint's safetensors `files`, on `device` in `dtype`. Raises ValueError
     if the checkpoint's tensors do not fit the model."""
-    from workers.loader import spec_from_hf, unfused
-
     spec = spec_from_hf(config, unfused(_shapes(files), config))
     inv_freq, rope_scale = rotary_embedding(config)
     with torch.device("meta"):

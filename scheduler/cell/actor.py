@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import time
 import uuid
@@ -32,7 +33,7 @@ import ray
 import ray.util.metrics
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from scheduler.cell.bursts import BurstSizer
+from scheduler.cell.bursts import BurstSizer, plan_call
 from scheduler.cell.call_clock import CallClock
 from scheduler.cell.coordinator import Coordinator
 from scheduler.cell.deadlines import expire
@@ -40,9 +41,8 @@ from scheduler.cell.gc_pauses import freeze_startup_objects
 from scheduler.cell.mailboxes import Mailboxes
 from scheduler.cell.serving_metrics import ServingMetrics
 from scheduler.cell.state import CellClosed, CellConfig, WorkerState, WorkerStatus
-from scheduler.cell.stepping import CellSteps
 from scheduler.cell.timeline import StepTimeline
-from scheduler.messages import WorkerRestarted
+from scheduler.messages import WorkerRestarted, pack_plans
 from scheduler.outputs import RequestOutput
 from scheduler.request import Request
 
@@ -54,11 +54,9 @@ _RESTART_TIMEOUT_S = 300.0
 _EXPIRY_PERIOD_S = 0.1  # how often deadlines are checked (how late a request may end past one)
 
 
-class CellActor(CellSteps):
+class CellActor:
     """Creates the workers of a cell and runs one stepping loop per worker, so a decode step never
     waits for a prefill step. Decisions are the coordinator's; this class only moves messages."""
-
-    worker_errors = _WORKER_ERRORS
 
     def __init__(
         self,
@@ -190,7 +188,7 @@ class CellActor(CellSteps):
         """Every planner window, let the coordinator resize the pools (role changes)."""
         while True:
             await asyncio.sleep(self.config.planner_window_s)
-            for decision in self.coordinator.pools.end_window():
+            for decision in self.coordinator.end_window():
                 log.info("pool planner: %s", decision)
             self.coordinator.roles.finish()
             await self._after_role_changes()
@@ -290,6 +288,171 @@ class CellActor(CellSteps):
     async def num_open(self) -> int:
         """Requests here that have not ended: the cell's load, for routing and autoscaling."""
         return len(self.coordinator.consumers)
+
+    # ---- stepping: one loop per worker, one call in flight ahead
+    def _wake(self, worker: WorkerState) -> None:
+        self.wakeups[worker.actor].set()
+
+    async def _loop(self, worker: WorkerState) -> None:
+        """Keep one call in flight ahead: call N+1 is planned and sent before call N's results are
+        applied, so planning, applying and publishing overlap the worker's forward. The policy plans
+        N+1 as if N's tokens were known (the worker feeds them in), never past max_tokens, and drops
+        what N+1 samples for a request that stopped in N. A decode worker plans N+1 late when a
+        handoff is due before N ends (`_await_handoff`), so the handed-off request joins N+1, not
+        N+2. A call carries several decode steps (a burst, `scheduler/cell/bursts.py`) when the
+        worker only decodes."""
+        handle = self.handles[worker.actor]
+        wakeup = self.wakeups[worker.actor]
+        in_flight: tuple[Any, ...] | None = None  # (plans, result ref, planning seconds, send time)
+        while True:
+            if worker.kind == "decode" and in_flight is not None:
+                await self._await_handoff(worker, in_flight[0], in_flight[1], in_flight[3])
+            t0 = time.perf_counter()
+            call = plan_call(self.coordinator, worker, self.bursts.length(worker.actor))
+            sent = None
+            if call is not None:
+                plans, imports = call
+                t1 = time.perf_counter()
+                sent = (plans, self._send(handle, worker, plans, imports), t1 - t0, t1)
+                if worker.kind == "prefill" and any(c.sample for c in plans[0].prefill):
+                    self.clock.finishing_sent(
+                        worker.actor, t1, _tokens(plans), queued=in_flight is not None
+                    )
+            elif in_flight is None:
+                self._deliver()  # a preempted request's reroute may have failed it
+                wakeup.clear()
+                await wakeup.wait()
+                continue
+            if in_flight is not None:
+                if not await self._finish_step(worker, *in_flight):
+                    if sent is not None:  # the worker died: the call sent after it is lost too
+                        await asyncio.gather(self._results(worker, sent[1]), return_exceptions=True)
+                    sent = None
+                elif sent is not None:  # it starts now
+                    self.clock.started(worker.actor, sent[3], _tokens(sent[0]), time.perf_counter())
+            in_flight = sent
+
+    @staticmethod
+    def _send(handle: Any, worker: WorkerState, plans: list[Any], imports: list[Any]) -> Any:
+        """Send a step call naming the start of the worker this scheduler knows (`ready()`'s
+        incarnation): a worker restarted since refuses it (WorkerRestarted). No local keeps the
+        result's ref: an idle loop must not hold the last result in the object store."""
+        worker.calls_in_flight += 1
+        return handle.step.remote(pack_plans(plans), imports, worker.placement.get("incarnation"))
+
+    @staticmethod
+    async def _results(worker: WorkerState, ref: Any) -> Any:
+        """A call's results (or its error); either way the call is no longer in flight."""
+        try:
+            return await ref
+        finally:
+            worker.calls_in_flight -= 1
+
+    async def _await_handoff(
+        self, worker: WorkerState, plans: list[Any], ref: Any, sent_s: float
+    ) -> None:
+        """Before planning a decode worker's next step while its step N runs: if a prefill worker's
+        call that finishes a prompt is expected back before N ends (`CallClock.handoff_due`), wait
+        for that handoff, or for N, whichever comes first. Waiting never changes an output, only
+        which step a handed-off request joins; when no handoff is due it costs nothing."""
+        start = max(sent_s, self.last_result_s.get(worker.actor, sent_s))
+        n_ends = self.clock.ends(worker.actor, _tokens(plans), start)
+        if n_ends == math.inf or not self.clock.handoff_due(n_ends):
+            return
+        arrived = asyncio.ensure_future(self.handoff_applied.wait())
+        done = asyncio.ensure_future(asyncio.gather(ref, return_exceptions=True))
+        await asyncio.wait(
+            [arrived, done],
+            timeout=max(0.0, n_ends - time.perf_counter()) + 0.05,
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+        for task in (arrived, done):
+            task.cancel()
+        # (retrieved: no "never retrieved" logs)
+        await asyncio.gather(arrived, done, return_exceptions=True)
+
+    async def _finish_step(
+        self, worker: WorkerState, plans: list[Any], ref: Any, plan_s: float, sent_s: float
+    ) -> bool:
+        """Wait for a call's results and apply them step by step; False if the worker died (then it
+        has been recovered)."""
+        try:
+            results = await self._results(worker, ref)
+        except _WORKER_ERRORS as e:
+            self.clock.lost(worker.actor)
+            await self._recover(worker, e)
+            return False
+        # the step raised (a bug): end this worker's requests with it, keep serving
+        except Exception as e:
+            self.clock.lost(worker.actor)
+            self._fail_requests(worker, "a step", e)
+            self._deliver()
+            return False
+        t2 = time.perf_counter()
+        kind = worker.kind  # (the role these calls were planned for, if applying them ends it)
+        worker_s = sum(r.step_s for r in results)
+        tokens = _tokens(plans)
+        self.clock.observe(worker.actor, worker_s, tokens)
+        period = t2 - max(sent_s, self.last_result_s.get(worker.actor, 0.0))
+        self.last_result_s[worker.actor] = t2
+        if tokens:
+            self.bursts.observe(worker.actor, len(plans), period, worker_s)
+        try:
+            for plan, result in zip(plans, results, strict=True):
+                self.coordinator.apply(worker, plan, result)
+        # a bug: say so loudly, end this worker's requests, keep the loop alive
+        except Exception as e:
+            self._fail_requests(worker, "applying a step", e)
+        # pieces for a decode worker's node
+        for name, pieces in self.coordinator.kv.take_prefetches().items():
+            self._send_prefetch(name, pieces)
+        await self._after_role_changes()
+        t3 = time.perf_counter()
+        # handoffs are queued: wake
+        if kind == "prefill" and any(c.sample for c in plans[0].prefill):
+            self.handoff_applied.set()
+            self.handoff_applied = asyncio.Event()
+        self.clock.returned(worker.actor, sent_s)
+        self._deliver()
+        if tokens:
+            self.timeline.record(
+                kind,
+                steps=len(plans),
+                period=period,
+                plan=plan_s,
+                round_trip=t2 - sent_s,
+                worker_step=worker_s,
+                forward=sum(r.forward_s for r in results),
+                apply=t3 - t2,
+                publish=time.perf_counter() - t3,
+                tokens=tokens,
+            )
+        return True
+
+    def _fail_requests(self, worker: WorkerState, what: str, error: Exception) -> None:
+        """End a worker's requests after a bug: each client gets a short message naming its
+        request id; the traceback (paths, hosts, process ids: the server's business) goes to this
+        actor's log under those ids."""
+        cause = getattr(error, "cause", None) or error  # a RayTaskError's: the worker's own
+        req_ids = self.coordinator.fail_worker_requests(
+            worker, f"internal error on {worker.name} ({type(cause).__name__})"
+        )
+        log.error(
+            "%s of %s failed; requests ended with an error: %s",
+            what,
+            worker.name,
+            ", ".join(req_ids) or "none",
+            exc_info=error,
+        )
+
+    def _send_prefetch(self, name: str, pieces: list[Any]) -> None:
+        """Name pieces to the decode worker that will import them; a failed call only costs the head
+        start."""
+        task = asyncio.ensure_future(
+            asyncio.gather(self.handles[name].prefetch.remote(pieces), return_exceptions=True)
+        )
+        self.prefetching.add(task)
+        task.add_done_callback(self.prefetching.discard)
 
     # ---- consumers
     async def submit(self, request: Request, consumer: str) -> str:
@@ -460,3 +623,7 @@ def _num_restarts(actor_id: str) -> int:
         return max(1, int(actors(actor_id)["NumRestarts"]))
     except Exception:  # (a private table: its shape may change)
         return 1
+
+
+def _tokens(plans: list[Any]) -> int:
+    return sum(p.num_tokens for p in plans)

@@ -1,5 +1,5 @@
 """The scheduler actor's decisions as plain code: routing, the handoff book, recompute, step
-results.
+results, worker faults.
 
 No Ray, torch or numpy: the Ray actor (`scheduler/cell/actor.py`) is a thin shell that calls these
 methods from its loops and does the remote calls, and tests drive them with hand-built
@@ -8,16 +8,16 @@ methods from its loops and does the remote calls, and tests drive them with hand
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from typing import Any
 
 from scheduler.block_pool import block_names, routing_cost
-from scheduler.cell.faults import CellFaults
 from scheduler.cell.forks import WaitingForks, sibling_worker
 from scheduler.cell.handoffs import HandoffBook
 from scheduler.cell.metrics import CellMetrics, RecordingBackend
-from scheduler.cell.pools import PoolPlans, RoleChanges
+from scheduler.cell.pools import RELEASE, PoolPlans
 from scheduler.cell.state import (
     CellConfig,
     CellCounts,
@@ -36,7 +36,7 @@ from scheduler.step_planner import QueueFullError, StepPlanner
 log = logging.getLogger(__name__)
 
 
-class Coordinator(CellFaults):
+class Coordinator:
     """Owns every request of a cell and decides where it goes and what its stream gets.
 
     * disaggregated: prompts are chunk-prefilled on prefill workers; when a prompt's last chunk is
@@ -95,7 +95,7 @@ class Coordinator(CellFaults):
         self.outbox: dict[str, list[RequestOutput]] = {}  # consumer -> outputs not yet taken
         self.counts = CellCounts()
         self.roles = RoleChanges(self)
-        self.pools = PoolPlans(self)
+        self.pools = PoolPlans(config, len(self.workers))
 
     def new_planner(self, kind: str, num_blocks: int | None) -> StepPlanner:
         """The step planner of a worker in pool `kind` whose cache has `num_blocks` blocks."""
@@ -422,6 +422,70 @@ class Coordinator(CellFaults):
         log.warning("recomputing %s: %s", request.req_id, why)
         self._route(request)
 
+    # ---- faults: a worker that died (its requests recomputed or moved), came back, or is gone
+    # for good, and a failing step's requests ended with an error
+    def fail_worker_requests(self, worker: WorkerState, message: str) -> list[str]:
+        """End every request of a worker with an error (a bug applying its step: say so on each
+        stream, with the request's id, under which the server logs the details); returns their
+        ids."""
+        failed = list(worker.sched.running) + list(worker.sched.waiting_requests())
+        for request in failed:
+            worker.sched.evict(request.req_id)
+            self._fail(request, f"{message}; the server log has the details under {request.req_id}")
+        return [r.req_id for r in failed]
+
+    def worker_died(self, worker: WorkerState) -> None:
+        """A worker stopped answering: recompute its running requests (on live workers if any, else
+        on it after its restart) and move its waiting ones to live workers of its pool."""
+        self.counts.worker_failures += 1
+        worker.status = WorkerStatus.RESTARTING
+        self.kv.worker_lost(worker)
+        log.warning("%s failed; moving its requests", worker.name)
+        for request in list(worker.sched.running):
+            worker.sched.evict(request.req_id)
+            self._drop_kv(request.req_id)  # imported or not, its blocks are gone
+            self._recompute(request, f"{worker.name} failed")
+        worker.sched.blocks.clear()  # the restarted worker's pool is empty
+        worker.sched.held.clear()  # what handed-off prompts found cached there is gone too
+        self.move_waiting(worker)
+
+    def worker_back(self, worker: WorkerState, placement: dict[str, Any]) -> None:
+        worker.status = WorkerStatus.UP
+        worker.placement = placement
+        log.warning("%s is back", worker.name)
+        self.roles.finish()  # a leaving worker that died holds nothing now
+        self.wake(worker)
+
+    def worker_gone(self, worker: WorkerState) -> None:
+        """Its restarts are spent: what still waits on it moves on, or ends with an error."""
+        log.error("%s is gone; its pool continues without it", worker.name)
+        worker.status = WorkerStatus.GONE
+        self.move_waiting(worker)
+
+    def move_waiting(self, worker: WorkerState) -> None:
+        """Hand a dead (or leaving) worker's queue to live workers of its pool (a gone worker's to
+        any that remain)."""
+        pool = self.prefill if worker.kind == "prefill" else self.decode
+        gone = worker.status is WorkerStatus.GONE
+        for request in list(worker.sched.waiting_requests()):
+            target = WorkerState.least_loaded(pool, exclude=worker)
+            if target is None or not (target.status is WorkerStatus.UP or gone):
+                if gone:
+                    worker.sched.evict(request.req_id)
+                    self._fail(request, f"every {worker.kind} worker is gone", unavailable=True)
+                continue  # stays queued here until the restart
+            worker.sched.evict(request.req_id)
+            target.sched.submit(request)
+            self.wake(target)
+
+    # ---- pools
+    def end_window(self, now_s: float | None = None) -> list[dict[str, Any]]:
+        """Close the pool planner's window and start the workers, the release or the role change it
+        decides (`PoolPlans.end_window`); the decisions, one per worker."""
+        return self.pools.end_window(
+            (self.prefill, self.decode), self.roles.add, self.roles.begin, now_s
+        )
+
     # ---- introspection
     def pool_exhausted(self) -> bool:
         """A pool has no worker left: the cell cannot serve."""
@@ -454,3 +518,112 @@ class Coordinator(CellFaults):
             },
             "max_waiting": self.config.max_waiting,
         }
+
+
+class RoleChanges:
+    """A cell's workers on their way from one pool to the other, joining the cell, or leaving it.
+
+    A worker leaving its pool (`begin`) takes no new work: nothing is routed, bound or handed to
+    it, and the prompts still waiting in its queue go to the rest of its pool. What it already
+    holds runs to the end there (a prefill worker's prompts are prefilled and handed off; a decode
+    worker's requests finish), so no request is moved, recomputed or changed by a role change. Once
+    it holds nothing and has no call in flight (`finish`), it joins the other pool under a new name
+    with a planner for that role; the actor, its cache and its KV transfers stay as they are (its
+    named prefix blocks are forgotten). It changes the coordinator's pools in place, so it lives
+    beside it."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.cell = coordinator
+        self.switched: list[WorkerState] = []  # since the actor shell last took them
+        self.released: list[WorkerState] = []  # likewise: their actors are to be stopped
+        self.count = 0
+        self.added = 0
+        self.removed = 0
+
+    def add(self, kind: str) -> WorkerState:
+        """A new worker for pool `kind`, not yet started (`RESTARTING` until its actor answers
+        `ready`; the actor shell starts it)."""
+        cell = self.cell
+        pool = cell.prefill if kind == "prefill" else cell.decode
+        taken = {w.index for w in pool}
+        index = next(i for i in itertools.count() if i not in taken)
+        actors = {w.actor for w in cell.workers} | {w.actor for w in self.released}
+        actor = next(
+            name
+            for n in itertools.count()
+            if (name := f"{kind}-{index}" + (f"-{n}" if n else "")) not in actors
+        )
+        blocks = cell.config.decode_blocks if kind == "decode" else cell.config.prefill_blocks
+        worker = WorkerState(
+            kind, index, cell.new_planner(kind, blocks), WorkerStatus.RESTARTING, actor=actor
+        )
+        pool.append(worker)
+        cell.workers = cell.prefill + cell.decode
+        self.added += 1
+        return worker
+
+    def begin(self, worker: WorkerState, kind: str) -> None:
+        """Start moving `worker` to pool `kind` (or out of the cell: `RELEASE`): no new work from
+        now on."""
+        if kind == worker.kind or worker.next_kind is not None:
+            return
+        worker.next_kind = kind
+        cell = self.cell
+        if worker.kind == "prefill":  # prompts not started go to the rest of the pool
+            cell.move_waiting(worker)
+        for req_id in [r for r, w in cell.kv.bound.items() if w is worker]:
+            cell.kv.unbind(req_id)  # rebound, with its next piece, to a worker that stays
+        self.finish()
+
+    def holds_nothing(self, worker: WorkerState) -> bool:
+        sched = worker.sched
+        kv = self.cell.kv
+        return (
+            not sched.running
+            and not sched.num_waiting
+            and not sched.reserved
+            and all(w is not worker for w in kv.bound.values())
+            and not worker.calls_in_flight
+        )
+
+    def finish(self) -> None:
+        """Move every leaving worker that holds nothing any more to its new pool."""
+        cell = self.cell
+        for worker in list(cell.workers):
+            if worker.next_kind is None or worker.status is not WorkerStatus.UP:
+                continue
+            if not self.holds_nothing(worker):
+                continue
+            source = cell.prefill if worker.kind == "prefill" else cell.decode
+            if worker.next_kind == RELEASE:
+                source.remove(worker)
+                cell.workers = cell.prefill + cell.decode
+                worker.status = WorkerStatus.GONE
+                worker.next_kind = None
+                self.removed += 1
+                self.released.append(worker)
+                continue
+            target = cell.decode if worker.next_kind == "decode" else cell.prefill
+            source.remove(worker)
+            taken = {w.index for w in target}
+            worker.index = next(i for i in itertools.count() if i not in taken)
+            worker.kind = worker.next_kind
+            worker.next_kind = None
+            released = worker.sched.worker_copy.take_released()
+            worker.sched = cell.new_planner(worker.kind, worker.sched.blocks.num_blocks)
+            # (its next call still tells the worker which requests' states to drop)
+            worker.sched.worker_copy.released = released
+            target.append(worker)
+            cell.workers = cell.prefill + cell.decode
+            self.count += 1
+            self.switched.append(worker)
+            cell.metrics.on_role_change(worker.kind)
+            cell.wake(worker)
+
+    def take_switched(self) -> list[WorkerState]:
+        switched, self.switched = self.switched, []
+        return switched
+
+    def take_released(self) -> list[WorkerState]:
+        released, self.released = self.released, []
+        return released

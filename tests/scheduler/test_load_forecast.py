@@ -4,7 +4,8 @@ and scaled to today's level, and pools sized a start-up ahead of a load that com
 import pytest
 
 from scheduler.load_forecast import SeasonalForecast
-from scheduler.pool_planner import LoadWindow, PoolPlanner, Speeds
+from scheduler.load_window import LoadWindow
+from scheduler.pool_planner import PoolPlanner, Speeds
 
 
 def load(rate, prompt=2000, output=20, seconds=10.0):

@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from scheduler.pool_planner import LoadWindow, PoolPlanner, Speeds, fit_line, held_load
+from scheduler.load_window import LoadWindow
+from scheduler.pool_planner import PoolPlanner, Speeds, fit_line, held_load
 
 
 def test_a_line_is_fitted_to_step_times():

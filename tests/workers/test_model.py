@@ -193,7 +193,7 @@ def test_sliding_window_checkpoints_are_served_up_to_their_window_where_full_att
 
 def test_an_activation_other_than_silu_is_refused_by_name():
     from tests.factories import tiny_hf_config
-    from workers.loader import spec_from_hf
+    from workers.hf_checkpoint import spec_from_hf
 
     config = tiny_hf_config("llama")
     config.hidden_act = "gelu"
@@ -235,7 +235,7 @@ def test_a_model_built_after_transformers_ran_past_the_original_context_takes_th
 
 def test_a_partial_rotary_checkpoint_is_refused_by_name():
     from tests.factories import tiny_hf_config
-    from workers.loader import spec_from_hf
+    from workers.hf_checkpoint import spec_from_hf
 
     config = tiny_hf_config("phi3")
     config.rope_parameters["partial_rotary_factor"] = 0.75  # Phi-4-mini

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import json
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,14 +95,17 @@ def _read_call(item: Any, index: int) -> CallDelta | None:
     )
 
 
-class CallReader:
+class CallReader(ABC):
     """Reads one choice's text as it comes: `feed` each piece, then `finish` once."""
 
+    @abstractmethod
     def feed(self, text: str) -> Delta:
-        raise NotImplementedError
+        """What the next piece of the choice's text adds (text that may be part of a call is held
+        back until it is known)."""
 
+    @abstractmethod
     def finish(self) -> Delta:
-        raise NotImplementedError
+        """What is left once the text has ended: text held back, a call cut short."""
 
 
 class NamedCall(CallReader):

@@ -4,7 +4,8 @@ moves the worker the load asks for."""
 import pytest
 
 from scheduler.cell.state import WorkerStatus
-from scheduler.pool_planner import LoadWindow, Speeds
+from scheduler.load_window import LoadWindow
+from scheduler.pool_planner import Speeds
 from tests.scheduler.cell.test_coordinator import (
     LEDGER,
     Streams,
@@ -52,7 +53,7 @@ def close_window(coordinator, prompt_tokens, output_tokens, at=10):
         finished=100,
         output_tokens=output_tokens,
     )
-    return coordinator.pools.end_window(now_s=coordinator.pools.started_s + at)
+    return coordinator.end_window(now_s=coordinator.pools.started_s + at)
 
 
 def test_a_prefill_worker_becomes_a_decode_worker_under_load_and_nothing_changes():
