@@ -75,7 +75,9 @@ class SeasonalForecast:
     level: float = 1.0  # the last `ahead`'s level
 
     def record(self, window: LoadWindow) -> None:
-        self.now_s += window.seconds
+        # to the microsecond: windows timed as differences of a large clock (time.monotonic())
+        # sum to 69.99999999999989 s for seven of 10 s, and a period would end a window late
+        self.now_s = round(self.now_s + window.seconds, 6)
         steps = window.decode_steps
         sums = (
             float(len(steps)),

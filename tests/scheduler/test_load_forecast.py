@@ -173,3 +173,13 @@ def test_a_forecast_window_brings_the_speeds_measured_on_its_mix():
     target = p.decide(short, prefill=1, decode=1)
     assert (target.prefill, target.decode) == (2, 1)
     assert p.needs_at(2, 2000, 0.0, 20)[0] == pytest.approx(2.5)
+
+
+def test_windows_timed_on_a_large_clock_make_a_whole_period():
+    """Seven 10 s windows measured as differences of time.monotonic() values make 70 s."""
+    forecast = SeasonalForecast(period_s=70)
+    start = 131_027.5367342554  # its seven differences sum to 69.99999999998545
+    for i in range(7):
+        begin, end = start + 10 * i, start + 10 * (i + 1)
+        forecast.record(LoadWindow(seconds=end - begin, arrivals=1))
+    assert forecast.ready()
