@@ -10,20 +10,11 @@ from deploy.config import EngineConfig
 from deploy.driver import RayEngine, open_engine
 from deploy.engine_client import EngineClient, complete
 from scheduler.request import Request, SamplingParams
-from tests.factories import TEST_DEVICE, TEST_GPUS_PER_WORKER, VOCAB, make_requests
+from tests.deploy.engine_configs import BASE
+from tests.factories import TEST_DEVICE, VOCAB, make_requests
 
 pytestmark = pytest.mark.slow
 
-BASE = dict(
-    slots=3,
-    max_model_len=160,
-    token_budget=16,
-    prefill_chunk=8,
-    prefill_slots=2,
-    device=TEST_DEVICE,  # PDSERVE_TEST_DEVICE (cpu by default)
-    gpus_per_worker=TEST_GPUS_PER_WORKER,
-    dtype="float32",  # (auto is bf16 on a GPU)
-)
 PROMPTS, OUTPUTS = [5, 31, 12, 47, 9, 20, 3, 60, 15], [17, 6, 25, 9, 3, 12, 30, 8, 14]
 
 
@@ -205,7 +196,7 @@ def test_kv_imported_into_a_reserved_slot_while_prefilling_equals_local(
 def sampling_variety():
     """Penalties, logit_bias, min_tokens, log-probs, echo log-probs, and three seeded choices of one
     prompt."""
-    from tests.workers.test_sampling_params import processed_requests
+    from tests.workers.sampling_cases import processed_requests
 
     prompt = make_requests(1, [20], [1])[0].prompt_ids
     choices = [

@@ -9,7 +9,7 @@ from deploy.config import EngineConfig
 from deploy.driver import RayEngine, open_engine
 from deploy.engine_client import EngineClient, complete
 from scheduler.request import SamplingParams
-from tests.deploy.test_modes import BASE
+from tests.deploy.engine_configs import BASE
 from tests.factories import make_requests
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.deploy.test_serve_cli import _wait_ready
+from tests.deploy.serving.servers import wait_ready
 from tests.factories import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -65,7 +65,7 @@ def test_sigterm_lets_streams_finish_up_to_the_drain_timeout_then_ends_the_rest(
             cwd=ROOT,
         )
     try:
-        _wait_ready(proc, base, log)
+        wait_ready(proc, base, log)
         assert httpx.get(f"{base}/ready", timeout=10).status_code == 200
         # 16 streams: 8 short ones, which finish during the drain, and 8 that cannot finish in it
         records = [{} for _ in range(16)]

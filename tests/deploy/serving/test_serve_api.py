@@ -11,9 +11,9 @@ from ray import serve
 
 from deploy.config import EngineConfig
 from deploy.driver import open_engine
-from deploy.params import GenerationParams
 from deploy.prompts import encode_prompt
 from deploy.serving.app import OpenAIIngress, build_app
+from tests.deploy.serving.servers import local_text
 from tests.factories import served_app
 
 pytestmark = pytest.mark.slow
@@ -36,22 +36,6 @@ def server(ray_session, tiny_checkpoint):
 @pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def local_text(checkpoint, prompt=None, messages=None, max_tokens=12, prompt_token_ids=None):
-    with open_engine(EngineConfig(model=checkpoint, max_model_len=256)) as engine:
-        ids = encode_prompt(
-            engine.tokenizer, prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids
-        )
-        request = GenerationParams(temperature=0).request(
-            "x",
-            ids,
-            max_tokens=max_tokens,
-            eos_token_ids=engine.eos_token_ids,
-            vocab_size=len(engine.tokenizer),
-        )
-        done = engine.run([request])["x"]
-    return done.text, done.prompt_tokens, len(done.token_ids), done.finish_reason
 
 
 def test_completion_equals_local_generate_with_usage(client, tiny_checkpoint):

@@ -5,7 +5,7 @@ import pytest
 
 from scheduler.cell.state import WorkerStatus
 from scheduler.pool_planner import LoadWindow, Speeds
-from tests.scheduler.cell.test_coordinator import (
+from tests.scheduler.cell.cells import (
     LEDGER,
     Streams,
     assert_idle,
