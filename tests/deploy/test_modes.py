@@ -12,6 +12,7 @@ from deploy.engine_client import EngineClient, complete
 from scheduler.request import Request, SamplingParams
 from tests.deploy.engine_configs import BASE
 from tests.factories import TEST_DEVICE, VOCAB, make_requests
+from tests.waiting import wait_for_stats
 
 pytestmark = pytest.mark.slow
 
@@ -122,11 +123,10 @@ def staged(config, first, later, running, pause_s=0.05):
 
     async def scenario():
         tasks = [asyncio.create_task(complete(client, r)) for r in first]
-        while (await handle.stats.remote())["workers"]["decode-0"]["running"] < running:
-            await asyncio.sleep(0.005)
+        await wait_for_stats(handle, lambda s: s["workers"]["decode-0"]["running"] >= running)
         for request in later:
             tasks.append(asyncio.create_task(complete(client, request)))
-            await asyncio.sleep(pause_s)
+            await asyncio.sleep(pause_s)  # arrivals spread out, not one burst
         done = await asyncio.wait_for(asyncio.gather(*tasks), timeout=180)
         return {c.req_id: c for c in done}, await handle.stats.remote()
 

@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -16,6 +15,7 @@ import pytest
 from deploy.cli import main
 from tests.deploy.serving.servers import local_text, wait_ready
 from tests.factories import free_port
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -94,10 +94,8 @@ def test_pdserve_serve_streams_on_its_port_frees_a_dropped_stream_and_stops_on_s
             },
         ) as r:
             next(r.iter_lines())
-        deadline = time.monotonic() + 30
-        while stats()["counters"]["aborts"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert stats()["counters"]["aborts"] == 1
+        aborted = wait_for(lambda s: s["counters"]["aborts"], 30, value=stats)
+        assert aborted["counters"]["aborts"] == 1
         assert sum(w["slots_used"] for w in stats()["workers"].values()) == 0
 
         proc.send_signal(signal.SIGTERM)

@@ -74,7 +74,7 @@ class FakeEngine:
         finished = False
         try:
             for j, out in enumerate(script(request)):
-                await asyncio.sleep(0)
+                await asyncio.sleep(0)  # (a turn of the loop between outputs, as a stream has)
                 if j == 2 and request.req_id.rsplit("-", 1)[1] in self.fail:
                     out = RequestOutput(
                         request.req_id,

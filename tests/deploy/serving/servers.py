@@ -2,7 +2,6 @@
 until it serves, and the text local mode generates for a prompt (what a server must answer)."""
 
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
@@ -11,21 +10,27 @@ from deploy.config import EngineConfig
 from deploy.driver import open_engine
 from deploy.params import GenerationParams
 from deploy.prompts import encode_prompt
+from tests.waiting import wait_for
 
 
-def wait_ready(proc: subprocess.Popen, base: str, log: Path, timeout: float = 240) -> None:
+def wait_ready(proc: subprocess.Popen, base: str, log: Path, timeout_s: float = 240) -> None:
     """Wait until `pdserve serve` (`proc`, writing `log`) says its app is up, and check that it
     answers; fails at once if the process exits."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def up() -> bool:
         assert proc.poll() is None, (
             f"pdserve serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
         )
-        if "Ctrl-C stops it." in log.read_text():  # printed once the app is up
-            assert httpx.get(f"{base}/v1/models", timeout=10).status_code == 200
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"pdserve serve not ready in {timeout} s:\n{log.read_text()[-3000:]}")
+        return "Ctrl-C stops it." in log.read_text()  # printed once the app is up
+
+    wait_for(
+        up,
+        timeout_s,
+        what="pdserve serve to say its app is up",
+        poll_s=0.5,
+        context=lambda: log.read_text()[-3000:],
+    )
+    assert httpx.get(f"{base}/v1/models", timeout=10).status_code == 200
 
 
 def local_text(checkpoint, prompt=None, messages=None, max_tokens=12, prompt_token_ids=None):

@@ -2,7 +2,6 @@
 
 import asyncio
 import json
-import time
 
 import httpx
 import openai
@@ -15,6 +14,7 @@ from deploy.prompts import encode_prompt
 from deploy.serving.app import OpenAIIngress, build_app
 from tests.deploy.serving.servers import local_text
 from tests.factories import served_app
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 ARGS = dict(
@@ -264,10 +264,7 @@ def test_disconnected_stream_frees_its_slot(server):
         lines = r.iter_lines()
         next(lines)
         assert slots_used() >= 1
-    deadline = time.monotonic() + 15
-    while slots_used() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert slots_used() == 0
+    wait_for(lambda used: used == 0, 15, value=slots_used, what="the dropped stream's slot freed")
 
 
 def test_bench_against_the_running_endpoint(server, tiny_checkpoint, tmp_path):
