@@ -3,12 +3,11 @@ queue."""
 
 import asyncio
 import json
-import os
 import re
 import shutil
-import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
@@ -20,6 +19,7 @@ from deploy.engine_client import EngineClient, complete
 from deploy.ray_engine import start_scheduler
 from scheduler.cell.state import CellClosed
 from scheduler.step_planner import QueueFullError
+from tests.deploy.worker_doubles import Gate, HeldWorker, start_engine
 from tests.factories import make_request, make_requests
 from tests.waiting import wait_for, wait_for_async, wait_for_stats
 
@@ -299,12 +299,13 @@ def test_killed_workers_lose_no_request(ray_session, tiny_checkpoint):
             on_finish.started = True
             threading.Thread(target=kill_workers, daemon=True).start()
 
+    # nothing hangs: a run still going after 240 s fails (the engine's close then ends it)
+    run = ThreadPoolExecutor(1)
     try:
-        start = time.monotonic()
-        results = engine.run(workload(), on_finish=on_finish)
-        assert time.monotonic() - start < 240
+        results = run.submit(engine.run, workload(), on_finish=on_finish).result(timeout=240)
         stats = engine.stats()
     finally:
+        run.shutdown(wait=False)
         engine.close()
     assert kills.is_set() and len(results) == 10
     for req_id, done in results.items():
@@ -338,28 +339,27 @@ def test_a_decode_worker_restarted_while_idle_is_noticed_before_its_next_step(
     the request still produces local mode's tokens."""
     config = crowded_config(tiny_checkpoint)
     expected = local_outputs(config, [req("P", 400, 12, 5)])["P"]  # 100 four-token chunks
-    handle = start_scheduler(config)
-    stream = streamer(handle)
-    workers = ray.get(handle.worker_handles.remote())
-    prefill_pid = ray.get(workers["prefill-0"].ready.remote())["pid"]
-    killed = ray.get(workers["decode-0"].ready.remote())["incarnation"]
+    gate = Gate.remote()
+    engine = start_engine(config, HeldWorker, gate)  # the prompt's last chunk waits at the gate
+    stream = streamer(engine.handle)
+    decode = ray.get(engine.handle.worker_handles.remote())["decode-0"]
+    killed = ray.get(decode.ready.remote())["incarnation"]
 
     async def scenario():
         task = asyncio.create_task(stream(req("P", 400, 12, 5)))
-        await wait_for_stats(handle, lambda s: s["counters"]["early_imports"] >= 2)
-        os.kill(prefill_pid, signal.SIGSTOP)  # the prompt stops halfway, decode-0 idles
-        try:
-            ray.kill(workers["decode-0"], no_restart=False)
-            await restarted(workers["decode-0"], killed)
-        finally:
-            os.kill(prefill_pid, signal.SIGCONT)
+        # the prompt stops before its last chunk, its first pieces imported: decode-0 idles
+        await wait_for_async(lambda n: n == 1, 60, value=gate.waiting.remote)
+        await wait_for_stats(engine.handle, lambda s: s["counters"]["early_imports"] >= 2)
+        ray.kill(decode, no_restart=False)
+        await restarted(decode, killed)
+        await gate.open.remote()
         done = await asyncio.wait_for(task, timeout=120)
-        return done, await handle.stats.remote()
+        return done, await engine.handle.stats.remote()
 
     try:
         done, stats = asyncio.run(scenario())
     finally:
-        ray.get(handle.shutdown.remote())
+        engine.close()
     assert done.finish_reason == "length" and done.token_ids == expected
     assert stats["counters"]["worker_failures"] == 1
 
