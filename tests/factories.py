@@ -3,12 +3,10 @@ requests."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import os
 import socket
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -205,18 +203,6 @@ def make_request(
     if arrival_s is not None:
         request.arrival_s = arrival_s
     return request
-
-
-async def wait_for_stats(handle: Any, condition: Any, timeout: float = 60.0) -> dict[str, Any]:
-    """Poll a scheduler's stats until `condition(stats)` holds; return them (AssertionError on
-    timeout)."""
-    deadline, stats = time.monotonic() + timeout, None
-    while time.monotonic() < deadline:
-        stats = await handle.stats.remote()
-        if condition(stats):
-            return stats
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"timed out; last stats {stats}")
 
 
 def make_requests(

@@ -215,3 +215,26 @@ def test_no_method_is_a_stub_outside_an_abstract_base():
         and _only_raises_not_implemented(function)
     ]
     assert stubs == []
+
+
+def test_no_test_module_is_imported():
+    """What tests share lives in helper modules beside them (`tests/factories.py`, `cells.py`,
+    `engines.py`...), not in `test_*` modules: no file under tests/ imports one."""
+    tests = Path(__file__).resolve().parent
+    found = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                module = "." * node.level + (node.module or "")
+                names = [module] + [f"{module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            found += [
+                f"{path.relative_to(tests.parent)}: {name}"
+                for name in names
+                if name.startswith(("tests.", "."))
+                and any(part.startswith("test_") for part in name.split("."))
+            ]
+    assert found == []

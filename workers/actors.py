@@ -155,6 +155,7 @@ def spawn_worker(
     block_size: int,
     name: str | None = None,
     namespace: str | None = None,
+    worker_class: type[Worker] = Worker,
 ) -> Any:
     """Start one worker actor of a pool (`kind` "prefill" or "decode"); returns its handle at once.
 
@@ -167,6 +168,9 @@ def spawn_worker(
     With a `name`, the worker is a detached actor of that name (in `namespace`), or the live one
     already so named: it outlives the scheduler that made it, and a restarted scheduler finds it
     again. Whoever named it stops it (`ray.kill`).
+
+    `worker_class`: `Worker`, or a subclass of it (tests pass workers that hold or time their
+    steps).
     """
     gpus = config.gpus_for(ray.cluster_resources().get("GPU", 0))
     options = {
@@ -185,7 +189,7 @@ def spawn_worker(
             "get_if_exists": True,
         }
     return (
-        ray.remote(Worker)
+        ray.remote(worker_class)
         .options(**options)
         .remote(
             index,

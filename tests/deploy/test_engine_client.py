@@ -6,6 +6,7 @@ import asyncio
 from deploy.engine_client import EngineClient, complete, short_error
 from scheduler.outputs import RequestOutput
 from tests.factories import make_request
+from tests.waiting import wait_for_async
 
 
 class Call:
@@ -100,7 +101,7 @@ def test_closing_a_stream_early_aborts_its_request():
         stream = client.generate(make_request("x"))
         await stream.__anext__()
         await stream.aclose()
-        await asyncio.sleep(0.01)  # the abort was sent, not awaited
+        await wait_for_async(lambda: scheduler.aborted, 5)  # the abort was sent, not awaited
 
     asyncio.run(scenario())
     assert scheduler.aborted == ["x"]
@@ -223,7 +224,7 @@ def test_an_unavailable_cell_sends_its_streams_to_another():
 
     async def scenario():
         done = asyncio.ensure_future(complete(client, make_request("x")))
-        await asyncio.sleep(0.05)
+        await wait_for_async(lambda: a.taken, 5)  # placed on the cell that cannot serve it
         cells.cells = [b]  # Serve's router stops choosing the unhealthy cell
         return await asyncio.wait_for(done, 5)
 

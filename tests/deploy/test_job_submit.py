@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.factories import free_port
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,9 +82,9 @@ def ray_head() -> Iterator[tuple[str, dict[str, str]]]:
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
             head.wait()
-        time.sleep(1)
+        time.sleep(1)  # a grace second before anything of its session that outlived it is killed
         try:
-            os.killpg(head.pid, signal.SIGKILL)  # anything of its session that outlived it
+            os.killpg(head.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         log.close()
@@ -119,16 +120,19 @@ def test_ray_job_submit_runs_a_generate_job(ray_head, tiny_checkpoint, tmp_path)
         "--max-model-len",
         "64",
     ]
-    deadline = time.monotonic() + 120
-    while True:  # until the head answers and its job agent is up
-        job = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=400)
-        logs = job.stdout + job.stderr
-        retry = any(
-            s in logs for s in ("No available agent", "Connection refused", "Failed to connect")
-        )
-        if not retry or time.monotonic() > deadline:
-            break
-        time.sleep(2)
+    job = wait_for(
+        lambda job: (
+            not any(
+                s in job.stdout + job.stderr
+                for s in ("No available agent", "Connection refused", "Failed to connect")
+            )
+        ),
+        120,
+        value=lambda: subprocess.run(submit, env=env, capture_output=True, text=True, timeout=400),
+        what="the head to answer with its job agent up",
+        poll_s=2,
+    )
+    logs = job.stdout + job.stderr
     assert job.returncode == 0, logs[-4000:]
     assert "succeeded" in logs and "wrote 4 results" in logs
     lines = [json.loads(line) for line in out.read_text().splitlines()]
@@ -142,21 +146,22 @@ def test_job_client_without_the_token_is_refused(ray_head):
     """The head really requires the token: a client that lacks it is turned away."""
     address, env = ray_head
     without = {k: v for k, v in env.items() if k != "RAY_AUTH_TOKEN"} | {"HOME": tempfile.mkdtemp()}
-    deadline = time.monotonic() + 120
-    while True:
-        job = subprocess.run(
+    job = wait_for(
+        lambda job: (
+            not any(
+                s in job.stdout + job.stderr for s in ("Connection refused", "Failed to connect")
+            )
+        ),
+        120,
+        value=lambda: subprocess.run(
             [BIN / "ray", "job", "list", f"--address={address}"],
             env=without,
             capture_output=True,
             text=True,
             timeout=120,
-        )
-        logs = job.stdout + job.stderr
-        if (
-            "Connection refused" not in logs
-            and "Failed to connect" not in logs
-            or time.monotonic() > deadline
-        ):
-            break
-        time.sleep(2)
+        ),
+        what="the head to answer",
+        poll_s=2,
+    )
+    logs = job.stdout + job.stderr
     assert job.returncode != 0 and "token" in logs.lower(), logs[-2000:]

@@ -10,20 +10,13 @@ from deploy.config import EngineConfig
 from deploy.driver import RayEngine, open_engine
 from deploy.engine_client import EngineClient, complete
 from scheduler.request import Request, SamplingParams
-from tests.factories import TEST_DEVICE, TEST_GPUS_PER_WORKER, VOCAB, make_requests
+from tests.deploy.engine_configs import BASE
+from tests.deploy.worker_doubles import FreeDecodeWorker, Gate, HeldWorker, start_engine
+from tests.factories import TEST_DEVICE, VOCAB, make_requests
+from tests.waiting import wait_for_stats
 
 pytestmark = pytest.mark.slow
 
-BASE = dict(
-    slots=3,
-    max_model_len=160,
-    token_budget=16,
-    prefill_chunk=8,
-    prefill_slots=2,
-    device=TEST_DEVICE,  # PDSERVE_TEST_DEVICE (cpu by default)
-    gpus_per_worker=TEST_GPUS_PER_WORKER,
-    dtype="float32",  # (auto is bf16 on a GPU)
-)
 PROMPTS, OUTPUTS = [5, 31, 12, 47, 9, 20, 3, 60, 15], [17, 6, 25, 9, 3, 12, 30, 8, 14]
 
 
@@ -94,17 +87,19 @@ def test_greedy_outputs_equal_local_mode(ray_session, tiny_checkpoint, overrides
 def test_a_decode_only_tail_is_carried_in_bursts_with_the_same_tokens(
     ray_session, tiny_checkpoint, mode
 ):
-    """A step of the tiny model costs less than a Ray call, so once every running request only
-    decodes, calls carry several steps. Long answers to short prompts leave about a hundred such
-    steps. (The variants above end within a few steps of their last prefill, too short a tail to
-    count on a burst on a loaded host: a 2P2D run on CI carried none.)"""
+    """Once every running request only decodes, a call to the decode worker carries several steps,
+    each fed the tokens of the one before. Long answers to short prompts leave about a hundred such
+    steps. How many steps a call carries is the scheduler's reading of measured times; the workers
+    here report their decode steps as free (`FreeDecodeWorker`), so every call that may carry a
+    burst carries one, on any host."""
 
     def tail():
         return make_requests(3, [5, 9, 12], [120, 110, 100])
 
     with open_engine(EngineConfig(model=tiny_checkpoint, **BASE)) as engine:
         local = engine.run(tail())
-    with RayEngine(EngineConfig(model=tiny_checkpoint, **(BASE | dict(mode=mode)))) as engine:
+    config = EngineConfig(model=tiny_checkpoint, **(BASE | dict(mode=mode)))
+    with start_engine(config, FreeDecodeWorker) as engine:
         results, stats = engine.run(tail()), engine.stats()
     assert {k: c.token_ids for k, c in results.items()} == {
         k: c.token_ids for k, c in local.items()
@@ -123,26 +118,27 @@ def test_seeded_sampling_equals_local_mode_in_every_mode(ray_session, tiny_check
         }
 
 
-def staged(config, first, later, running, pause_s=0.05):
-    """Run `first` on Ray, then `later` (one every `pause_s`) once decode-0 runs `running` requests;
-    returns the completions by id and the scheduler's stats at the end."""
-    ray_engine = RayEngine(config)
-    handle, client = ray_engine.handle, EngineClient(ray_engine.handle)
+def staged(engine, first, later, running, pause_s=0.05, meanwhile=None):
+    """On a Ray engine, run `first`, then `later` (one every `pause_s`) once decode-0 runs `running`
+    requests, then await `meanwhile()` if given; returns the completions by id and the scheduler's
+    stats at the end, and closes the engine."""
+    handle, client = engine.handle, EngineClient(engine.handle)
 
     async def scenario():
         tasks = [asyncio.create_task(complete(client, r)) for r in first]
-        while (await handle.stats.remote())["workers"]["decode-0"]["running"] < running:
-            await asyncio.sleep(0.005)
+        await wait_for_stats(handle, lambda s: s["workers"]["decode-0"]["running"] >= running)
         for request in later:
             tasks.append(asyncio.create_task(complete(client, request)))
-            await asyncio.sleep(pause_s)
+            await asyncio.sleep(pause_s)  # arrivals spread out, not one burst
+        if meanwhile is not None:
+            await meanwhile()
         done = await asyncio.wait_for(asyncio.gather(*tasks), timeout=180)
         return {c.req_id: c for c in done}, await handle.stats.remote()
 
     try:
         return asyncio.run(scenario())
     finally:
-        ray_engine.close()
+        engine.close()
 
 
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
@@ -165,7 +161,7 @@ def test_preemption_keeps_every_output_equal_to_local(ray_session, tiny_checkpoi
         expected = {r.req_id: engine.run([r])[r.req_id].token_ids for r in workload()}
     requests = workload()
     results, stats = staged(
-        EngineConfig(model=tiny_checkpoint, mode=mode, **(BASE | {"slots": 2})),
+        RayEngine(EngineConfig(model=tiny_checkpoint, mode=mode, **(BASE | {"slots": 2}))),
         # the urgent ones once both slots are busy
         requests[:6],
         requests[6:],
@@ -184,7 +180,8 @@ def test_kv_imported_into_a_reserved_slot_while_prefilling_equals_local(
 ):
     """A long prompt prefills in many chunks while another request decodes: its pieces go into a
     decode slot reserved for it with the decode steps (`early_imports`), and its tokens are still
-    local's."""
+    local's. Its last chunk is held (`HeldWorker`) until a piece has gone in: on a loaded host the
+    prefill worker could otherwise end the prompt before the decode worker's next step."""
 
     def workload():
         return make_requests(2, [4, 150], [150, 6], stop_token_ids=frozenset())  # steady, long
@@ -195,8 +192,15 @@ def test_kv_imported_into_a_reserved_slot_while_prefilling_equals_local(
         model=tiny_checkpoint, mode="disaggregated", **(BASE | {"max_model_len": 200})
     )
     steady, long = workload()
+    gate = Gate.remote()
+    engine = start_engine(config, HeldWorker, gate)
+
+    async def open_once_imported_early():
+        await wait_for_stats(engine.handle, lambda s: s["counters"]["early_imports"] >= 1)
+        await gate.open.remote()
+
     # the long prompt once the other decodes
-    results, stats = staged(config, [steady], [long], running=1)
+    results, stats = staged(engine, [steady], [long], running=1, meanwhile=open_once_imported_early)
     assert {k: c.token_ids for k, c in results.items()} == expected
     assert results["r1"].finish_reason == "length" and stats["counters"]["early_imports"] >= 1
     assert all(w["slots_used"] == 0 for w in stats["workers"].values())
@@ -205,7 +209,7 @@ def test_kv_imported_into_a_reserved_slot_while_prefilling_equals_local(
 def sampling_variety():
     """Penalties, logit_bias, min_tokens, log-probs, echo log-probs, and three seeded choices of one
     prompt."""
-    from tests.workers.test_sampling_params import processed_requests
+    from tests.workers.sampling_cases import processed_requests
 
     prompt = make_requests(1, [20], [1])[0].prompt_ids
     choices = [

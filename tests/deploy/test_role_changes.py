@@ -9,8 +9,9 @@ from deploy.config import EngineConfig
 from deploy.driver import RayEngine, open_engine
 from deploy.engine_client import EngineClient, complete
 from scheduler.request import SamplingParams
-from tests.deploy.test_modes import BASE
+from tests.deploy.engine_configs import BASE
 from tests.factories import make_requests
+from tests.waiting import wait_for_stats
 
 pytestmark = pytest.mark.slow
 
@@ -35,8 +36,7 @@ def test_role_changes_under_load_change_no_output(ray_session, tiny_checkpoint):
     async def scenario():
         requests = workload()
         tasks = [asyncio.create_task(complete(client, r)) for r in requests[:8]]
-        while (await handle.stats.remote())["workers"]["decode-0"]["running"] < 2:
-            await asyncio.sleep(0.005)
+        await wait_for_stats(handle, lambda s: s["workers"]["decode-0"]["running"] >= 2)
         # a prefill worker and a decode worker that both hold requests change pools
         moved = [
             await handle.change_role.remote("prefill-1", "decode"),

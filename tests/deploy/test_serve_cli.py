@@ -7,30 +7,17 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from deploy.cli import main
-from tests.deploy.serving.test_serve_api import local_text
+from tests.deploy.serving.servers import local_text, wait_ready
 from tests.factories import free_port
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _wait_ready(proc: subprocess.Popen, base: str, log: Path, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, (
-            f"pdserve serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
-        )
-        if "Ctrl-C stops it." in log.read_text():  # printed once the app is up
-            assert httpx.get(f"{base}/v1/models", timeout=10).status_code == 200
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"pdserve serve not ready in {timeout} s:\n{log.read_text()[-3000:]}")
 
 
 @pytest.mark.slow
@@ -68,7 +55,7 @@ def test_pdserve_serve_streams_on_its_port_frees_a_dropped_stream_and_stops_on_s
             cwd=ROOT,
         )
     try:
-        _wait_ready(proc, base, log)
+        wait_ready(proc, base, log)
         assert f"(colocated, direct ingress) at {base}/v1" in log.read_text()
 
         prompt = [5, 6, 7, 8]
@@ -107,10 +94,8 @@ def test_pdserve_serve_streams_on_its_port_frees_a_dropped_stream_and_stops_on_s
             },
         ) as r:
             next(r.iter_lines())
-        deadline = time.monotonic() + 30
-        while stats()["counters"]["aborts"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert stats()["counters"]["aborts"] == 1
+        aborted = wait_for(lambda s: s["counters"]["aborts"], 30, value=stats)
+        assert aborted["counters"]["aborts"] == 1
         assert sum(w["slots_used"] for w in stats()["workers"].values()) == 0
 
         proc.send_signal(signal.SIGTERM)

@@ -8,7 +8,7 @@ import pytest
 
 from scheduler.step_planner import StepPlanner
 from tests.factories import make_request, prompt_ids
-from tests.scheduler.test_step_planner import check_invariants
+from tests.scheduler.invariants import check_invariants
 
 req = functools.partial(make_request, prompt_len=4, max_tokens=10, arrival_s=0.0)
 

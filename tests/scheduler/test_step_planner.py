@@ -8,6 +8,7 @@ from scheduler.plan import StepPlan
 from scheduler.request import FinishReason, Request, RequestStatus, SamplingParams
 from scheduler.step_planner import QueueFullError, StepPlanner
 from tests.factories import make_request
+from tests.scheduler.invariants import check_invariants
 
 req = functools.partial(make_request, prompt_len=10, max_tokens=4)
 
@@ -17,17 +18,6 @@ def fake_step(sched: StepPlanner, token: int = 7) -> tuple[StepPlan, list[Reques
     plan = sched.plan()
     check_invariants(sched, plan)
     return plan, sched.update(plan, {c.req_id: token for c in plan.chunks if c.sample}).finished
-
-
-def check_invariants(sched: StepPlanner, plan: StepPlan) -> None:
-    assert plan.num_tokens <= sched.token_budget
-    used = [r.slot for r in sched.running]
-    assert len(used) == len(set(used)), "two requests share a slot"
-    assert not set(used) & set(sched.free_slots), "a used slot is also free"
-    assert len(used) + len(sched.free_slots) == sched.num_slots, "a slot leaked"
-    assert all(c.num_tokens <= sched.prefill_chunk for c in plan.prefill)
-    ids = [c.req_id for c in plan.chunks]
-    assert len(ids) == len(set(ids)), "a request got two chunks in one step"
 
 
 def test_decode_first_then_prefill_oldest_first_within_budget():

@@ -3,7 +3,6 @@ population)."""
 
 import asyncio
 import math
-import time
 
 from workers.arrivals import ArrivalSchedule, run_at_arrivals
 
@@ -57,22 +56,37 @@ def test_chains_alone_run_to_their_end_and_an_unknown_predecessor_is_no_chain():
 
 
 def test_run_at_arrivals_starts_a_follower_when_its_predecessor_returns():
-    started: dict[str, float] = {}
-    ended: dict[str, float] = {}
+    """The chain a -> b -> c -> d beside the foreground item x, which ends while c runs: d never
+    starts. x ends once c has started, and c once x has ended: events, not durations, order
+    them."""
+    seen: list[str] = []
 
-    async def start(item: str) -> str:
-        started[item] = time.perf_counter()
-        await asyncio.sleep(0.05 if item in "ab" else 0.2)
-        ended[item] = time.perf_counter()
-        return item
+    async def scenario() -> list[str]:
+        c_started, x_ended = asyncio.Event(), asyncio.Event()
 
-    follows = {"b": "a", "c": "b", "d": "c"}
-    schedule = ArrivalSchedule(
-        ["a", "b", "c", "d", "x"], lambda item: 0.0, key=str, after=follows.get
-    )
-    assert asyncio.run(run_at_arrivals(schedule, start)) == ["a", "x", "b", "c"]
-    assert started["b"] >= ended["a"] and started["c"] >= ended["b"]
-    assert "d" not in started  # "x" (the foreground) ended while "c" ran
+        async def start(item: str) -> str:
+            seen.append(f"start {item}")
+            if item == "x":
+                await c_started.wait()
+            elif item == "c":
+                c_started.set()
+                await x_ended.wait()
+            seen.append(f"end {item}")
+            if item == "x":
+                x_ended.set()
+            return item
+
+        follows = {"b": "a", "c": "b", "d": "c"}
+        schedule = ArrivalSchedule(
+            ["a", "b", "c", "d", "x"], lambda item: 0.0, key=str, after=follows.get
+        )
+        # (a chain that never reaches c fails here instead of hanging)
+        return await asyncio.wait_for(run_at_arrivals(schedule, start), 10)
+
+    assert asyncio.run(scenario()) == ["a", "x", "b", "c"]
+    assert seen.index("start b") > seen.index("end a")
+    assert seen.index("start c") > seen.index("end b")
+    assert "start d" not in seen  # "x" (the foreground) ended while "c" ran
 
 
 def test_a_schedule_by_key_takes_offsets_and_chains_by_name_and_defaults_to_now():

@@ -5,7 +5,7 @@ import pytest
 
 from scheduler.request import Request, SamplingParams, continuation
 from tests.factories import VOCAB, prompt_ids, tiny_tokenizer
-from tests.workers.test_engine import make_engine
+from tests.workers.engines import make_engine
 
 EOS = VOCAB - 1
 

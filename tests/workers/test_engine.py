@@ -4,27 +4,8 @@ import pytest
 import torch
 
 from scheduler.request import FinishReason, SamplingParams
-from tests.factories import (
-    TEST_DEVICE,
-    VOCAB,
-    local_engine,
-    make_requests,
-    tiny_hf_model,
-    tiny_model,
-)
-
-CAPACITY = 256
-
-
-def make_engine(kind="llama", num_slots=3, token_budget=16, prefill_chunk=8, tokenizer=None):
-    return local_engine(
-        tiny_model(kind, TEST_DEVICE),
-        num_slots,
-        CAPACITY,
-        token_budget=token_budget,
-        prefill_chunk=prefill_chunk,
-        tokenizer=tokenizer,
-    )
+from tests.factories import VOCAB, make_requests, tiny_hf_model
+from tests.workers.engines import make_engine
 
 
 def solo(kind, request, **kw):

@@ -2,8 +2,6 @@
 a full NIXL staging pool falls back to the object store, and a transport that cannot serve the
 cell's workers stops the engine at start with the reason."""
 
-import time
-
 import pytest
 import ray
 import torch
@@ -11,6 +9,7 @@ import torch
 from deploy.config import EngineConfig
 from deploy.driver import RayEngine
 from scheduler.messages import KVHandoff, KVImport
+from tests.waiting import wait_for
 from workers.kv_cache import PagedKVCache
 from workers.kv_transfer import KVReceiver, KVSender, make_transport
 
@@ -91,7 +90,7 @@ def test_a_transport_the_workers_cannot_use_stops_the_engine_at_start(ray_sessio
     with pytest.raises(ValueError, match="kv_transport cuda_ipc cannot be used: prefill worker 0"):
         RayEngine(config).close()
     # the scheduler and its workers are stopped, not left holding their CPUs
-    deadline = time.monotonic() + 20
-    while ray.available_resources().get("CPU", 0) < free and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert ray.available_resources().get("CPU", 0) == free
+    cpus = wait_for(
+        lambda cpus: cpus >= free, 20, value=lambda: ray.available_resources().get("CPU", 0)
+    )
+    assert cpus == free

@@ -47,7 +47,7 @@ async def _serve(request: web.Request) -> web.StreamResponse:
     await reply.prepare(request)
     for part in SCRIPTS[name]:
         await reply.write(part)
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # the parts come apart, as a server's events do
     return reply
 
 

@@ -16,7 +16,6 @@ import json
 import os
 import signal
 import sys
-import time
 from typing import Any
 
 import httpx
@@ -28,6 +27,7 @@ from deploy.bench.http_client import session, stream_request
 from deploy.serving.app import build_app
 from deploy.serving.cells import NAMESPACE
 from tests.factories import free_port
+from tests.waiting import wait_for_async
 
 ARGS = dict(
     mode="disaggregated",
@@ -83,13 +83,16 @@ def stats(base: str) -> dict[str, Any]:
     return reply.json()
 
 
-async def wait_for(base: str, condition: Any, timeout_s: float) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        now = await asyncio.to_thread(stats, base)
-        if condition(now) or time.monotonic() > deadline:
-            return now
-        await asyncio.sleep(0.1)
+async def stats_when(base: str, condition: Any, timeout_s: float) -> dict[str, Any]:
+    """/stats once `condition(stats)` holds."""
+    return await wait_for_async(
+        condition, timeout_s, value=lambda: asyncio.to_thread(stats, base), poll_s=0.1
+    )
+
+
+def decoding(stats: dict[str, Any]) -> int:
+    """Requests on decode workers, every cell's: each has its first token."""
+    return sum(w["running"] for name, w in stats["workers"].items() if name.startswith("decode"))
 
 
 def outcome(done: list[Any]) -> dict[str, Any]:
@@ -115,8 +118,7 @@ def failover(base: str) -> dict[str, Any]:
 
     async def killed() -> tuple[list[Any], dict[str, Any]]:
         run = asyncio.ensure_future(stream_all(base, texts, MAX_TOKENS))
-        now = await wait_for(base, lambda s: s["streams"] == len(texts), 60)
-        await asyncio.sleep(0.3)  # every stream has tokens by now
+        now = await stats_when(base, lambda s: decoding(s) == len(texts), 60)
         cell = max(now["cells"], key=lambda c: now["cells"][c]["streams"])
         scheduler = ray.get_actor(cell, NAMESPACE)
         pid = ray.get(scheduler.ready.remote())["scheduler_pid"]
@@ -127,7 +129,7 @@ def failover(base: str) -> dict[str, Any]:
 
     fault, seen = asyncio.run(killed())
     # Serve has replaced the cell
-    after = asyncio.run(wait_for(base, lambda s: s["num_cells"] == 2, 120))
+    after = asyncio.run(stats_when(base, lambda s: s["num_cells"] == 2, 120))
     # a cell whose workers are all gone (no restarts left) takes no new requests
     cells = sorted(after["cells"])
     broken = cells[0]
@@ -136,7 +138,7 @@ def failover(base: str) -> dict[str, Any]:
         ray.kill(handle, no_restart=True)
     later = asyncio.run(stream_all(base, texts[:8], 20))
     final = asyncio.run(
-        wait_for(base, lambda s: broken not in s["cells"] and s["num_cells"] == 2, 120)
+        stats_when(base, lambda s: broken not in s["cells"] and s["num_cells"] == 2, 120)
     )
     serve.delete("cells")
     return {
@@ -188,7 +190,7 @@ def scaling(base: str) -> dict[str, Any]:
                 seen["done"].append((i, done.text, done.error))
 
         clients = [asyncio.ensure_future(client(i, heavy)) for i in range(12)]
-        up = await wait_for(
+        up = await stats_when(
             base,
             lambda s: s["num_cells"] == 2 and all(c["streams"] for c in s["cells"].values()),
             300,
@@ -196,11 +198,12 @@ def scaling(base: str) -> dict[str, Any]:
         seen["num_cells"].append(up["num_cells"])
         heavy.set()
         clients.append(asyncio.ensure_future(client(0, light)))
-        down = await wait_for(base, lambda s: s["num_cells"] == 1, 300)
+        down = await stats_when(base, lambda s: s["num_cells"] == 1, 300)
         seen["num_cells"].append(down["num_cells"])
         finished = len(seen["done"])
-        while len(seen["done"]) == finished:  # one more request after the drain
-            await asyncio.sleep(0.1)
+        await wait_for_async(
+            lambda: len(seen["done"]) > finished, 120, what="one more request after the drain"
+        )
         light.set()
         await asyncio.gather(*clients)
         seen["failovers"] = stats(base)["ingress"]["failovers"]

@@ -74,7 +74,7 @@ class FakeEngine:
         finished = False
         try:
             for j, out in enumerate(script(request)):
-                await asyncio.sleep(0)
+                await asyncio.sleep(0)  # (a turn of the loop between outputs, as a stream has)
                 if j == 2 and request.req_id.rsplit("-", 1)[1] in self.fail:
                     out = RequestOutput(
                         request.req_id,
@@ -114,9 +114,18 @@ class Says:
             )
 
 
-def make_server(engine: FakeEngine | None = None, capacity: int = 256) -> OpenAIServer:
-    tokenizer = tiny_tokenizer()
-    model = ServedModel("tiny", tokenizer, frozenset({tokenizer.eos_token_id}), capacity)
+def make_server(  # type: ignore[no-untyped-def]
+    engine=None,
+    capacity: int = 256,
+    parser: str | None = None,
+    reasoning: str | None = None,
+    tokenizer=None,
+) -> OpenAIServer:
+    """The OpenAI server on `engine` (a `FakeEngine` by default) serving "tiny" with the tiny
+    tokenizer, reading tool calls with `parser` and reasoning with `reasoning`."""
+    tokenizer = tokenizer or tiny_tokenizer()
+    eos = frozenset({tokenizer.eos_token_id})
+    model = ServedModel("tiny", tokenizer, eos, capacity, parser, reasoning)
     return OpenAIServer(engine or FakeEngine(), model)
 
 

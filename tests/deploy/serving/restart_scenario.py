@@ -28,8 +28,9 @@ from ray import serve
 
 from deploy.serving.app import build_app
 from deploy.serving.cell_actors import NAMESPACE, WORKER_NAMESPACE, named_actors
-from tests.deploy.serving.cells_scenario import outcome, prompts, stream_all
+from tests.deploy.serving.cells_scenario import decoding, outcome, prompts, stats_when, stream_all
 from tests.factories import free_port
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[3]
 APP = "restarts"
@@ -54,20 +55,20 @@ def pdserve_actors() -> list[str]:
     return named_actors(NAMESPACE, "") + named_actors(WORKER_NAMESPACE, "")
 
 
+def cell_replicas() -> list[str]:
+    """The actor names of the Cell replicas Serve lists."""
+    return [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == "serve" and f"{APP}#Cell#" in a["name"]
+    ]
+
+
 def cell_replica(timeout_s: float = 60.0) -> str:
     """The Cell replica's actor name, once Serve lists exactly one (a replica that died is being
     replaced)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        names = [
-            a["name"]
-            for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["namespace"] == "serve" and f"{APP}#Cell#" in a["name"]
-        ]
-        if len(names) == 1 or time.monotonic() > deadline:
-            (name,) = names
-            return name
-        time.sleep(0.2)
+    (name,) = wait_for(lambda names: len(names) == 1, timeout_s, value=cell_replicas, poll_s=0.2)
+    return name
 
 
 def replica_pid() -> int:
@@ -80,22 +81,30 @@ def scheduler_pid() -> int:
     return ray.get(ray.get_actor(name, NAMESPACE).ready.remote(), timeout=60)["scheduler_pid"]
 
 
+def cell_health(base: str, replaced: str | None) -> dict[str, Any]:
+    """Serve's view of the Cell deployment and, once it has one healthy replica (not `replaced`),
+    the error of a request sent to it (None: it answered)."""
+    cell = serve.status().applications[APP].deployments["Cell"]
+    health: dict[str, Any] = {"status": str(cell.status), "replicas": dict(cell.replica_states)}
+    running = cell.replica_states.get("RUNNING", 0)
+    if replaced is not None and replaced in [
+        a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+    ]:
+        health["replaced"] = "still listed"
+    elif cell.status == "HEALTHY" and running == 1 and sum(cell.replica_states.values()) == 1:
+        health["error"] = asyncio.run(stream_all(base, ["hello"], 2))[0].error
+    return health
+
+
 def wait_healthy(base: str, replaced: str | None, timeout_s: float = 120) -> None:
     """One Cell replica running (not `replaced`), every pool up, answering a request."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        cell = serve.status().applications[APP].deployments["Cell"]
-        running = cell.replica_states.get("RUNNING", 0)
-        if replaced is not None and replaced in [
-            a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-        ]:
-            running = 0
-        if cell.status == "HEALTHY" and running == 1 and sum(cell.replica_states.values()) == 1:
-            done = asyncio.run(stream_all(base, ["hello"], 2))
-            if not done[0].error:
-                return
-        time.sleep(0.5)
-    raise TimeoutError("the cell did not come back")
+    wait_for(
+        lambda health: "error" in health and health["error"] is None,
+        timeout_s,
+        value=lambda: cell_health(base, replaced),
+        what="the cell to come back",
+        poll_s=0.5,
+    )
 
 
 def decode_worker_pid() -> int:
@@ -122,14 +131,14 @@ async def with_fault(base: str, fault: str, texts: list[str]) -> tuple[list[Any]
     handoffs = 0
     try:
         if fault == "burst":
-            await asyncio.sleep(0.05)  # requests still arriving and being admitted
+            # a moment into the burst, requests still arriving and being admitted: the fault is
+            # the kill at that point, whatever each request reached
+            await asyncio.sleep(0.05)
         elif fault == "handoff":
-            deadline = time.monotonic() + 60
-            while handoffs == 0 and time.monotonic() < deadline:
-                handoffs = (await asyncio.to_thread(get, base, "/stats"))["live_handoffs"]
-                await asyncio.sleep(0.05)
-        else:
-            await asyncio.sleep(0.5)  # every stream has tokens by now
+            seen = await stats_when(base, lambda s: s["live_handoffs"] > 0, 60)
+            handoffs = seen["live_handoffs"]
+        else:  # every stream has tokens
+            await stats_when(base, lambda s: decoding(s) == len(texts), 60)
         killed_s = time.monotonic() - start
         if fault in ("replica", "both", "burst"):
             os.kill(pids[0], signal.SIGKILL)
@@ -170,9 +179,13 @@ def main(checkpoint: str, faults: list[str]) -> dict[str, Any]:
     serve.run(build_app(default_args(checkpoint, cells=2)), name=APP, route_prefix="/")
     result["actors_two_cells"] = pdserve_actors()
     serve.run(build_app(default_args(checkpoint, cells=1)), name=APP, route_prefix="/")
-    deadline = time.monotonic() + 120
-    while len(named_actors(NAMESPACE, "")) > 1 and time.monotonic() < deadline:
-        time.sleep(0.5)
+    wait_for(
+        lambda cells: len(cells) == 1,
+        120,
+        value=lambda: named_actors(NAMESPACE, ""),
+        what="the scale-down to stop a cell",
+        poll_s=0.5,
+    )
     result["actors_scaled_down"] = pdserve_actors()
     serve.delete(APP)
     result["actors_deleted"] = pdserve_actors()
@@ -182,8 +195,13 @@ def main(checkpoint: str, faults: list[str]) -> dict[str, Any]:
     os.kill(replica_pid(), signal.SIGKILL)
     serve.delete(APP)
     start = time.monotonic()
-    while pdserve_actors() and time.monotonic() < start + 60:
-        time.sleep(0.5)
+    wait_for(
+        lambda actors: not actors,
+        60,
+        value=pdserve_actors,
+        what="the orphaned cell to stop itself",
+        poll_s=0.5,
+    )
     result["actors_orphaned"] = pdserve_actors()
     result["orphan_stopped_s"] = round(time.monotonic() - start, 1)
     return result

@@ -14,6 +14,7 @@ from scheduler.cell.state import CellClosed
 from scheduler.outputs import RequestOutput
 from scheduler.request import Request
 from scheduler.step_planner import QueueFullError
+from tests.waiting import wait_for_async
 
 
 class _Method:
@@ -98,12 +99,13 @@ def test_a_request_given_up_before_submission_is_never_sent_and_one_on_its_way_i
         scheduler = FakeScheduler()
         submissions = Submissions(scheduler)
         on_its_way = asyncio.ensure_future(submissions.submit(request(0), "c"))
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # (a turn of the loop, not a duration: q0 queued)
         queued = asyncio.ensure_future(submissions.submit(request(1), "c"))
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # q0 sent, q1 queued behind it
         queued.cancel()
         on_its_way.cancel()
-        await asyncio.sleep(0.03)
+        await submissions.sender  # the sending ended: nothing more leaves
+        await wait_for_async(lambda: scheduler.aborted, 5)
         assert scheduler.submissions == [["q0"]]  # q1 never left
         # q0 was queued there: aborted behind it
         assert scheduler.aborted == ["q0"] and not scheduler.live
@@ -132,7 +134,7 @@ def test_the_driver_submits_a_burst_in_one_call_and_streams_every_request():
         scheduler = FakeScheduler()
 
         async def poll(consumer, timeout_s=1.0):
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0.005)  # a step's time
             done = sorted(scheduler.live)
             scheduler.live -= set(done)
             return "instance-1", [

@@ -14,8 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.deploy.test_serve_cli import _wait_ready
+from tests.deploy.serving.servers import wait_ready
 from tests.factories import free_port
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[3]
 DRAIN_TIMEOUT_S = 1.5
@@ -65,7 +66,7 @@ def test_sigterm_lets_streams_finish_up_to_the_drain_timeout_then_ends_the_rest(
             cwd=ROOT,
         )
     try:
-        _wait_ready(proc, base, log)
+        wait_ready(proc, base, log)
         assert httpx.get(f"{base}/ready", timeout=10).status_code == 200
         # 16 streams: 8 short ones, which finish during the drain, and 8 that cannot finish in it
         records = [{} for _ in range(16)]
@@ -82,10 +83,13 @@ def test_sigterm_lets_streams_finish_up_to_the_drain_timeout_then_ends_the_rest(
             assert event.wait(60)
         sigterm_s = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 2
-        while httpx.get(f"{base}/ready", timeout=5).status_code == 200:
-            assert time.monotonic() < deadline, "still ready 2 s after SIGTERM"
-            time.sleep(0.05)
+        # not ready at once: within the drain, not after it
+        wait_for(
+            lambda status: status != 200,
+            2,
+            value=lambda: httpx.get(f"{base}/ready", timeout=5).status_code,
+            what="/ready to answer other than 200 after SIGTERM",
+        )
         refused = httpx.post(
             f"{base}/v1/completions", json={"model": "tiny", "prompt": [5], "max_tokens": 2}
         )
@@ -149,7 +153,12 @@ def test_an_ingress_replica_serve_scales_down_drains_its_streams(ray_session, ti
         ]
         for thread in threads:
             thread.start()
-        time.sleep(1.0)  # every stream placed (most still wait for the one slot)
+        # every stream placed (most wait for the one slot)
+        wait_for(
+            lambda stats: stats["streams"] == 16,
+            60,
+            value=lambda: httpx.get(f"{base}/stats", timeout=10).json(),
+        )
         scaled_s = time.monotonic()
         serve.run(app(1), name="scaled", route_prefix="/")  # Serve stops one replica
         for thread in threads:

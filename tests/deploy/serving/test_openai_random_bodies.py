@@ -6,13 +6,13 @@ clients that hang up mid-stream."""
 import asyncio
 import json
 import random
-import time
 from typing import Any
 
 import httpx
 import pytest
 
 from tests.factories import served_app
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 ARGS = dict(
@@ -155,17 +155,16 @@ async def run_all(base: str, seed: int) -> list[str]:
     return [o for o in outcomes if o is not None]
 
 
-def idle_stats(base: str, timeout: float = 30.0) -> dict[str, Any]:
-    """/stats once every worker is idle (AssertionError with the last stats on timeout)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = httpx.get(f"{base}/stats", timeout=10).json()
-        workers = stats["workers"].values()
-        busy = [w for w in workers if w["running"] or w["waiting"] or w["kv_cache"]["blocks_used"]]
-        if not busy and not stats["live_handoffs"] and not stats["streams"]:
-            return stats
-        assert time.monotonic() < deadline, stats
-        time.sleep(0.1)
+def idle(stats: dict[str, Any]) -> bool:
+    """Every worker idle with no block in use, no handoff or stream left."""
+    workers = stats["workers"].values()
+    busy = [w for w in workers if w["running"] or w["waiting"] or w["kv_cache"]["blocks_used"]]
+    return not busy and not stats["live_handoffs"] and not stats["streams"]
+
+
+def idle_stats(base: str, timeout_s: float = 30.0) -> dict[str, Any]:
+    """/stats once every worker is idle."""
+    return wait_for(idle, timeout_s, value=lambda: httpx.get(f"{base}/stats", timeout=10).json())
 
 
 def test_random_bodies_stream_as_they_answer_whole_and_leave_nothing_behind(

@@ -15,7 +15,7 @@ from deploy.serving.openai_api import OpenAIServer
 from deploy.serving.responses.request import ResponsesBody
 from deploy.serving.schemas import APIError, ChatBody, validation_error
 from tests.deploy.serving.fake_engine import FakeEngine, Says, reply
-from tests.deploy.serving.test_openai_tools import HERMES, TOOL_TEMPLATE, server
+from tests.deploy.serving.tool_scripts import HERMES, TOOL_TEMPLATE, server
 from tests.factories import tiny_tokenizer
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

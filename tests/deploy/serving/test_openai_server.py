@@ -11,7 +11,7 @@ from deploy.engine_client import EngineClient
 from deploy.ray_cell import start_cell_actor
 from deploy.serving.openai_api import OpenAIServer, ServedModel
 from deploy.serving.schemas import APIError, CompletionBody
-from tests.factories import wait_for_stats
+from tests.waiting import wait_for_stats
 from workers.loader import load_tokenizer
 
 pytestmark = pytest.mark.slow

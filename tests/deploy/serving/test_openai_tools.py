@@ -9,7 +9,6 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from deploy.serving.openai_api import OpenAIServer, ServedModel
 from deploy.serving.schemas import (
     APIError,
     ChatBody,
@@ -18,6 +17,7 @@ from deploy.serving.schemas import (
     validation_error,
 )
 from tests.deploy.serving.fake_engine import FakeEngine, Says, reply
+from tests.deploy.serving.tool_scripts import HERMES, TOOL_TEMPLATE, server
 from tests.factories import tiny_tokenizer
 
 MESSAGES = [{"role": "user", "content": "weather in paris?"}]
@@ -33,24 +33,6 @@ TOOLS = [
     },
     {"type": "function", "function": {"name": "now"}},
 ]
-HERMES = (
-    'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": '
-    "2}}\n"
-    '</tool_call>\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>\n'
-)
-
-
-def server(
-    engine,
-    parser: str | None = "hermes",
-    tokenizer=None,  # type: ignore[no-untyped-def]
-    reasoning: str | None = None,
-) -> OpenAIServer:
-    tokenizer = tokenizer or tiny_tokenizer()
-    return OpenAIServer(
-        engine,
-        ServedModel("tiny", tokenizer, frozenset({tokenizer.eos_token_id}), 256, parser, reasoning),
-    )
 
 
 def chat(**fields) -> ChatBody:  # type: ignore[no-untyped-def]
@@ -362,18 +344,6 @@ def test_what_the_server_cannot_do_is_refused_with_nothing_run():
     assert not engine.requests
     error = refusal(CompletionBody, tools=TOOLS)  # completions have no tools
     assert (error.status, error.param, error.code) == (400, "tools", "unsupported_parameter")
-
-
-TOOL_TEMPLATE = (
-    "{% if tools %}<|tools|>{{ tools | map(attribute='function') | map(attribute='name') | "
-    "join(',') }}\n{% endif %}"
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
-    "{% for c in m.get('tool_calls') or [] %}"
-    "[call {{ c['function']['name'] }} {{ c['function']['arguments'] | tojson }}]"
-    "{% endfor %}{% if m.get('tool_call_id') %}[for {{ m['tool_call_id'] }}]{% endif %}{{ '\\n' "
-    "}}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 
 
 def test_the_template_sees_the_tools_earlier_calls_and_tool_results():

@@ -8,7 +8,6 @@ import re
 import shutil
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -18,6 +17,7 @@ import ray
 from deploy.serving.cell_actors import NAMESPACE, WORKER_NAMESPACE, cell_name, named_actors
 from deploy.serving.prometheus import METRICS
 from tests.factories import free_port, served_app
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 APP = "scraped"
@@ -76,9 +76,20 @@ def prometheus(app, tmp_path_factory):
         stderr=subprocess.STDOUT,
     )
     base = f"http://127.0.0.1:{port}"
+
+    def log_tail() -> str:
+        return (work / "prometheus.log").read_text()[-2000:]
+
     try:
-        wait_for(lambda: answers(f"{base}/-/ready"), 60, work / "prometheus.log")
-        wait_for(lambda: value(base, 'up{job="pdserve"}') == 1, 60, work / "prometheus.log")
+        wait_for(lambda: answers(f"{base}/-/ready"), 60, poll_s=0.5, context=log_tail)
+        wait_for(
+            lambda up: up == 1,
+            60,
+            value=lambda: value(base, 'up{job="pdserve"}'),
+            what="Prometheus to scrape the app",
+            poll_s=0.5,
+            context=log_tail,
+        )
         yield base
     finally:
         proc.terminate()
@@ -112,14 +123,10 @@ def value(base: str, expr: str) -> float:
         return 0.0
 
 
-def wait_for(condition, timeout_s: float, log: Path | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"not within {timeout_s} s" + (log.read_text()[-2000:] if log else "")
-            )
-        time.sleep(0.5)
+def decode_load(app: str) -> int:
+    """Requests on the decode worker: running, or handed off and waiting for a slot."""
+    worker = httpx.get(f"{app}/stats", timeout=10).json()["workers"]["decode-0"]
+    return worker["running"] + worker["waiting"]
 
 
 def complete(app: str, prompt: list[int], max_tokens: int, **extra) -> httpx.Response:
@@ -142,7 +149,12 @@ def test_prometheus_reads_every_metric_and_the_counts_clients_saw(app, prometheu
     # 2. load that lasts: ten long requests of low priority on two decode slots (eight wait for
     # seconds), then two urgent ones, which preempt them
     pending = send_all(app, [([9, i + 1], 1000, {"priority": 1}) for i in range(10)])
-    time.sleep(0.3)
+    wait_for(
+        lambda stats: stats["workers"]["decode-0"]["running"] == 2,
+        60,
+        value=lambda: httpx.get(f"{app}/stats", timeout=10).json(),
+        what="the two decode slots taken",
+    )
     pending += send_all(app, [([8, i], 20, {}) for i in range(2)])
     answers = [answer() for answer in pending]
     assert sorted(a.json()["usage"]["completion_tokens"] for a in answers) == [20] * 2 + [1000] * 10
@@ -155,7 +167,12 @@ def test_prometheus_reads_every_metric_and_the_counts_clients_saw(app, prometheu
         return value(prometheus, f"{name}{{{selector}}}")
 
     # Prometheus has scraped the last counts (a scrape reads every counter of one answer)
-    wait_for(lambda: got("vllm:request_success_total", finished_reason="length") == 16, 60)
+    wait_for(
+        lambda n: n == 16,
+        60,
+        value=lambda: got("vllm:request_success_total", finished_reason="length"),
+        poll_s=0.5,
+    )
     stats = httpx.get(f"{app}/stats").json()
     assert num_requests == 16
     assert got("vllm:prompt_tokens_total") == prompt_tokens
@@ -199,7 +216,12 @@ def test_prometheus_reads_every_metric_and_the_counts_clients_saw(app, prometheu
     # 3. a request past its own timeout (the tokens it made are counted, whoever saw them)
     timed_out = complete(app, [7, 7], 1000, timeout=0.05)
     assert timed_out.status_code == 504 and timed_out.json()["error"]["code"] == "timeout"
-    wait_for(lambda: got("pdserve:request_timeouts_total", deadline="request") == 1, 30)
+    wait_for(
+        lambda n: n == 1,
+        30,
+        value=lambda: got("pdserve:request_timeouts_total", deadline="request"),
+        poll_s=0.5,
+    )
     assert got("vllm:request_success_total", finished_reason="error") == 1
 
     # 4. faults under load: the scheduler, then the decode worker, killed mid-stream (Ray restarts
@@ -208,7 +230,8 @@ def test_prometheus_reads_every_metric_and_the_counts_clients_saw(app, prometheu
     before = got("vllm:generation_tokens_total")
     for victim in ("scheduler", "decode-0"):
         pending = send_all(app, [([4, i], 1000, {}) for i in range(3)])
-        time.sleep(0.4)  # every request has its first tokens
+        # every request has its first token: handed off to the decode worker
+        wait_for(lambda n: n == 3, 60, value=lambda: decode_load(app))
         if victim == "scheduler":
             ray.kill(ray.get_actor(scheduler_name, NAMESPACE), no_restart=False)
         else:
@@ -217,7 +240,7 @@ def test_prometheus_reads_every_metric_and_the_counts_clients_saw(app, prometheu
             )
         tokens = [answer().json()["usage"]["completion_tokens"] for answer in pending]
         assert tokens == [1000] * 3, victim
-    wait_for(lambda: got("pdserve:worker_failures_total") >= 1, 60)
+    wait_for(lambda n: n >= 1, 60, value=lambda: got("pdserve:worker_failures_total"), poll_s=0.5)
     assert got("pdserve:scheduler_restarts_total") >= 1
     assert got("pdserve:failovers_total") >= 1  # streams continued on the restarted scheduler
     assert got("pdserve:recomputes_total") >= 1  # requests recomputed after the lost worker
@@ -263,7 +286,12 @@ def test_the_dashboard_uses_only_metrics_that_exist_and_every_expression_evaluat
     # traffic for the panels to show (streams of several tokens: inter-token latency too)
     for i in range(3):
         assert complete(app, [5, 6, i], 8).status_code == 200
-    wait_for(lambda: value(prometheus, 'vllm:request_success_total{model_name="tiny"}') == 3, 60)
+    wait_for(
+        lambda n: n == 3,
+        60,
+        value=lambda: value(prometheus, 'vllm:request_success_total{model_name="tiny"}'),
+        poll_s=0.5,
+    )
     text = httpx.get(f"{app}/metrics").text
     # every sample's name, and every metric's (a labelled one may have no sample yet)
     exported = set(re.findall(r"^([a-z0-9_:]+)\{", text, re.M))

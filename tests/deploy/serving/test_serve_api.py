@@ -2,7 +2,6 @@
 
 import asyncio
 import json
-import time
 
 import httpx
 import openai
@@ -11,10 +10,11 @@ from ray import serve
 
 from deploy.config import EngineConfig
 from deploy.driver import open_engine
-from deploy.params import GenerationParams
 from deploy.prompts import encode_prompt
 from deploy.serving.app import OpenAIIngress, build_app
+from tests.deploy.serving.servers import local_text
 from tests.factories import served_app
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 ARGS = dict(
@@ -36,22 +36,6 @@ def server(ray_session, tiny_checkpoint):
 @pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def local_text(checkpoint, prompt=None, messages=None, max_tokens=12, prompt_token_ids=None):
-    with open_engine(EngineConfig(model=checkpoint, max_model_len=256)) as engine:
-        ids = encode_prompt(
-            engine.tokenizer, prompt=prompt, messages=messages, prompt_token_ids=prompt_token_ids
-        )
-        request = GenerationParams(temperature=0).request(
-            "x",
-            ids,
-            max_tokens=max_tokens,
-            eos_token_ids=engine.eos_token_ids,
-            vocab_size=len(engine.tokenizer),
-        )
-        done = engine.run([request])["x"]
-    return done.text, done.prompt_tokens, len(done.token_ids), done.finish_reason
 
 
 def test_completion_equals_local_generate_with_usage(client, tiny_checkpoint):
@@ -280,10 +264,7 @@ def test_disconnected_stream_frees_its_slot(server):
         lines = r.iter_lines()
         next(lines)
         assert slots_used() >= 1
-    deadline = time.monotonic() + 15
-    while slots_used() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert slots_used() == 0
+    wait_for(lambda used: used == 0, 15, value=slots_used, what="the dropped stream's slot freed")
 
 
 def test_bench_against_the_running_endpoint(server, tiny_checkpoint, tmp_path):

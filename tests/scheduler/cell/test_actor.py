@@ -3,12 +3,11 @@ queue."""
 
 import asyncio
 import json
-import os
 import re
 import shutil
-import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
@@ -20,7 +19,9 @@ from deploy.engine_client import EngineClient, complete
 from deploy.ray_cell import start_cell_actor
 from scheduler.cell.state import CellClosed
 from scheduler.step_planner import QueueFullError
-from tests.factories import make_request, make_requests, wait_for_stats
+from tests.deploy.worker_doubles import Gate, HeldWorker, start_engine
+from tests.factories import make_request, make_requests
+from tests.waiting import wait_for, wait_for_async, wait_for_stats
 
 pytestmark = pytest.mark.slow
 
@@ -122,10 +123,8 @@ def test_abort_in_every_state_frees_slots_and_handoff_objects(ray_session, tiny_
     try:
         stats = asyncio.run(scenario())
         assert all(w["slots_used"] == 0 and w["waiting"] == 0 for w in stats["workers"].values())
-        deadline = time.monotonic() + 10
-        while plasma_objects() > before and time.monotonic() < deadline:  # freed asynchronously
-            time.sleep(0.1)
-        assert plasma_objects() <= before
+        # freed asynchronously
+        wait_for(lambda n: n <= before, 10, value=plasma_objects, what="the handoff objects freed")
     finally:
         ray.get(handle.shutdown.remote())
 
@@ -139,7 +138,7 @@ def test_a_closed_stream_aborts_its_request(ray_session, tiny_checkpoint):
         await outputs.__anext__()  # first output arrived: it is decoding
         await outputs.aclose()  # what the ingress does when an HTTP client disconnects
         return await wait_for_stats(
-            handle, lambda s: s["workers"]["decode-0"]["slots_used"] == 0, timeout=20
+            handle, lambda s: s["workers"]["decode-0"]["slots_used"] == 0, timeout_s=20
         )
 
     try:
@@ -238,7 +237,7 @@ def long_context(checkpoint, tmp_path, context=8192):
 def test_lost_handoff_is_prefilled_again(ray_session, tiny_checkpoint, tmp_path):
     """Kill the prefill worker while a handoff waits for a decode slot: its bytes die with their
     owner, the import fails, the request is prefilled again and still produces local mode's tokens.
-    The two requests holding the slots must outlast the kill and the second it waits."""
+    The two requests holding the slots must outlast the kill and the worker's restart."""
     config = crowded_config(long_context(tiny_checkpoint, tmp_path), max_model_len=8192)
     expected = local_outputs(config, [req("C", 6, 12, 3)])["C"]
     handle = start_cell_actor(config)
@@ -250,8 +249,10 @@ def test_lost_handoff_is_prefilled_again(ray_session, tiny_checkpoint, tmp_path)
         await wait_for_stats(handle, lambda s: s["workers"]["decode-0"]["running"] == 2)
         task = asyncio.create_task(stream(waiting))
         await wait_for_stats(handle, lambda s: s["live_handoffs"] == 1)
-        ray.kill((await handle.worker_handles.remote())["prefill-0"], no_restart=False)
-        await asyncio.sleep(1.0)  # let Ray tell the decode worker the owner died, then free a slot
+        prefill = (await handle.worker_handles.remote())["prefill-0"]
+        killed = (await prefill.ready.remote())["incarnation"]
+        ray.kill(prefill, no_restart=False)
+        await restarted(prefill, killed)  # the handoff's owner is dead; then a slot frees
         await handle.abort.remote("A")
         done = await asyncio.wait_for(task, timeout=120)
         await handle.abort.remote("B")
@@ -289,7 +290,7 @@ def test_killed_workers_lose_no_request(ray_session, tiny_checkpoint):
 
     def kill_workers():
         ray.kill(workers["prefill-0"], no_restart=False)
-        time.sleep(0.2)
+        time.sleep(0.2)  # two faults apart, not one
         ray.kill(workers["decode-0"], no_restart=False)
         kills.set()
 
@@ -298,12 +299,13 @@ def test_killed_workers_lose_no_request(ray_session, tiny_checkpoint):
             on_finish.started = True
             threading.Thread(target=kill_workers, daemon=True).start()
 
+    # nothing hangs: a run still going after 240 s fails (the engine's close then ends it)
+    run = ThreadPoolExecutor(1)
     try:
-        start = time.monotonic()
-        results = engine.run(workload(), on_finish=on_finish)
-        assert time.monotonic() - start < 240
+        results = run.submit(engine.run, workload(), on_finish=on_finish).result(timeout=240)
         stats = engine.stats()
     finally:
+        run.shutdown(wait=False)
         engine.close()
     assert kills.is_set() and len(results) == 10
     for req_id, done in results.items():
@@ -315,16 +317,16 @@ def test_killed_workers_lose_no_request(ray_session, tiny_checkpoint):
     assert stats["live_handoffs"] == 0
 
 
-async def restarted(worker, timeout_s=60.0):
-    """Wait until a killed actor's restart answers (calls fail while it is restarting)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        await asyncio.sleep(0.2)
-        try:
-            return await worker.ready.remote()
-        except ray.exceptions.ActorUnavailableError:
-            if time.monotonic() > deadline:
-                raise
+async def restarted(worker, killed: str, timeout_s: float = 60.0):
+    """A killed worker's `ready()` once Ray has restarted it: another incarnation than `killed`
+    (calls fail while it dies and restarts)."""
+    return await wait_for_async(
+        lambda ready: ready["incarnation"] != killed,
+        timeout_s,
+        value=worker.ready.remote,
+        errors=(ray.exceptions.RayActorError,),
+        poll_s=0.2,
+    )
 
 
 def test_a_decode_worker_restarted_while_idle_is_noticed_before_its_next_step(
@@ -337,27 +339,27 @@ def test_a_decode_worker_restarted_while_idle_is_noticed_before_its_next_step(
     the request still produces local mode's tokens."""
     config = crowded_config(tiny_checkpoint)
     expected = local_outputs(config, [req("P", 400, 12, 5)])["P"]  # 100 four-token chunks
-    handle = start_cell_actor(config)
-    stream = streamer(handle)
-    workers = ray.get(handle.worker_handles.remote())
-    prefill_pid = ray.get(workers["prefill-0"].ready.remote())["pid"]
+    gate = Gate.remote()
+    engine = start_engine(config, HeldWorker, gate)  # the prompt's last chunk waits at the gate
+    stream = streamer(engine.handle)
+    decode = ray.get(engine.handle.worker_handles.remote())["decode-0"]
+    killed = ray.get(decode.ready.remote())["incarnation"]
 
     async def scenario():
         task = asyncio.create_task(stream(req("P", 400, 12, 5)))
-        await wait_for_stats(handle, lambda s: s["counters"]["early_imports"] >= 2)
-        os.kill(prefill_pid, signal.SIGSTOP)  # the prompt stops halfway, decode-0 idles
-        try:
-            ray.kill(workers["decode-0"], no_restart=False)
-            await restarted(workers["decode-0"])
-        finally:
-            os.kill(prefill_pid, signal.SIGCONT)
+        # the prompt stops before its last chunk, its first pieces imported: decode-0 idles
+        await wait_for_async(lambda n: n == 1, 60, value=gate.waiting.remote)
+        await wait_for_stats(engine.handle, lambda s: s["counters"]["early_imports"] >= 2)
+        ray.kill(decode, no_restart=False)
+        await restarted(decode, killed)
+        await gate.open.remote()
         done = await asyncio.wait_for(task, timeout=120)
-        return done, await handle.stats.remote()
+        return done, await engine.handle.stats.remote()
 
     try:
         done, stats = asyncio.run(scenario())
     finally:
-        ray.get(handle.shutdown.remote())
+        engine.close()
     assert done.finish_reason == "length" and done.token_ids == expected
     assert stats["counters"]["worker_failures"] == 1
 

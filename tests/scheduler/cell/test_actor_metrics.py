@@ -1,7 +1,6 @@
 """The scheduler's metrics reach Ray's Prometheus endpoint."""
 
 import re
-import time
 import urllib.request
 
 import pytest
@@ -9,12 +8,16 @@ import pytest
 from deploy.config import EngineConfig
 from deploy.driver import RayEngine
 from tests.factories import make_requests, prompt_ids
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
 
-def scrape(port: int) -> str:
-    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+def pdserve_lines(port: int) -> str:
+    """The lines of pdserve's metrics in Ray's Prometheus endpoint."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    return "\n".join(line for line in text.splitlines() if "pdserve" in line)
 
 
 def sample_sum(text: str, name: str, worker_id: str, **labels: str) -> float:
@@ -57,24 +60,20 @@ def test_ttft_histogram_counts_every_served_request(ray_session, tiny_checkpoint
             for r in ("stop", "length")
         )
 
-    deadline, text = time.monotonic() + 60, ""
-    # Ray exports metrics every few seconds, not all in one batch
-    while time.monotonic() < deadline:
-        text = scrape(ray_session.metrics_port)
-        if (
+    def exported(text: str) -> bool:
+        return (
             sample_sum(text, "ray_pdserve_ttft_seconds_count", worker_id) >= 7
             and finished(text) >= 7
             and "ray_pdserve_prefix_cache_hit_rate{" in text
-        ):
-            break
-        time.sleep(1)
+        )
+
+    # Ray exports metrics every few seconds, not all in one batch
+    text = wait_for(exported, 60, value=lambda: pdserve_lines(ray_session.metrics_port), poll_s=1)
     counts = {
         name: sample_sum(text, f"ray_pdserve_{name}_count", worker_id)
         for name in ("ttft_seconds", "e2e_seconds", "kv_handoff_bytes")
     } | {"finished": finished(text)}
-    assert counts == dict.fromkeys(counts, 7), [
-        line for line in text.splitlines() if "pdserve" in line
-    ]
+    assert counts == dict.fromkeys(counts, 7), text
     assert sample_sum(text, "ray_pdserve_step_seconds_count", worker_id, kind="decode") > 0
     assert re.search(r"ray_pdserve_slots_in_use\{", text)
     hit_rate = sample_sum(text, "ray_pdserve_prefix_cache_hit_rate", worker_id, worker="prefill-0")

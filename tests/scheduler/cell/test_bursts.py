@@ -5,7 +5,7 @@ import pytest
 
 from scheduler.cell.bursts import BurstSizer, may_burst, plan_call
 from scheduler.request import Request
-from tests.scheduler.cell.test_coordinator import (
+from tests.scheduler.cell.cells import (
     Streams,
     assert_idle,
     cell,

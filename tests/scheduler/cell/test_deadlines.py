@@ -7,7 +7,7 @@ import pytest
 from scheduler.cell.deadlines import QUEUE_TIMEOUT, TIMEOUT, expire
 from scheduler.cell.serving_metrics import ServingMetrics
 from scheduler.outputs import RequestOutput
-from tests.scheduler.cell.test_coordinator import (
+from tests.scheduler.cell.cells import (
     Streams,
     assert_idle,
     cell,

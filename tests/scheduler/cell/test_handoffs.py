@@ -11,7 +11,7 @@ from scheduler.cell.state import WorkerStatus, prefill_room
 from scheduler.messages import KVHandoff, KVPiece
 from scheduler.plan import Chunk, StepPlan
 from scheduler.request import SamplingParams
-from tests.scheduler.cell.test_coordinator import (
+from tests.scheduler.cell.cells import (
     Streams,
     assert_idle,
     cell,

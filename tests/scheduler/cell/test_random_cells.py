@@ -18,7 +18,7 @@ from scheduler.cell.bursts import plan_call
 from scheduler.cell.state import WorkerStatus
 from scheduler.request import Request
 from tests.factories import prompt_ids
-from tests.scheduler.cell.test_coordinator import (
+from tests.scheduler.cell.cells import (
     Streams,
     assert_idle,
     cell,

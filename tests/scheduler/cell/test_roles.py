@@ -6,7 +6,7 @@ import pytest
 from scheduler.cell.state import WorkerStatus
 from scheduler.load_window import LoadWindow
 from scheduler.pool_planner import Speeds
-from tests.scheduler.cell.test_coordinator import (
+from tests.scheduler.cell.cells import (
     LEDGER,
     Streams,
     assert_idle,
