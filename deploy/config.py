@@ -111,8 +111,8 @@ class EngineConfig(BaseModel):
     max_preemptions: int = Field(
         2,
         ge=0,
-        description="Times one request may be evicted for more urgent ones; "
-        "after that it is not evictable, so it cannot starve.",
+        description="Times one request may be preempted for more urgent ones; "
+        "after that it is not preemptible, so it cannot starve.",
     )
     max_worker_restarts: int = Field(3, ge=0, description="Times Ray restarts a dead worker actor.")
     max_recomputes: int = Field(

@@ -158,7 +158,7 @@ class BlockPool:
         for block in blocks:
             self._take(block)
 
-    def release(self, blocks: Iterable[int]) -> None:
+    def free_blocks(self, blocks: Iterable[int]) -> None:
         """A table lets go of `blocks`: unused ones stay cached if named, else become free."""
         for block in blocks:
             self.refs[block] -= 1

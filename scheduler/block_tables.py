@@ -48,8 +48,8 @@ class BlockTables:
             self.grow(request, request.num_computed + length)
         return max(length, 0)
 
-    def release(self, request: Request) -> None:
-        self.pool.release(request.block_table)
+    def free(self, request: Request) -> None:
+        self.pool.free_blocks(request.block_table)
         request.block_table = []
         self.num_named.pop(request.req_id, None)
 

@@ -32,7 +32,7 @@ class Chunk:
     # echo: prompt tokens start_pos+1.. whose log-probs this chunk returns; target i is predicted by
     # position start_pos + i
     prompt_targets: tuple[int, ...] = ()
-    # the request's `num_admissions` when planned: a result for an earlier seat of it is void
+    # the request's `num_admissions` when planned: a result for an earlier admission of it is void
     admission: int = 0
 
     @property
@@ -47,10 +47,10 @@ class StepPlan:
 
     decode: list[Chunk]  # one token per decoding request, all sampled
     prefill: list[Chunk]  # prompt (or recompute) chunks, most urgent then oldest request first
-    # evicted while planning; they wait to recompute
+    # preempted while planning; they wait to recompute
     preempted: list[str] = field(default_factory=list)
-    # left this worker since its last plan: drop their state
-    released: list[str] = field(default_factory=list)
+    # left this worker since its last plan, or their copy there is void: drop their state
+    forget: list[str] = field(default_factory=list)
     # (source block, destination block): blocks to copy before the forward (n > 1: a choice takes
     # its sibling's partly filled last prompt block; the full ones it shares)
     copies: list[tuple[int, int]] = field(default_factory=list)

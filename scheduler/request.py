@@ -158,16 +158,16 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens in its KV blocks, counting those of a step still in flight
     num_pending: int = 0  # tokens sampled by a step in flight: planned for, not yet known
-    slot: int | None = None  # its seat among the worker's `max_num_seqs` running requests
+    slot: int | None = None  # its slot among the worker's `max_num_seqs` running requests
     # the KV blocks of its positions 0, B, 2B, ... on the worker that holds it
     block_table: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None
     text: str = ""  # detokenized output, cut before a stop string; filled by the engine
     num_recomputes: int = 0  # times its cache was lost (worker died, handoff lost) and recomputed
-    num_preemptions: int = 0  # times it was evicted for a more urgent request (then recomputed)
-    # times it took a seat on the worker it is on (its chunks carry the count: a result planned for
-    # an earlier seat, in flight when the request left, is void)
+    num_preemptions: int = 0  # times it was preempted for a more urgent request (then recomputed)
+    # times it took a slot on the worker it is on (its chunks carry the count: a result planned for
+    # an earlier admission, in flight when the request left, is void)
     num_admissions: int = 0
     # on a prefill worker: leading rows of its cache row already sent out (KV pieces)
     num_exported: int = 0
@@ -251,7 +251,7 @@ class Request:
         self.finish_s = time.perf_counter()
 
     def reset_cache(self) -> None:
-        """Its cache is gone (evicted, or lost with a worker): recompute prompt + output so far,
+        """Its cache is gone (preempted, or lost with a worker): recompute prompt + output so far,
         then continue where it stopped. The one recompute path for preemption and faults."""
         self.num_computed = 0
         self.num_pending = 0

@@ -18,12 +18,12 @@ class StepPlanner:
     """Plans steps for one worker's KV blocks and consumes the tokens the worker sampled.
 
     Each `plan()`: admit waiting requests (most urgent priority, then oldest) while one of the
-    `num_slots` seats (vLLM's max_num_seqs) and the blocks of their first chunk are free; give every
+    `num_slots` slots (vLLM's max_num_seqs) and the blocks of their first chunk are free; give every
     decoding request one token (a new block each `block_size` tokens; when none is left, the least
     urgent request is preempted and recomputed later); spend what is left of `token_budget` on
     chunks of at most `prefill_chunk` tokens for requests still computing their prompt
     (`_prefill_order`). `update()` takes the sampled tokens, applies stop conditions and returns the
-    finished requests (their seats and blocks are free).
+    finished requests (their slots and blocks are free).
 
     With `prefix_caching`, every full block whose tokens are known is named by its hash chain as
     soon as it is planned: a new request whose prompt starts with named blocks points its table at
@@ -56,8 +56,8 @@ class StepPlanner:
         self.max_preemptions = max_preemptions
         # False on a prefill worker: a prompt that sampled its first token leaves
         self.decodes = decodes
-        self.num_preemptions = 0  # evictions so far
-        self.num_recomputed_tokens = 0  # cached tokens those evictions threw away
+        self.num_preemptions = 0  # preemptions so far
+        self.num_recomputed_tokens = 0  # cached tokens those preemptions threw away
         self.peak_running = 0  # the most requests running at once (reset with the counters)
         self.num_slots = num_slots
         self.capacity = capacity
@@ -65,7 +65,7 @@ class StepPlanner:
         self.prefill_chunk = prefill_chunk
         self.max_waiting = max_waiting
         self.free_slots: list[int] = list(range(num_slots))
-        # prompts prefilling elsewhere -> the seat and the blocks their KV is imported into
+        # prompts prefilling elsewhere -> the slot and the blocks their KV is imported into
         self.reserved: dict[str, tuple[int, list[int]]] = {}
         # handed-off prompts: their leading positions this worker held already (cached blocks), so
         # their import skips them
@@ -82,7 +82,7 @@ class StepPlanner:
         # what the worker holds per request: each chunk sends only what it lacks
         self.worker_copy = WorkerCopy()
         self._order = itertools.count()
-        if num_blocks is None:  # room for every seat's whole context, as a slot cache has
+        if num_blocks is None:  # room for every slot's whole context, as a slot cache has
             num_blocks = num_slots * -(-capacity // block_size)
         if num_blocks * block_size < capacity:
             raise ValueError(
@@ -152,12 +152,12 @@ class StepPlanner:
         copies: list[tuple[int, int]] = []
         index = 0
         admit = len(self.waiting) if max_admit is None else max_admit
-        blocked = False  # a request found no room: only those with a reserved seat pass it
+        blocked = False  # a request found no room: only those with a reserved slot pass it
         while index < len(self.waiting) and admit > 0:
             request = self.waiting[index].request
             if request.req_id in preempted or blocked and request.req_id not in self.reserved:
-                # evicted by this plan for a more urgent one: not back before the next (a step in
-                # flight may still carry a chunk of the seat it had); or behind one that waits
+                # preempted by this plan for a more urgent one: not back before the next (a step in
+                # flight may still carry a chunk of the slot it had); or behind one that waits
                 index += 1
                 continue
             sibling = self._fork_source(request)
@@ -191,7 +191,7 @@ class StepPlanner:
                 self._preempt(victim)
                 preempted.append(victim.req_id)
             if not room:
-                # a handed-off request behind it may hold the seat it lacks (reserved while its
+                # a handed-off request behind it may hold the slot it lacks (reserved while its
                 # prompt was prefilled, before this one arrived): it still goes in
                 blocked = True
                 index += 1
@@ -254,7 +254,7 @@ class StepPlanner:
                 # every running prompt holds blocks and none can grow: the least urgent other one
                 # gives its blocks back (and is recomputed later), or nothing would ever run. Not
                 # while another has a token in flight: that step may finish it and free its
-                # blocks, and evicting it would throw its work away (two requests could take
+                # blocks, and preempting it would throw its work away (two requests could take
                 # turns at that forever)
                 while (
                     not length
@@ -295,12 +295,12 @@ class StepPlanner:
                 if request.req_id not in self.importing:
                     self.tables.name_full_blocks(request)
         # an empty plan is not sent
-        released = self.worker_copy.take_released() if decode or prefill else []
+        forgotten = self.worker_copy.take_forgotten() if decode or prefill else []
         return StepPlan(
             decode=decode,
             prefill=prefill,
             preempted=preempted,
-            released=released,
+            forget=forgotten,
             copies=copies,
             exports=exports,
         )
@@ -317,7 +317,7 @@ class StepPlanner:
         )
 
     def _fork_source(self, request: Request) -> Request | None:
-        """n > 1: the sibling on this scheduler with the same prompt, whose prompt KV this request
+        """n > 1: the sibling here with the same prompt, whose prompt KV this request
         (with an empty cache) copies instead of computing it; it waits while the sibling's prompt is
         not computed."""
         if (
@@ -331,9 +331,9 @@ class StepPlanner:
         return sibling if sibling is not None and sibling.prompt_ids == request.prompt_ids else None
 
     def reserve(self, req_id: str, num_tokens: int, names: list[bytes] | None = None) -> bool:
-        """Keep a seat and the blocks of `num_tokens` positions for a prompt prefilling on another
+        """Keep a slot and the blocks of `num_tokens` positions for a prompt prefilling on another
         worker (its KV is imported into them piece by piece, and it takes them when it is handed off
-        here), if more seats are free than requests wait and the blocks leave the watermark. The
+        here), if more slots are free than requests wait and the blocks leave the watermark. The
         prompt's leading blocks this worker has cached (`names`: its full blocks' names) are taken
         as they are: their positions are `held` and not imported."""
         if req_id in self.reserved or len(self.free_slots) <= len(self.waiting):
@@ -342,7 +342,7 @@ class StepPlanner:
         matched = self.tables.held_blocks(names or [], num_tokens - 1)
         needed = self.blocks.blocks_for(num_tokens) - len(matched)
         if needed + self.tables.watermark > self.blocks.num_free:
-            self.blocks.release(matched)
+            self.blocks.free_blocks(matched)
             return False
         blocks = self.blocks.allocate(needed)
         assert blocks is not None
@@ -354,11 +354,11 @@ class StepPlanner:
         if (reserved := self.reserved.pop(req_id, None)) is not None:
             slot, blocks = reserved
             bisect.insort(self.free_slots, slot)
-            self.blocks.release(blocks)
+            self.blocks.free_blocks(blocks)
             self.held.pop(req_id, None)
 
     def _chunk(self, request: Request, length: int) -> Chunk:
-        assert request.slot is not None, f"{request.req_id} is running without a seat"
+        assert request.slot is not None, f"{request.req_id} is running without a slot"
         start = request.num_computed
         sample = start + length == request.num_tokens + request.num_pending
         params, history = self.worker_copy.send(request, sample)
@@ -380,24 +380,25 @@ class StepPlanner:
         )
 
     # ---- making room when blocks run short: a reservation given back first, then the least
-    # urgent running request evicted (and recomputed later by the one recompute path)
+    # urgent running request preempted (and recomputed later by the one recompute path)
     def can_preempt_for_waiting(self) -> bool:
-        """A waiting request could evict a running one: the most urgent one can whenever any can."""
+        """A waiting request could preempt a running one: the most urgent one can whenever any
+        can."""
         return bool(self.waiting) and self.victim(self.waiting[0].request) is not None
 
     def victim(self, candidate: Request) -> Request | None:
-        """The running request to evict for `candidate`: strictly less urgent, evicted fewer than
-        `max_preemptions` times (so a stream of urgent requests cannot starve it), the least urgent
-        of those, then the one with the most work left."""
-        evictable = [
+        """The running request to preempt for `candidate`: strictly less urgent, preempted fewer
+        than `max_preemptions` times (so a stream of urgent requests cannot starve it), the least
+        urgent of those, then the one with the most work left."""
+        preemptible = [
             r
             for r in self.running
             if r.priority > candidate.priority and r.num_preemptions < self.max_preemptions
         ]
-        if not evictable:
+        if not preemptible:
             return None
         return max(
-            evictable,
+            preemptible,
             key=lambda r: (r.priority, r.max_tokens - r.num_outputs_planned + r.num_uncomputed),
         )
 
@@ -415,9 +416,9 @@ class StepPlanner:
         return True
 
     def _preempt(self, request: Request) -> None:
-        """Free its seat and blocks now; it waits again and, readmitted, recomputes prompt + output
+        """Free its slot and blocks now; it waits again and, readmitted, recomputes prompt + output
         so far (what of it is still cached, it finds there)."""
-        self._release_slot(request)
+        self._free_slot(request)
         self.num_preemptions += 1
         self.num_recomputed_tokens += request.num_computed
         request.reset_cache()
@@ -429,7 +430,7 @@ class StepPlanner:
     def _drop_a_reservation(self) -> bool:
         """Give back the latest reservation of a prompt still prefilling elsewhere (it imports
         its KV whole when it is handed off): a running request that cannot grow, or a waiting one
-        that can evict none, goes before a prompt that may not arrive for a while (or, with the
+        that can preempt none, goes before a prompt that may not arrive for a while (or, with the
         prefill pool waiting on this worker's queue, ever). A prompt handed off already keeps its
         own: it goes in next. False if there is none to give back."""
         req_id = next((r for r in reversed(self.reserved) if r not in self.requests), None)
@@ -454,9 +455,9 @@ class StepPlanner:
         """Record a planned step's results: the tokens taken and the requests that finished in it.
         `sampled` maps req_id to the token sampled for each chunk with `sample=True`; `logprobs` to
         its log-probs, for requests that asked; `prompt_logprobs` to those of the chunk's
-        `prompt_targets`. Chunks of requests that left meanwhile (finished, aborted or evicted while
-        the step ran, even if they have a seat here again) are ignored; so is the token a later
-        step in flight samples for a request that finished in this one."""
+        `prompt_targets`. Chunks of requests that left meanwhile (finished, aborted or preempted
+        while the step ran, even if they have a slot here again) are ignored; so is the token a
+        later step in flight samples for a request that finished in this one."""
         finished: list[Request] = []
         accepted: dict[str, int] = {}
         now = time.perf_counter()
@@ -510,12 +511,12 @@ class StepPlanner:
     def finish(self, req_id: str, reason: FinishReason, error: str | None = None) -> Request | None:
         """End a request in any state and return its slot; None if it is unknown or already
         ended."""
-        if (request := self.evict(req_id)) is not None:
+        if (request := self.detach(req_id)) is not None:
             request.mark_finished(reason, error)
         return request
 
-    def evict(self, req_id: str) -> Request | None:
-        """Take a request off this scheduler without finishing it (its slot, reserved or not, is
+    def detach(self, req_id: str) -> Request | None:
+        """Take a request off this step planner without finishing it (its slot, reserved or not, is
         free at once); the caller moves it on (a finished prompt with its KV, a lost cache to be
         recomputed). None if not here."""
         self.unreserve(req_id)
@@ -526,7 +527,7 @@ class StepPlanner:
         if request.status is RequestStatus.WAITING:
             self.waiting = [e for e in self.waiting if e.request is not request]
         else:
-            self._release_slot(request)
+            self._free_slot(request)
         request.slot = None
         request.status = RequestStatus.WAITING
         return request
@@ -535,12 +536,12 @@ class StepPlanner:
         """A step imported a handed-off request's KV whole: its blocks may be cached and shared."""
         self.importing.discard(req_id)
 
-    def _release_slot(self, request: Request) -> None:
+    def _free_slot(self, request: Request) -> None:
         self.importing.discard(request.req_id)
         self.running.remove(request)
-        assert request.slot is not None, f"{request.req_id} is running without a seat"
+        assert request.slot is not None, f"{request.req_id} is running without a slot"
         bisect.insort(self.free_slots, request.slot)
-        self.tables.release(request)
+        self.tables.free(request)
         self.held.pop(request.req_id, None)
 
     def abort(self, req_id: str) -> Request | None:

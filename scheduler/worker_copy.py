@@ -1,4 +1,4 @@
-"""What a worker holds for each request, as its scheduler keeps track: a step message sends only
+"""What a worker holds for each request, as its step planner keeps track: a step message sends only
 what changed."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ class WorkerCopy:
     """A request's sampling parameters go to a worker once, with its first chunk there; its history
     (what penalties count and a grammar follows) once, with its first sampling chunk there, when its
     sampling needs it. When the request leaves the worker, or its cache there is lost, the worker is
-    told to drop both (`take_released`), and its next chunk there, if any, sends them again."""
+    told to forget both (`take_forgotten`), and its next chunk there, if any, sends them again."""
 
     def __init__(self) -> None:
         self.params: set[str] = set()  # requests whose sampling parameters the worker holds
         self.states: set[str] = set()  # of those, the ones whose sampling state it holds
         # forgotten since the last plan: the worker may drop what it holds
-        self.released: list[str] = []
+        self.forgotten: list[str] = []
 
     def send(self, request: Request, sample: bool) -> tuple[SamplingParams | None, History | None]:
         """What a chunk of the request carries: its sampling parameters and history, each None if
@@ -38,8 +38,8 @@ class WorkerCopy:
         if req_id in self.params:
             self.params.discard(req_id)
             self.states.discard(req_id)
-            self.released.append(req_id)
+            self.forgotten.append(req_id)
 
-    def take_released(self) -> list[str]:
-        released, self.released = self.released, []
-        return released
+    def take_forgotten(self) -> list[str]:
+        forgotten, self.forgotten = self.forgotten, []
+        return forgotten

@@ -83,7 +83,7 @@ class Worker:
 
     def connect(self, peers: list[dict[str, Any]]) -> str:
         """Choose the transport for the KV this worker sends, as a prefill worker, to its decode
-        `peers` (their `ready()` placements); raises ValueError, with the reason, if the
+        `peers` (what their `ready()` reported); raises ValueError, with the reason, if the
         configured one cannot serve every pair."""
         name = choose_transport(self.kv_transport, self.ready(), peers)
         if name != self.sender.transport.name:

@@ -199,7 +199,7 @@ def _nixl_problem() -> str:
 
 
 def choose_transport(requested: str, own: dict[str, Any], peers: list[dict[str, Any]]) -> str:
-    """The transport a prefill worker (`own`: its `ready()` placement) uses for the KV it sends
+    """The transport a prefill worker (`own`: what its `ready()` reported) uses for the KV it sends
     to any of its decode `peers` (theirs). `auto`: CUDA IPC when every peer shares its GPU, else
     NIXL when the KV is on a GPU and both sides have it, else the object store. An explicit choice
     that some pair cannot use raises ValueError naming the pair and the reason."""

@@ -85,7 +85,7 @@ class ModelRunner:
         (the scheduler planned this step before it knew it). A chunk whose PENDING token this runner
         never sampled (its request's cache was lost here) is dropped: no result comes back for it.
         """
-        self.states.drop(plan.released)
+        self.states.drop(plan.forget)
         self.states.remember(plan.chunks)
         for src, dst in plan.copies:
             self.cache.copy_block(src, dst)

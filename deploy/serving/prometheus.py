@@ -38,7 +38,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("vllm:prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache."),
     Metric("vllm:prompt_tokens_total", "counter", "Prompt tokens of admitted requests."),
     Metric("vllm:generation_tokens_total", "counter", "Tokens generated."),
-    Metric("vllm:num_preemptions_total", "counter", "Requests evicted for more urgent ones."),
+    Metric("vllm:num_preemptions_total", "counter", "Requests preempted for more urgent ones."),
     Metric("vllm:request_success_total", "counter", "Finished requests by finished_reason."),
     Metric("vllm:time_to_first_token_seconds", "histogram", "Time to first token."),
     Metric("vllm:inter_token_latency_seconds", "histogram", "Time between successive tokens."),

@@ -112,7 +112,7 @@ class CellActor:
 
     # ---- lifecycle
     def _spawn(self, worker: WorkerState) -> Any:
-        blocks = worker.sched.blocks
+        blocks = worker.step_planner.blocks
         named: dict[str, Any] = {}
         if self.worker_namespace is not None:
             name = f"{ray.get_runtime_context().get_actor_name()}/{worker.actor}"
@@ -127,7 +127,7 @@ class CellActor:
         self._resume(force=True)
         assert self.started is not None
         await asyncio.shield(self.started)
-        return {w.name: w.placement for w in self.coordinator.workers} | {
+        return {w.name: w.ready_info for w in self.coordinator.workers} | {
             "capacity": self.config.capacity,
             "scheduler_worker_id": ray.get_runtime_context().get_worker_id(),
             "scheduler_pid": os.getpid(),
@@ -141,7 +141,7 @@ class CellActor:
     async def _start_cell(self) -> None:
         for worker in self.coordinator.workers:
             handle = self.handles[worker.actor]
-            worker.placement = await handle.ready.remote()
+            worker.ready_info = await handle.ready.remote()
             if self.restarted:
                 await handle.reset.remote()
         for worker in self.coordinator.prefill:
@@ -181,8 +181,8 @@ class CellActor:
     async def _connect(self, worker: WorkerState) -> None:
         """Have a prefill worker choose the transport of the KV it sends to the decode pool (the
         worker raises, naming the reason, when the configured one cannot serve a pair)."""
-        peers = [w.placement for w in self.coordinator.decode]
-        worker.placement["kv_transport"] = await self.handles[worker.actor].connect.remote(peers)
+        peers = [w.ready_info for w in self.coordinator.decode]
+        worker.ready_info["kv_transport"] = await self.handles[worker.actor].connect.remote(peers)
 
     async def _plan_pools(self) -> None:
         """Every planner window, let the coordinator resize the pools (role changes)."""
@@ -197,7 +197,7 @@ class CellActor:
         """A worker the planner added: once its actor answers (Ray places it when resources are
         free; on an autoscaling cluster, a node is started for it), it joins its pool and steps."""
         started = time.monotonic()
-        worker.placement = await self.handles[worker.actor].ready.remote()
+        worker.ready_info = await self.handles[worker.actor].ready.remote()
         worker.status = WorkerStatus.UP
         self.coordinator.pools.on_started(time.monotonic() - started)
         log.info("%s started in the %s pool", worker.actor, worker.kind)
@@ -338,7 +338,7 @@ class CellActor:
         incarnation): a worker restarted since refuses it (WorkerRestarted). No local keeps the
         result's ref: an idle loop must not hold the last result in the object store."""
         worker.calls_in_flight += 1
-        return handle.step.remote(pack_plans(plans), imports, worker.placement.get("incarnation"))
+        return handle.step.remote(pack_plans(plans), imports, worker.ready_info.get("incarnation"))
 
     @staticmethod
     async def _results(worker: WorkerState, ref: Any) -> Any:
@@ -556,8 +556,8 @@ class CellActor:
         deadline = time.monotonic() + _RESTART_TIMEOUT_S
         while time.monotonic() < deadline:
             try:
-                placement = await self.handles[worker.actor].ready.remote()
-                self.coordinator.worker_back(worker, placement)
+                ready_info = await self.handles[worker.actor].ready.remote()
+                self.coordinator.worker_back(worker, ready_info)
                 if worker.kind == "prefill":
                     await self._connect(worker)
                 return
@@ -596,8 +596,8 @@ class CellActor:
         warm-up)."""
         self.timeline.reset()
         for worker in self.coordinator.workers:
-            worker.sched.blocks.reset_counters()
-            worker.sched.peak_running = len(worker.sched.running)
+            worker.step_planner.blocks.reset_counters()
+            worker.step_planner.peak_running = len(worker.step_planner.running)
 
 
 async def _dead_for_good(handle: Any) -> bool:

@@ -64,14 +64,14 @@ def may_burst(worker: WorkerState, prefill_pool: list[WorkerState]) -> bool:
     slot is free, none can be preempted for what waits, and no running request has planned its last
     token: its slot frees when that step is applied). A more urgent handoff that could preempt waits
     at most one burst, as a new request does."""
-    sched = worker.sched
+    sched = worker.step_planner
     if (
         worker.kind != "decode"
         or not sched.running
         or not all(r.is_decoding for r in sched.running)
     ):
         return False
-    if not sched.num_waiting and all(p.sched.idle for p in prefill_pool):
+    if not sched.num_waiting and all(p.step_planner.idle for p in prefill_pool):
         return True
     return (
         not sched.free_slots

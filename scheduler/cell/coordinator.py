@@ -21,7 +21,7 @@ from scheduler.cell.pools import RELEASE, PoolPlans
 from scheduler.cell.state import (
     CellConfig,
     CellCounts,
-    RequestPlacement,
+    RequestRecord,
     TransferTotals,
     WorkerState,
     WorkerStatus,
@@ -75,7 +75,7 @@ class Coordinator:
         self.workers = self.prefill + self.decode
         for pool in (self.prefill, self.decode):
             if pool:
-                blocks = pool[0].sched.blocks
+                blocks = pool[0].step_planner.blocks
                 tokens = blocks.num_blocks * blocks.block_size
                 log.info(
                     "%s workers: %d KV blocks of %d tokens each (%d tokens): %d requests of "
@@ -90,7 +90,7 @@ class Coordinator:
         self.kv = HandoffBook()  # KV pieces and handoffs in flight: the only refs held to them
         self.kv_transfers = TransferTotals()
         self.forks = WaitingForks()
-        self.placements: dict[str, RequestPlacement] = {}
+        self.records: dict[str, RequestRecord] = {}
         self.consumers: dict[str, str] = {}  # req_id -> who receives its outputs
         self.outbox: dict[str, list[RequestOutput]] = {}  # consumer -> outputs not yet taken
         self.counts = CellCounts()
@@ -119,12 +119,12 @@ class Coordinator:
         if request.req_id in self.consumers:  # every unfinished request has its consumer here
             raise ValueError(f"request id {request.req_id!r} is already in use")
         StepPlanner.check_fits(request, self.config.capacity)
-        num_waiting = sum(w.sched.num_waiting for w in self.workers) + len(self.forks)
+        num_waiting = sum(w.step_planner.num_waiting for w in self.workers) + len(self.forks)
         if self.config.max_waiting is not None and num_waiting >= self.config.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
         self.consumers[request.req_id] = consumer
         self.outputs.add(request)
-        self.placements[request.req_id] = RequestPlacement()
+        self.records[request.req_id] = RequestRecord()
         self.pools.on_arrival(request)
         self._route(request)
 
@@ -133,14 +133,14 @@ class Coordinator:
         row and handoff are freed at once, its stream gets a final `abort` output, and `aborts`
         counts it."""
         request = next(
-            (r for w in self.workers if (r := w.sched.abort(req_id)) is not None), None
+            (r for w in self.workers if (r := w.step_planner.abort(req_id)) is not None), None
         ) or self.forks.take(req_id)
         if request is None:
             return False
         if request.finish_reason is None:  # a choice that was waiting for its sibling's handoff
             request.mark_finished(FinishReason.ABORT)
         self._drop_kv(req_id)
-        self._release_forks(req_id)
+        self._send_forks_on(req_id)
         self.counts.aborts += 1
         self._publish(
             [
@@ -176,7 +176,7 @@ class Coordinator:
         local = not self.prefill or request.num_tokens < self.config.local_prefill_max_tokens
         holder = None if local else self._decode_holding(request)
         if holder is not None:
-            holder.sched.submit(request)
+            holder.step_planner.submit(request)
             self.wake(holder)
             return
         if not local and self.forks.park(request, self.prefill):
@@ -188,7 +188,7 @@ class Coordinator:
                 request, f"no live {'decode' if local else 'prefill'} worker", unavailable=True
             )
             return
-        worker.sched.submit(request)
+        worker.step_planner.submit(request)
         self.wake(worker)
 
     def _drop_kv(self, req_id: str) -> None:
@@ -196,14 +196,14 @@ class Coordinator:
         bytes."""
         self.kv.drop(req_id)
 
-    def _release_forks(self, req_id: str, target: WorkerState | None = None) -> None:
+    def _send_forks_on(self, req_id: str, target: WorkerState | None = None) -> None:
         """The choices waiting for this request's handoff go with it to `target` (where they copy
         its KV), or, when it left without one, on their own way (each computes the prompt)."""
-        for fork in self.forks.release(req_id):
+        for fork in self.forks.take_waiting_on(req_id):
             if target is None:
                 self._route(fork)
             else:
-                target.sched.submit(fork)
+                target.step_planner.submit(fork)
 
     def _pick_for_prompt(self, request: Request, pool: list[WorkerState]) -> WorkerState | None:
         """With cache routing, the live worker of least `routing_cost` (queued work and the prompt's
@@ -215,7 +215,7 @@ class Coordinator:
         return min(
             live,
             key=lambda w: (
-                routing_cost(request, w.sched.blocks, w.sched.requests.values()),
+                routing_cost(request, w.step_planner.blocks, w.step_planner.requests.values()),
                 w.load(),
             ),
         )
@@ -233,7 +233,7 @@ class Coordinator:
         for worker in self.decode:
             if not worker.accepts:
                 continue
-            pool = worker.sched.blocks
+            pool = worker.step_planner.blocks
             cached = pool.cached_tokens(block_names(request, pool.block_size))
             if cached > most:
                 best = worker
@@ -241,7 +241,11 @@ class Coordinator:
         if best is None:
             return None
         lacking = request.num_tokens - most
-        return best if lacking <= best.sched.blocks.block_size + self.config.prefill_chunk else None
+        return (
+            best
+            if lacking <= best.step_planner.blocks.block_size + self.config.prefill_chunk
+            else None
+        )
 
     def _fail(
         self,
@@ -253,7 +257,7 @@ class Coordinator:
         """End a request that no scheduler holds with an error on its own stream (`unavailable`:
         this cell cannot serve it, another may; `error_code`: a deadline passed)."""
         self._drop_kv(request.req_id)
-        self._release_forks(request.req_id)
+        self._send_forks_on(request.req_id)
         request.mark_finished(FinishReason.ERROR, message)
         self._publish(
             [
@@ -278,13 +282,13 @@ class Coordinator:
             if out.finished:
                 self.pools.on_finish(out)
                 self.metrics.on_finish(out)
-                out.metrics |= self.placements.pop(out.req_id).as_metrics()
+                out.metrics |= self.records.pop(out.req_id).as_metrics()
                 del self.consumers[out.req_id]
             self.outbox.setdefault(consumer, []).append(out)
         # a slot or a place in a queue freed: `prefill_room` grew
         if any(out.finished for out in outputs):
             for worker in self.prefill:
-                if worker.sched.num_waiting:
+                if worker.step_planner.num_waiting:
                     self.wake(worker)
 
     # ---- stepping
@@ -298,14 +302,14 @@ class Coordinator:
             if prefill
             else None
         )
-        plan = worker.sched.plan(room)
-        for req_id in worker.sched.take_dropped_reservations():
+        plan = worker.step_planner.plan(room)
+        for req_id in worker.step_planner.take_dropped_reservations():
             self.kv.reservation_dropped(req_id)
         for req_id in plan.preempted:
             self.kv.void_pieces(req_id)
         if plan.preempted and worker.kind == "decode" and self.prefill:
             for req_id in plan.preempted:
-                request = worker.sched.evict(req_id)
+                request = worker.step_planner.detach(req_id)
                 if request is not None:
                     self._route(request)
         # an idle decode worker gets a step that only imports them
@@ -313,15 +317,15 @@ class Coordinator:
         if plan.empty and not early:
             return None
         self.counts.early_imports += len(early)
-        return plan, self.kv.final_imports(plan, worker.sched.held) + early
+        return plan, self.kv.final_imports(plan, worker.step_planner.held) + early
 
     def apply(self, worker: WorkerState, plan: StepPlan, result: StepResult) -> None:
         """Consume a step's results: lost imports go back to be recomputed, sampled tokens are
         applied, finished prompts are handed off to a decode worker, and the outputs are
         published."""
-        sched = worker.sched
-        # of requests still prefilling here in the seat the step was planned for (not aborted or
-        # preempted since, nor back in another seat: what that one exports replaces this)
+        sched = worker.step_planner
+        # of requests still prefilling here in the slot the step was planned for (not aborted or
+        # preempted since, nor back in another slot: what that one exports replaces this)
         current = {
             c.req_id
             for c in plan.chunks
@@ -351,7 +355,7 @@ class Coordinator:
         for req_id in result.failed_imports:  # its prefill worker died, or the transfer failed
             self.kv.drop(req_id)
             request = next(
-                (r for w in self.workers if (r := w.sched.evict(req_id)) is not None), None
+                (r for w in self.workers if (r := w.step_planner.detach(req_id)) is not None), None
             )
             if request is None:
                 continue
@@ -363,8 +367,8 @@ class Coordinator:
             sched.confirm_import(req_id)
             if (handoff := self.kv.imported(req_id)) is not None:
                 self.metrics.on_handoff(handoff.num_bytes, handoff.export_s + seconds)
-                if req_id in self.placements:
-                    self.placements[req_id].kv_handoff_s = handoff.export_s + seconds
+                if req_id in self.records:
+                    self.records[req_id].kv_handoff_s = handoff.export_s + seconds
         samples = result.samples
         update = sched.update(plan, samples.tokens, samples.logprobs, samples.prompt_logprobs)
         outputs = self.outputs.apply(sched, update)
@@ -380,31 +384,31 @@ class Coordinator:
             )
         computed_by = f"{worker.kind}_worker"  # who computed what, for the request's metrics
         for chunk in plan.chunks:
-            if (placement := self.placements.get(chunk.req_id)) is not None:
-                setattr(placement, computed_by, worker.index)
+            if (record := self.records.get(chunk.req_id)) is not None:
+                setattr(record, computed_by, worker.index)
         for handoff in handoffs:
             self._hand_off(sched, handoff)
-        self.metrics.on_states([w.sched for w in self.workers])
+        self.metrics.on_states([w.step_planner for w in self.workers])
         self.pools.on_step(worker, plan, result.step_s)
         self._publish(outputs)
         self.roles.finish()
 
     def _hand_off(self, sched: StepPlanner, handoff: KVHandoff) -> None:
-        request = sched.evict(handoff.req_id) if handoff.req_id in sched.requests else None
+        request = sched.detach(handoff.req_id) if handoff.req_id in sched.requests else None
         if request is None:
             self.kv.drop(handoff.req_id)
-            self._release_forks(handoff.req_id)
+            self._send_forks_on(handoff.req_id)
             return  # finished on its first token, or aborted: the refs are dropped here
-        target, handoff = self.kv.release(handoff, self.decode)
+        target, handoff = self.kv.hand_over(handoff, self.decode)
         if target is None:
             self._fail(request, "no live decode worker", unavailable=True)
             return
         self.kv.book(handoff)
         self.counts.handoffs += 1
         self.counts.handoff_bytes += handoff.num_bytes
-        self.placements[request.req_id].kv_handoff_bytes = handoff.num_bytes
-        target.sched.submit(request)
-        self._release_forks(request.req_id, target)
+        self.records[request.req_id].kv_handoff_bytes = handoff.num_bytes
+        target.step_planner.submit(request)
+        self._send_forks_on(request.req_id, target)
         self.wake(target)
 
     def _recompute(self, request: Request, why: str) -> None:
@@ -428,9 +432,9 @@ class Coordinator:
         """End every request of a worker with an error (a bug applying its step: say so on each
         stream, with the request's id, under which the server logs the details); returns their
         ids."""
-        failed = list(worker.sched.running) + list(worker.sched.waiting_requests())
+        failed = list(worker.step_planner.running) + list(worker.step_planner.waiting_requests())
         for request in failed:
-            worker.sched.evict(request.req_id)
+            worker.step_planner.detach(request.req_id)
             self._fail(request, f"{message}; the server log has the details under {request.req_id}")
         return [r.req_id for r in failed]
 
@@ -441,17 +445,17 @@ class Coordinator:
         worker.status = WorkerStatus.RESTARTING
         self.kv.worker_lost(worker)
         log.warning("%s failed; moving its requests", worker.name)
-        for request in list(worker.sched.running):
-            worker.sched.evict(request.req_id)
+        for request in list(worker.step_planner.running):
+            worker.step_planner.detach(request.req_id)
             self._drop_kv(request.req_id)  # imported or not, its blocks are gone
             self._recompute(request, f"{worker.name} failed")
-        worker.sched.blocks.clear()  # the restarted worker's pool is empty
-        worker.sched.held.clear()  # what handed-off prompts found cached there is gone too
+        worker.step_planner.blocks.clear()  # the restarted worker's pool is empty
+        worker.step_planner.held.clear()  # what handed-off prompts found cached there is gone too
         self.move_waiting(worker)
 
-    def worker_back(self, worker: WorkerState, placement: dict[str, Any]) -> None:
+    def worker_back(self, worker: WorkerState, ready_info: dict[str, Any]) -> None:
         worker.status = WorkerStatus.UP
-        worker.placement = placement
+        worker.ready_info = ready_info
         log.warning("%s is back", worker.name)
         self.roles.finish()  # a leaving worker that died holds nothing now
         self.wake(worker)
@@ -467,15 +471,15 @@ class Coordinator:
         any that remain)."""
         pool = self.prefill if worker.kind == "prefill" else self.decode
         gone = worker.status is WorkerStatus.GONE
-        for request in list(worker.sched.waiting_requests()):
+        for request in list(worker.step_planner.waiting_requests()):
             target = WorkerState.least_loaded(pool, exclude=worker)
             if target is None or not (target.status is WorkerStatus.UP or gone):
                 if gone:
-                    worker.sched.evict(request.req_id)
+                    worker.step_planner.detach(request.req_id)
                     self._fail(request, f"every {worker.kind} worker is gone", unavailable=True)
                 continue  # stays queued here until the restart
-            worker.sched.evict(request.req_id)
-            target.sched.submit(request)
+            worker.step_planner.detach(request.req_id)
+            target.step_planner.submit(request)
             self.wake(target)
 
     # ---- pools
@@ -498,8 +502,8 @@ class Coordinator:
         """Slots and queues per worker, live handoffs and counts: what a test or /stats reads."""
         workers = {w.name: w.stats() for w in self.workers}
         counters = vars(self.counts) | {
-            "preemptions": sum(w.sched.num_preemptions for w in self.workers),
-            "recomputed_tokens": sum(w.sched.num_recomputed_tokens for w in self.workers),
+            "preemptions": sum(w.step_planner.num_preemptions for w in self.workers),
+            "recomputed_tokens": sum(w.step_planner.num_recomputed_tokens for w in self.workers),
         }
         return {
             "workers": workers,
@@ -576,7 +580,7 @@ class RoleChanges:
         self.finish()
 
     def holds_nothing(self, worker: WorkerState) -> bool:
-        sched = worker.sched
+        sched = worker.step_planner
         kv = self.cell.kv
         return (
             not sched.running
@@ -609,10 +613,12 @@ class RoleChanges:
             worker.index = next(i for i in itertools.count() if i not in taken)
             worker.kind = worker.next_kind
             worker.next_kind = None
-            released = worker.sched.worker_copy.take_released()
-            worker.sched = cell.new_planner(worker.kind, worker.sched.blocks.num_blocks)
+            released = worker.step_planner.worker_copy.take_forgotten()
+            worker.step_planner = cell.new_planner(
+                worker.kind, worker.step_planner.blocks.num_blocks
+            )
             # (its next call still tells the worker which requests' states to drop)
-            worker.sched.worker_copy.released = released
+            worker.step_planner.worker_copy.forgotten = released
             target.append(worker)
             cell.workers = cell.prefill + cell.decode
             self.count += 1

@@ -35,11 +35,11 @@ def expire(coordinator: Coordinator, now: float) -> list[str]:
     """End every request of the cell past a deadline; returns the deadline each one passed."""
     passed = []
     for worker in coordinator.workers:
-        for request in list(worker.sched.requests.values()):
+        for request in list(worker.step_planner.requests.values()):
             code = deadline_passed(request, now)
             if code is None:
                 continue
-            worker.sched.evict(request.req_id)
+            worker.step_planner.detach(request.req_id)
             what = "waited in the queue" if code == QUEUE_TIMEOUT else "ran"
             coordinator._fail(
                 request,

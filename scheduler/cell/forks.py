@@ -24,13 +24,13 @@ class WaitingForks:
         if (
             request.fork_of is None
             or request.wants_prompt_logprobs
-            or not any(request.fork_of in w.sched.requests for w in prefill)
+            or not any(request.fork_of in w.step_planner.requests for w in prefill)
         ):
             return False
         self.by_sibling.setdefault(request.fork_of, []).append(request)
         return True
 
-    def release(self, sibling_id: str) -> list[Request]:
+    def take_waiting_on(self, sibling_id: str) -> list[Request]:
         """The choices that waited for this sibling's handoff (it has one now, or left without
         one)."""
         return self.by_sibling.pop(sibling_id, [])
@@ -50,6 +50,10 @@ def sibling_worker(request: Request, pool: list[WorkerState]) -> WorkerState | N
     if request.fork_of is None:
         return None
     return next(
-        (w for w in pool if w.status is WorkerStatus.UP and request.fork_of in w.sched.requests),
+        (
+            w
+            for w in pool
+            if w.status is WorkerStatus.UP and request.fork_of in w.step_planner.requests
+        ),
         None,
     )

@@ -47,15 +47,17 @@ class HandoffBook:
         self.pieces.setdefault(piece.req_id, []).append(piece)
         target = self.target(piece.req_id, decode)
         if target is not None and target.status is WorkerStatus.UP:
-            names = block_names(request, target.sched.blocks.block_size)
-            target.sched.reserve(piece.req_id, request.num_tokens + 1, names)
-        if target is not None and target.placement.get("node_id") != prefill.placement.get(
+            names = block_names(request, target.step_planner.blocks.block_size)
+            target.step_planner.reserve(piece.req_id, request.num_tokens + 1, names)
+        if target is not None and target.ready_info.get("node_id") != prefill.ready_info.get(
             "node_id"
         ):
             named = self.prefetches.setdefault(target.actor, [])
             if not any(p.ref is piece.ref for p in named):  # a step's pieces may share one object
                 named.append(piece)
-        return target if target is not None and piece.req_id in target.sched.reserved else None
+        return (
+            target if target is not None and piece.req_id in target.step_planner.reserved else None
+        )
 
     def target(self, req_id: str, decode: list[WorkerState]) -> WorkerState | None:
         """The decode worker a prompt's KV goes to: the one it was bound to while it answers, else
@@ -77,7 +79,7 @@ class HandoffBook:
         """End a prompt's binding: its reserved slot is free again, and what was imported into it
         void."""
         if (bound := self.bound.pop(req_id, None)) is not None:
-            bound.sched.unreserve(req_id)
+            bound.step_planner.unreserve(req_id)
         self.sent.pop(req_id, None)
 
     def worker_lost(self, worker: WorkerState) -> None:
@@ -86,7 +88,7 @@ class HandoffBook:
         for req_id in [r for r, w in self.bound.items() if w is worker]:
             self.unbind(req_id)
         for req_id, handoff in self.handoffs.items():
-            if req_id in worker.sched.requests:
+            if req_id in worker.step_planner.requests:
                 self.handoffs[req_id] = dataclasses.replace(handoff, imported=0)
                 self.importing.pop(req_id, None)
 
@@ -119,17 +121,17 @@ class HandoffBook:
     def early_imports(self, worker: WorkerState) -> list[KVImport]:
         """The pieces not yet sent of the prompts with blocks reserved on this decode worker."""
         imports = []
-        for req_id, (_, blocks) in worker.sched.reserved.items():
+        for req_id, (_, blocks) in worker.step_planner.reserved.items():
             pieces = self.pieces.get(req_id, [])
             sent = self.sent.get(req_id, 0)
             if self.bound.get(req_id) is worker and len(pieces) > sent:
                 handoff = KVHandoff(req_id, tuple(pieces), -1, sent)
-                held = worker.sched.held.get(req_id, 0)
+                held = worker.step_planner.held.get(req_id, 0)
                 imports.append(KVImport(blocks, handoff, final=False, held=held))
                 self.sent[req_id] = len(pieces)
         return imports
 
-    def release(
+    def hand_over(
         self, handoff: KVHandoff, decode: list[WorkerState]
     ) -> tuple[WorkerState | None, KVHandoff]:
         """Where a finished prompt's KV goes now (`target`), and its handoff with the pieces already
@@ -139,7 +141,8 @@ class HandoffBook:
         self.bound.pop(handoff.req_id, None)
         sent = self.sent.pop(handoff.req_id, 0)
         return target, dataclasses.replace(
-            handoff, imported=sent if target and handoff.req_id in target.sched.reserved else 0
+            handoff,
+            imported=sent if target and handoff.req_id in target.step_planner.reserved else 0,
         )
 
     def finish(self, req_id: str, prefill_worker: int) -> KVHandoff:

@@ -90,7 +90,7 @@ class CellMetrics:
             ("mode", "to"),
         )
         self.preemptions = backend.Counter(
-            "pdserve_preemptions_total", "Requests evicted for more urgent ones.", mode_tag
+            "pdserve_preemptions_total", "Requests preempted for more urgent ones.", mode_tag
         )
         self.recomputes = backend.Counter(
             "pdserve_recomputes_total", "Requests recomputed after a lost cache.", mode_tag

@@ -172,7 +172,7 @@ def _least_loaded_accepting(pool: list[WorkerState]) -> WorkerState | None:
     candidates = [w for w in pool if w.accepts]
     if len(candidates) < 2:
         return None
-    return min(candidates, key=lambda w: len(w.sched.running) + w.sched.num_waiting)
+    return min(candidates, key=lambda w: len(w.step_planner.running) + w.step_planner.num_waiting)
 
 
 def _counts_as(worker: WorkerState, kind: str) -> bool:

@@ -1,4 +1,4 @@
-"""A cell as plain data (config, workers' states, placements, counts), and how many prompts its
+"""A cell as plain data (config, workers' states, request records, counts), and how many prompts its
 prefill pool starts."""
 
 from __future__ import annotations
@@ -84,10 +84,10 @@ class WorkerState:
 
     kind: str  # "prefill" or "decode"
     index: int
-    sched: StepPlanner
+    step_planner: StepPlanner
     status: WorkerStatus = WorkerStatus.UP
-    # node, pid, device: what `ready` reported
-    placement: dict[str, Any] = field(default_factory=dict)
+    # node, pid, device, incarnation, KV cache: what `ready` reported
+    ready_info: dict[str, Any] = field(default_factory=dict)
     # the actor's own name, kept when the worker changes pools (its first `name`)
     actor: str = ""
     # the pool it is leaving for: it takes no new work, and changes once empty
@@ -110,25 +110,27 @@ class WorkerState:
 
     @property
     def slots_used(self) -> int:
-        return self.sched.num_slots - len(self.sched.free_slots)
+        return self.step_planner.num_slots - len(self.step_planner.free_slots)
 
     def stats(self) -> dict[str, Any]:
-        """What /stats shows of this worker: up or not, seats, queue, and its KV blocks."""
+        """What /stats shows of this worker: up or not, slots, queue, and its KV blocks."""
         line: dict[str, Any] = {
             "alive": self.status is WorkerStatus.UP,
             "slots_used": self.slots_used,
-            "running": len(self.sched.running),
-            "peak_running": self.sched.peak_running,
-            "waiting": self.sched.num_waiting,
+            "running": len(self.step_planner.running),
+            "peak_running": self.step_planner.peak_running,
+            "waiting": self.step_planner.num_waiting,
         }
-        line["kv_cache"] = self.sched.blocks.stats()
+        line["kv_cache"] = self.step_planner.blocks.stats()
         return line
 
     def load(self) -> tuple[int, int]:
         """Lower is less loaded: (requests here beyond free slots, requests running)."""
         return (
-            len(self.sched.running) + self.sched.num_waiting - self.sched.num_slots,
-            len(self.sched.running),
+            len(self.step_planner.running)
+            + self.step_planner.num_waiting
+            - self.step_planner.num_slots,
+            len(self.step_planner.running),
         )
 
     @staticmethod
@@ -151,7 +153,7 @@ class WorkerState:
 
 
 @dataclass
-class RequestPlacement:
+class RequestRecord:
     """Where a request ran and what its handoff cost: the Ray modes' extra per-request metrics."""
 
     prefill_worker: int | None = None
@@ -206,17 +208,19 @@ def prefill_room(
     queues prompts, not KV. The worker's most urgent waiting prompt may always start if it would
     preempt a running request on a decode worker: the bound never delays a priority."""
     free = sum(
-        len(w.sched.free_slots) + len(w.sched.reserved)
+        len(w.step_planner.free_slots) + len(w.step_planner.reserved)
         for w in decode
         if w.status is not WorkerStatus.GONE and w.next_kind is None
     )
-    queued = sum(w.sched.num_waiting for w in decode) + sum(len(w.sched.running) for w in prefill)
+    queued = sum(w.step_planner.num_waiting for w in decode) + sum(
+        len(w.step_planner.running) for w in prefill
+    )
     room = free + prefill_slots * sum(w.status is not WorkerStatus.GONE for w in prefill) - queued
-    urgent = worker.sched.waiting[0].request if worker.sched.waiting else None
+    urgent = worker.step_planner.waiting[0].request if worker.step_planner.waiting else None
     if (
         room < 1
         and urgent is not None
-        and any(w.sched.victim(urgent) for w in decode if w.status is WorkerStatus.UP)
+        and any(w.step_planner.victim(urgent) for w in decode if w.status is WorkerStatus.UP)
     ):
         return 1
     return room

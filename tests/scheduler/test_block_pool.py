@@ -85,7 +85,7 @@ def test_unused_named_blocks_are_evicted_least_recently_used_first_never_one_in_
     for block, name in zip(first, names, strict=False):
         pool.name(block, name)
     assert pool.allocate(1) is None  # all three in use
-    pool.release(first)  # all cached now, block 0 least recently used
+    pool.free_blocks(first)  # all cached now, block 0 least recently used
     assert pool.match(names[:1]) == [first[0]]  # in use again, and so not evictable
     fresh = pool.allocate(2)
     assert sorted(fresh) == sorted(first[1:]) and pool.evictions == 2
@@ -242,30 +242,30 @@ def test_routing_follows_the_cache_and_weighs_queued_work():
     system = tokens(8 * B)
     coordinator.admit(request("a", system + [1, 2]), consumer="c")
     prefill = coordinator.prefill
-    on = {w.name for w in prefill if "a" in w.sched.requests}
+    on = {w.name for w in prefill if "a" in w.step_planner.requests}
     # the same system prompt goes where "a" is computing it (its blocks will be cached there) ...
     coordinator.admit(request("b", system + [3, 4]), consumer="c")
-    assert {w.name for w in prefill if "b" in w.sched.requests} == on
+    assert {w.name for w in prefill if "b" in w.step_planner.requests} == on
     # ... while a prompt with nothing in common goes to the idle worker
     coordinator.admit(request("x", tokens(8 * B, start=5000)), consumer="c")
-    assert {w.name for w in prefill if "x" in w.sched.requests} != on
+    assert {w.name for w in prefill if "x" in w.step_planner.requests} != on
     # by load only, the second one would have gone to the other worker
     by_load = cell(cache_routing=False)
     by_load.admit(request("a", system + [1, 2]), consumer="c")
     by_load.admit(request("b", system + [3, 4]), consumer="c")
-    assert [len(w.sched.requests) for w in by_load.prefill] == [1, 1]
+    assert [len(w.step_planner.requests) for w in by_load.prefill] == [1, 1]
 
 
 def test_a_worker_that_restarts_has_an_empty_cache():
     coordinator = cell()
     worker = coordinator.prefill[0]
     names = chain_hashes(tokens(2 * B), 2, [])
-    blocks = worker.sched.blocks.allocate(1)
-    worker.sched.blocks.name(blocks[0], names[0])
-    worker.sched.blocks.release(blocks)
+    blocks = worker.step_planner.blocks.allocate(1)
+    worker.step_planner.blocks.name(blocks[0], names[0])
+    worker.step_planner.blocks.free_blocks(blocks)
     coordinator.worker_died(worker)
-    assert worker.sched.blocks.cached_tokens(names) == 0
-    assert worker.sched.blocks.num_free == worker.sched.blocks.num_blocks
+    assert worker.step_planner.blocks.cached_tokens(names) == 0
+    assert worker.step_planner.blocks.num_free == worker.step_planner.blocks.num_blocks
 
 
 def test_the_same_prefix_arriving_twice_at_once_is_computed_once():

@@ -72,7 +72,7 @@ def test_preempted_request_recomputes_prompt_and_output_then_continues():
     step(sched)  # a has outputs [7, 7], 7 tokens computed
     sched.submit(req("u", prompt_len=3, max_tokens=1, priority=0, arrival_s=1))
     # u runs to completion in a's slot; the worker drops a's state
-    assert step(sched).released == ["a"]
+    assert step(sched).forget == ["a"]
     plan = step(sched)  # a is back: recomputes prompt + both outputs, sampling its third token
     chunk = plan.chunks[0]
     assert chunk.sampling is not None  # sent again with the recompute's first chunk

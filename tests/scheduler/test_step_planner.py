@@ -190,12 +190,12 @@ def test_sampling_parameters_go_to_a_worker_once_per_request():
     plans = [fake_step(sched)[0] for _ in range(4)]
     assert plans[0].chunks[0].sampling == SamplingParams()
     assert [p.chunks[0].sampling for p in plans[1:]] == [None, None, None] and not any(
-        p.released for p in plans
+        p.forget for p in plans
     )
     sched.submit(req("b", prompt_len=2))
     plan, _ = fake_step(sched)
     assert (
-        plan.released == ["a"]
+        plan.forget == ["a"]
         and plan.chunks[0].req_id == "b"
         and plan.chunks[0].sampling is not None
     )

@@ -51,7 +51,7 @@ class Checked(Coordinator):
         for chunk in plan.chunks:
             plan_wrong = WRONG.pop((id(plan), chunk.req_id), None)
             wrong = None if plan_wrong is None else plan_wrong[1]
-            request = worker.sched.requests.get(chunk.req_id)
+            request = worker.step_planner.requests.get(chunk.req_id)
             used = (
                 request is not None
                 and request.status is RequestStatus.RUNNING
@@ -104,7 +104,7 @@ def fake_step(coordinator, worker, plan, imports, lose_imports=()):
         if c.sample and c.req_id not in lost
     }
     if worker.kind == "prefill":  # a piece per export, 1000 bytes per request in its last one
-        requests = worker.sched.requests
+        requests = worker.step_planner.requests
         pieces = [
             KVPiece(
                 r,
@@ -136,7 +136,7 @@ def check_blocks(worker, plan, imports, lost):
     must be void when it is applied (`Checked.apply`): sent before the scheduler heard that its
     request's import was lost."""
     blocks = LEDGER.setdefault(worker, {})
-    size = worker.sched.blocks.block_size
+    size = worker.step_planner.blocks.block_size
 
     def put(table, position, held):
         blocks.setdefault(table[position // size], {})[position % size] = held
@@ -153,7 +153,7 @@ def check_blocks(worker, plan, imports, lost):
         blocks[target] = dict(blocks.get(source, {}))
     for chunk in (c for c in plan.chunks if c.req_id not in lost):
         table = chunk.block_table
-        request = worker.sched.requests[chunk.req_id]
+        request = worker.step_planner.requests[chunk.req_id]
         wrong = [p for p in range(chunk.start_pos) if get(table, p) != row(request, p)]
         if wrong:
             WRONG[id(plan), chunk.req_id] = (
@@ -225,8 +225,8 @@ def assert_idle(coordinator):
     assert not coordinator.kv.handoffs and not coordinator.kv.pieces and not coordinator.kv.bound
     assert not coordinator.kv.importing
     assert not coordinator.consumers
-    assert not coordinator.placements
-    assert all(w.slots_used == 0 and w.sched.num_waiting == 0 for w in coordinator.workers)
+    assert not coordinator.records
+    assert all(w.slots_used == 0 and w.step_planner.num_waiting == 0 for w in coordinator.workers)
 
 
 def run_overlapped(coordinator, streams, steps=400, lose_once=(), final_only=False):
@@ -249,5 +249,5 @@ def run_overlapped(coordinator, streams, steps=400, lose_once=(), final_only=Fal
                 streams.take(coordinator)
             if sent is not None:
                 in_flight[worker.name] = sent
-        if not in_flight and all(w.sched.idle for w in coordinator.workers):
+        if not in_flight and all(w.step_planner.idle for w in coordinator.workers):
             return

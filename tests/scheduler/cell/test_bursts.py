@@ -36,15 +36,15 @@ def run_calls(coordinator, streams, max_steps, calls=None, before_call=None):
                 plans, imports = call
                 calls.append((worker.kind, plans, imports))
                 if len(plans) > 1:  # only while nothing else could use the worker sooner
-                    sched = worker.sched
+                    sched = worker.step_planner
                     full = not sched.free_slots and not sched.can_preempt_for_waiting()
                     assert (
                         full
                         or not sched.num_waiting
-                        and all(p.sched.idle for p in coordinator.prefill)
+                        and all(p.step_planner.idle for p in coordinator.prefill)
                     )
                     bursts_while_prompts_wait.append(
-                        not all(p.sched.idle for p in coordinator.prefill)
+                        not all(p.step_planner.idle for p in coordinator.prefill)
                     )
                 sent = [
                     (plan, fake_step(coordinator, worker, plan, imports if i == 0 else []))
@@ -55,7 +55,7 @@ def run_calls(coordinator, streams, max_steps, calls=None, before_call=None):
                 streams.take(coordinator)
             if sent is not None:
                 in_flight[worker.name] = sent
-        if not in_flight and all(w.sched.idle for w in coordinator.workers):
+        if not in_flight and all(w.step_planner.idle for w in coordinator.workers):
             return calls
     raise AssertionError("the requests never finished")
 
@@ -133,7 +133,9 @@ def test_bursts_with_requests_waiting_for_a_slot_end_where_a_slot_frees():
     coordinator = cell(mode="colocated", decode_slots=1)
     coordinator.admit(req("slow", max_tokens=20, priority=1), consumer="c")
     worker = coordinator.decode[0]
-    while not worker.sched.running or not all(r.is_decoding for r in worker.sched.running):
+    while not worker.step_planner.running or not all(
+        r.is_decoding for r in worker.step_planner.running
+    ):
         # the prompt's chunks (results never applied: none needed here)
         plan_call(coordinator, worker, 1)
     coordinator.admit(req("same", max_tokens=3, priority=1), consumer="c")
@@ -198,7 +200,9 @@ def test_a_full_decode_worker_bursts_while_prompts_wait_on_the_prefill_pool():
     assert_idle(coordinator)
     worker = coordinator.decode[0]  # a free slot and a prompt on the prefill pool: no burst
     coordinator.admit(req("a", max_tokens=25), consumer="c")
-    while not worker.sched.running or not all(r.is_decoding for r in worker.sched.running):
+    while not worker.step_planner.running or not all(
+        r.is_decoding for r in worker.step_planner.running
+    ):
         step_all(coordinator, streams, steps=1)
     coordinator.admit(req("b", max_tokens=25), consumer="c")
-    assert worker.sched.free_slots and not may_burst(worker, coordinator.prefill)
+    assert worker.step_planner.free_slots and not may_burst(worker, coordinator.prefill)

@@ -61,7 +61,7 @@ def test_short_prompts_skip_the_handoff_and_colocated_never_hands_off():
     coordinator, streams = cell(local_prefill_max_tokens=8), Streams()
     coordinator.admit(req("short", prompt_len=4), consumer="c")
     coordinator.admit(req("long", prompt_len=12), consumer="c")
-    assert [r.req_id for r in coordinator.decode[0].sched.waiting_requests()] == ["short"]
+    assert [r.req_id for r in coordinator.decode[0].step_planner.waiting_requests()] == ["short"]
     step_all(coordinator, streams)
     assert coordinator.counts.handoffs == 1 and streams.tokens["short"] == expected_tokens(
         "short", 5
@@ -141,8 +141,8 @@ def test_a_dead_decode_worker_loses_no_stream():
     for i in range(5):
         coordinator.admit(req(f"r{i}", max_tokens=12), consumer="c")
     step_all(coordinator, streams, steps=8)
-    victim = max(coordinator.decode, key=lambda w: len(w.sched.running))
-    assert victim.sched.running
+    victim = max(coordinator.decode, key=lambda w: len(w.step_planner.running))
+    assert victim.step_planner.running
     coordinator.worker_died(victim)
     assert victim.status is WorkerStatus.RESTARTING and victim.slots_used == 0
     step_all(coordinator, streams)
@@ -158,7 +158,7 @@ def test_when_a_whole_pool_is_gone_waiting_requests_end_with_an_error():
     coordinator.admit(req("a"), consumer="c")
     coordinator.worker_died(prefill)
     coordinator.admit(req("b"), consumer="c")  # queued on the restarting worker
-    assert prefill.sched.num_waiting == 2
+    assert prefill.step_planner.num_waiting == 2
     coordinator.worker_gone(prefill)
     streams.take(coordinator)
     assert streams.finish == {"a": "error", "b": "error"} and "gone" in streams.errors["a"]
@@ -181,13 +181,17 @@ def test_abort_in_every_state_frees_everything(state):
     coordinator.admit(req("y", prompt_len=6, max_tokens=5), consumer="c")
     reached = {
         "waiting": lambda: (
-            "y" in {r.req_id for r in coordinator.prefill[0].sched.waiting_requests()}
+            "y" in {r.req_id for r in coordinator.prefill[0].step_planner.waiting_requests()}
         ),
-        "prefilling": lambda: any(r.req_id == "x" for r in coordinator.prefill[0].sched.running),
+        "prefilling": lambda: any(
+            r.req_id == "x" for r in coordinator.prefill[0].step_planner.running
+        ),
         # 2 of its 3 chunks' KV out
         "pieces-sent": lambda: len(coordinator.kv.pieces.get("x", ())) == 2,
         "handed-off": lambda: "x" in coordinator.kv.handoffs,
-        "decoding": lambda: any(r.req_id == "x" for r in coordinator.decode[0].sched.running),
+        "decoding": lambda: any(
+            r.req_id == "x" for r in coordinator.decode[0].step_planner.running
+        ),
     }
     target = "y" if state == "waiting" else "x"
     if state == "decoding":
@@ -212,7 +216,7 @@ def test_preemption_on_a_decode_worker_recomputes_on_the_prefill_pool():
     normal = req("normal", max_tokens=20, priority=1)
     coordinator.admit(normal, consumer="c")
     step_all(coordinator, streams, steps=6)
-    assert coordinator.decode[0].sched.running == [normal]
+    assert coordinator.decode[0].step_planner.running == [normal]
     coordinator.admit(req("urgent", max_tokens=4, priority=0), consumer="c")
     step_all(coordinator, streams)
     assert streams.tokens == {
@@ -347,7 +351,7 @@ def test_n_choices_share_one_prefill_and_one_handoff():
     for choice in choices(3):
         coordinator.admit(choice, consumer="c")
     assert [r.req_id for r in coordinator.forks.by_sibling["x-0"]] == ["x-1", "x-2"]
-    assert coordinator.prefill[0].sched.num_waiting == 1  # only choice 0 is prefilled
+    assert coordinator.prefill[0].step_planner.num_waiting == 1  # only choice 0 is prefilled
     copies = []
     record_steps(
         coordinator, lambda worker, plan, _: copies.extend((worker.name, c) for c in plan.copies)
@@ -426,8 +430,8 @@ def test_the_prefill_pool_runs_at_most_one_round_ahead_of_the_decode_pool():
     def bounded():
         (prefill,), (decode,) = coordinator.prefill, coordinator.decode
         assert (
-            decode.sched.num_waiting + len(prefill.sched.running)
-            <= len(decode.sched.free_slots) + 1
+            decode.step_planner.num_waiting + len(prefill.step_planner.running)
+            <= len(decode.step_planner.free_slots) + 1
         )
         nonlocal most_waiting
         most_waiting = max(most_waiting, len(coordinator.kv.handoffs))
@@ -451,7 +455,7 @@ def test_an_urgent_prompt_passes_the_bound_to_preempt_at_once():
         if (
             not arrived
             and len(coordinator.kv.handoffs) == 1
-            and not coordinator.decode[0].sched.free_slots
+            and not coordinator.decode[0].step_planner.free_slots
         ):
             coordinator.admit(req("urgent", max_tokens=3, priority=0), consumer="c")
             arrived.append(len(streams.finish))
@@ -535,10 +539,10 @@ def test_blocks_a_handoff_found_cached_are_imported_after_all_when_the_decode_wo
 
     def apply_then_kill(worker, plan, result):  # right after the handoff, before the import
         apply(worker, plan, result)
-        if not restarted and "b" in coordinator.kv.handoffs and "b" in decode.sched.reserved:
-            assert decode.sched.held["b"] == 32
+        if not restarted and "b" in coordinator.kv.handoffs and "b" in decode.step_planner.reserved:
+            assert decode.step_planner.held["b"] == 32
             coordinator.worker_died(decode)
-            coordinator.worker_back(decode, decode.placement)
+            coordinator.worker_back(decode, decode.ready_info)
             restarted.append(True)
 
     coordinator.apply = apply_then_kill
@@ -560,7 +564,7 @@ def test_a_handoff_holding_the_last_seat_goes_in_ahead_of_more_urgent_ones_that_
     coordinator.admit(low, consumer="c")
     run_overlapped(coordinator, streams, steps=2)
     decode = next(w for w in coordinator.workers if w.kind == "decode")
-    assert "low" in decode.sched.reserved
+    assert "low" in decode.step_planner.reserved
     urgent = [req(f"u{i}", prompt_len=4, max_tokens=3, priority=0) for i in range(2)]
     for request in urgent:
         coordinator.admit(request, consumer="c")
@@ -614,14 +618,14 @@ def test_a_reservation_given_back_for_a_growing_answer_is_imported_whole_at_the_
     run_overlapped(coordinator, streams, steps=1)
     coordinator.admit(req("p", prompt_len=20, max_tokens=4), consumer="c")
     decode = coordinator.decode[0]
-    dropped, take = [], decode.sched.take_dropped_reservations
+    dropped, take = [], decode.step_planner.take_dropped_reservations
 
     def taking():
         taken = take()
         dropped.extend(taken)
         return taken
 
-    decode.sched.take_dropped_reservations = taking
+    decode.step_planner.take_dropped_reservations = taking
     run_overlapped(coordinator, streams)
     assert dropped == ["p"]
     assert streams.tokens == {"r": expected_tokens("r", 20), "p": expected_tokens("p", 4)}

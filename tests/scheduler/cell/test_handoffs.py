@@ -44,7 +44,7 @@ def run(coordinator, streams, before_step=None):
 
 def place(coordinator, **nodes):
     for worker in coordinator.workers:
-        worker.placement = {"node_id": nodes[worker.name.replace("-", "")]}
+        worker.ready_info = {"node_id": nodes[worker.name.replace("-", "")]}
 
 
 def test_pieces_go_to_the_decode_worker_of_another_node_as_they_are_made_and_prompts_spread():
@@ -124,7 +124,7 @@ def early_and_final_imports(
             if lose_first_early and not item.final:
                 lose.discard(h.req_id)  # lost once
         if lose_first_early and not seen:
-            lose.update(r for w in coordinator.decode for r in w.sched.reserved)
+            lose.update(r for w in coordinator.decode for r in w.step_planner.reserved)
 
     step_all(coordinator, streams, before_step=before_step, observe=observe, lose_imports=lose)
     return seen
@@ -175,7 +175,7 @@ def test_a_reserved_slot_counts_once_in_the_prefill_pools_room():
     coordinator.admit(req("x", prompt_len=16), consumer="c")
     prefill, decode = coordinator.prefill[0], coordinator.decode[0]
     step_all(coordinator, Streams(), steps=1)
-    assert decode.sched.reserved and len(decode.sched.free_slots) == 1
+    assert decode.step_planner.reserved and len(decode.step_planner.free_slots) == 1
     # 2 decode slots + 1 - x
     assert prefill_room(prefill, coordinator.prefill, coordinator.decode, 1) == 2
 
@@ -193,7 +193,7 @@ def test_a_decode_worker_that_dies_loses_what_was_imported_into_its_slots(when):
     def apply_then_kill(worker, plan, result):
         original(worker, plan, result)
         decode = coordinator.kv.bound.get("long") or next(
-            (w for w in coordinator.decode if "long" in w.sched.requests), None
+            (w for w in coordinator.decode if "long" in w.step_planner.requests), None
         )
         ready = (
             "long" in coordinator.kv.handoffs
@@ -204,7 +204,7 @@ def test_a_decode_worker_that_dies_loses_what_was_imported_into_its_slots(when):
             coordinator.worker_died(decode)
             killed.append(len(imports.get("long", [])))
             if when == "prefilling":
-                coordinator.worker_back(decode, decode.placement)  # restarted, its cache empty
+                coordinator.worker_back(decode, decode.ready_info)  # restarted, its cache empty
             else:
                 decode.status = WorkerStatus.GONE
 
@@ -221,7 +221,7 @@ def test_a_decode_worker_that_dies_loses_what_was_imported_into_its_slots(when):
 def test_a_prompt_preempted_on_the_prefill_worker_imports_its_pieces_again():
     coordinator, streams = cell(decode_slots=4), Streams()
     steady_and_long(coordinator, streams)
-    coordinator.prefill[0].sched.requests["long"].priority = 1
+    coordinator.prefill[0].step_planner.requests["long"].priority = 1
 
     def urgent(n):
         if n == 2:
@@ -229,7 +229,7 @@ def test_a_prompt_preempted_on_the_prefill_worker_imports_its_pieces_again():
             coordinator.admit(req("urgent", prompt_len=8, priority=0), consumer="c")
 
     imports = early_and_final_imports(coordinator, streams, before_step=urgent)["long"]
-    assert coordinator.prefill[0].sched.num_preemptions == 1
+    assert coordinator.prefill[0].step_planner.num_preemptions == 1
     # imported from its first piece again after the preemption
     assert [i[2] for i in imports].count(0) == 2
     for req_id in ("long", "urgent"):

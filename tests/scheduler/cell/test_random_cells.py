@@ -155,7 +155,7 @@ def run(coordinator, streams, faults: Faults, burst: int, rounds: int) -> None: 
                 in_flight[worker.name] = sent
         faults.revive(coordinator)
         faults.change_roles(coordinator)
-        idle = all(w.sched.idle for w in coordinator.workers)
+        idle = all(w.step_planner.idle for w in coordinator.workers)
         if not in_flight and not faults.dead and idle:
             return
 

@@ -63,13 +63,13 @@ def test_a_prefill_worker_becomes_a_decode_worker_under_load_and_nothing_changes
         coordinator.admit(req(f"r{i}", prompt_len=10 + i, max_tokens=8), consumer="c")
     run_steps(coordinator, streams, 2)
     leaving = coordinator.prefill[1]
-    held = set(leaving.sched.requests)
+    held = set(leaving.step_planner.requests)
     assert held, "it holds prompts when it starts leaving"
     coordinator.roles.begin(leaving, "decode")
     assert leaving.next_kind == "decode" and not leaving.accepts
     # new prompts go to the worker that stays
     coordinator.admit(req("late", prompt_len=9, max_tokens=8), consumer="c")
-    assert "late" in coordinator.prefill[0].sched.requests
+    assert "late" in coordinator.prefill[0].step_planner.requests
     LEDGER.pop(leaving, None)  # (the fake's ledger of its blocks starts over when it decodes)
     step_all(coordinator, streams)
     names = [f"r{i}" for i in range(6)] + ["late"]
@@ -88,8 +88,8 @@ def test_a_decode_worker_finishes_its_requests_then_prefills_and_new_work_uses_i
     for i in range(4):
         coordinator.admit(req(f"a{i}", prompt_len=6, max_tokens=12), consumer="c")
     run_steps(coordinator, streams, 12)
-    leaving = next(w for w in coordinator.decode if w.sched.running)
-    running = set(leaving.sched.requests)
+    leaving = next(w for w in coordinator.decode if w.step_planner.running)
+    running = set(leaving.step_planner.requests)
     coordinator.roles.begin(leaving, "prefill")
     for i in range(4):
         coordinator.admit(req(f"b{i}", prompt_len=7, max_tokens=6), consumer="c")
@@ -110,10 +110,10 @@ def test_a_decode_worker_finishes_its_requests_then_prefills_and_new_work_uses_i
     # and it prefills new prompts now
     coordinator.admit(req("c0", prompt_len=8, max_tokens=3), consumer="c")
     coordinator.admit(req("c1", prompt_len=8, max_tokens=3), consumer="c")
-    assert any(r in leaving.sched.requests for r in ("c0", "c1"))
+    assert any(r in leaving.step_planner.requests for r in ("c0", "c1"))
     # its first call in the new pool tells the worker to drop what it kept for the old requests
     plan, imports = coordinator.next_step(leaving)
-    assert running <= set(plan.released)
+    assert running <= set(plan.forget)
     coordinator.apply(leaving, plan, fake_step(coordinator, leaving, plan, imports))
     streams.take(coordinator)
     step_all(coordinator, streams)
@@ -130,7 +130,7 @@ def test_a_worker_changes_pools_only_when_its_call_in_flight_is_back():
         coordinator.admit(req(f"a{i}", prompt_len=6, max_tokens=8), consumer="c")
     run_steps(coordinator, streams, 40)
     leaving = coordinator.decode[0]
-    assert leaving.sched.idle
+    assert leaving.step_planner.idle
     leaving.calls_in_flight = 1  # (a call sent before it started leaving, not back yet)
     coordinator.roles.begin(leaving, "prefill")
     assert leaving.kind == "decode" and leaving.next_kind == "prefill"
