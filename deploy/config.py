@@ -69,6 +69,10 @@ class EngineConfig(BaseModel):
     block_size: int = Field(
         16, ge=1, le=1024, description="Tokens per KV block (the unit of the cache and of sharing)."
     )
+    kv_cache_dtype: Literal["auto", "int8", "fp8", "fp8_e4m3"] = Field(
+        "auto",
+        description="auto (the model's dtype); int8 or fp8 (e4m3): a byte a value, a scale a row",
+    )
     token_budget: int = Field(
         256, ge=1, description="Tokens computed per step: decode tokens first, then prompt chunks."
     )

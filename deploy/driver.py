@@ -80,11 +80,15 @@ class InProcessEngine(Engine):
         spec = loaded.model.spec
         dtype = loaded.model.model.embed_tokens.weight.dtype
         per_token = PagedKVCache.bytes_per_token(
-            spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype
+            spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype, config.kv_cache_dtype
         )
         num_blocks = config.num_blocks(self.capacity, config.slots, per_token)
         runner = ModelRunner(
-            loaded.model, num_blocks, block_size=config.block_size, tokenizer=loaded.tokenizer
+            loaded.model,
+            num_blocks,
+            block_size=config.block_size,
+            tokenizer=loaded.tokenizer,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         scheduler = StepPlanner(
             config.slots,

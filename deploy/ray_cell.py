@@ -39,7 +39,7 @@ def cell_actor_args(config: EngineConfig, info: TokenizerInfo | None = None) -> 
     config.gpus_for(ray.cluster_resources().get("GPU", 0))  # fail here, not in a worker's wait
     info = info or load_tokenizer(config.model)
     capacity = config.context_len(info.max_context)
-    per_token = kv_bytes_per_token(info, config.dtype, config.device)
+    per_token = kv_bytes_per_token(info, config.dtype, config.device, config.kv_cache_dtype)
     return (
         config.cell_config(capacity, per_token),
         functools.partial(spawn_worker, config),
@@ -90,9 +90,10 @@ def kv_pool_lines(ready: dict[str, Any]) -> list[str]:
         if not pool:
             continue
         tokens = pool["blocks"] * pool["block_size"]
+        dtype = f"{pool['dtype']}, " if "dtype" in pool else ""
         lines.append(
             f"KV cache of {name}: {pool['blocks']:,} blocks of {pool['block_size']} = "
-            f"{tokens:,} tokens, {pool['bytes'] / 2**30:.2f} GiB; "
+            f"{tokens:,} tokens, {dtype}{pool['bytes'] / 2**30:.2f} GiB; "
             f"{tokens / capacity:.1f} requests of max_model_len {capacity:,}"
         )
     return lines

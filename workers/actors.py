@@ -47,12 +47,17 @@ class Worker:
         block_size: int,
         num_threads: int,
         kv_transport: str = "auto",
+        kv_cache_dtype: str = "auto",
     ) -> None:
         torch.set_num_threads(max(1, num_threads))
         self.index = index
         loaded = load_model(model, dtype, resolve_device(device))
         self.runner = ModelRunner(
-            loaded.model, num_blocks, block_size=block_size, tokenizer=loaded.tokenizer
+            loaded.model,
+            num_blocks,
+            block_size=block_size,
+            tokenizer=loaded.tokenizer,
+            kv_cache_dtype=kv_cache_dtype,
         )
         self.kv_transport = kv_transport
         self.transports = usable_transports(self.runner.device, kv_transport)
@@ -78,13 +83,14 @@ class Worker:
                 "blocks": self.runner.cache.num_blocks,
                 "block_size": self.runner.cache.block_size,
                 "bytes": self.runner.cache.total_bytes,
+                "dtype": self.runner.cache.dtype_name,
             },
         }
 
     def connect(self, peers: list[dict[str, Any]]) -> str:
         """Choose the transport for the KV this worker sends, as a prefill worker, to its decode
         `peers` (what their `ready()` reported); raises ValueError, with the reason, if the
-        configured one cannot serve every pair."""
+        configured one cannot serve every pair, or a peer keeps its KV in another dtype."""
         name = choose_transport(self.kv_transport, self.ready(), peers)
         if name != self.sender.transport.name:
             cache = self.runner.cache
@@ -200,5 +206,6 @@ def spawn_worker(
             block_size,
             config.worker_threads(),
             config.kv_transport,
+            config.kv_cache_dtype,
         )
     )

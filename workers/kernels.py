@@ -17,6 +17,10 @@ torch's own bf16 matmul, which reorders the weight on every call; blocked by the
 bf16 decode rows are then not bit-identical whatever the batch). Every kernel computes a row alone,
 in an order that does not depend on how many rows share the call.
 
+An 8-bit KV cache (`--kv-cache-dtype int8|fp8`) has entry points of its own (`*_kv8`, `csrc/kv8.h`):
+the cache write quantizes each row as the torch ops of `workers/kv_quant.py` do, byte for byte, and
+both attention kernels read its values as floats times their rows' scales.
+
 They are built from the files of `workers/csrc/` with `torch.utils.cpp_extension.load` (a C++
 compiler, as `torch.compile` on CPU needs too) into torch's extension cache, once per machine type
 and version of those files (about 40 s, the files compiled in parallel); where building fails, or
@@ -38,7 +42,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from workers.kv_quant import dequantize, quantize
+
 log = logging.getLogger(__name__)
+
+# an 8-bit cache layer's K and V scales, `[NB, KVH, BS]` each (`PagedKVCache.scales`)
+Scales = tuple[torch.Tensor, torch.Tensor]
 
 
 # bf16 matmuls on CPUs with AMX go to torch's (oneDNN's AMX tiles): faster, but blocked by the
@@ -66,18 +75,24 @@ def _machine_tag(csrc: Path = CSRC) -> str:
     return digest.hexdigest()[:10]
 
 
-def build(csrc: Path = CSRC, name: str | None = None, build_directory: Path | None = None) -> Any:
+def build(
+    csrc: Path = CSRC,
+    name: str | None = None,
+    build_directory: Path | None = None,
+    cflags: list[str] | None = None,
+) -> Any:
     """Compile every .cpp file of `csrc` into one module for this CPU (or load the one already
-    built for these files), in torch's extension cache unless `build_directory` is given. The files
-    include their headers by path, so a compiler error names the real file and line: it is raised
-    as a RuntimeError with the compiler's output."""
+    built for these files), in torch's extension cache unless `build_directory` is given; `cflags`
+    after CFLAGS (`-mno-avx512f` builds the AVX2 paths on an AVX-512 CPU). The files include their
+    headers by path, so a compiler error names the real file and line: it is raised as a
+    RuntimeError with the compiler's output."""
     from torch.utils.cpp_extension import load
 
     return load(
         name=name or f"pdserve_kernels_{_machine_tag(csrc)}",
         sources=sorted(str(path) for path in csrc.glob("*.cpp")),
         extra_include_paths=[str(csrc)],
-        extra_cflags=CFLAGS,
+        extra_cflags=CFLAGS + (cflags or []),
         extra_ldflags=["-fopenmp"],
         build_directory=None if build_directory is None else str(build_directory),
     )
@@ -112,16 +127,28 @@ def decode_attention(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     lengths: torch.Tensor,
+    scales: Scales | None = None,
 ) -> torch.Tensor | None:
     """Attention of `query [B, KVH, G, D]` (a decode row's query heads grouped by KV head) over keys
     0..lengths[b]-1 of the paged cache `k_cache`/`v_cache [NB, KVH, BS, D]`: key t of row b is at
     offset t % BS of block block_tables[b, t // BS] (`block_tables [B, MAXB]` int64; entries past
     ceil(lengths[b] / BS) are padding, never read). Returns `[B, KVH, G, D]`, bit for bit what the
     row's keys laid out contiguously give, or None when the kernel does not apply (not CPU, another
-    dtype, no compiler): `paged_decode_attention_torch` does the work then."""
+    dtype, no compiler): `paged_decode_attention_torch` does the work then. An 8-bit cache comes
+    with its `scales`."""
     module = _module_for(query)
     if module is None:
         return None
+    if scales is not None:
+        return module.decode_attention_kv8(
+            query.contiguous(),
+            k_cache,
+            v_cache,
+            *scales,
+            block_tables.contiguous(),
+            lengths.contiguous(),
+            query.shape[-1] ** -0.5,
+        )  # [B, KVH, G, D]
     return module.decode_attention(
         query.contiguous(),
         k_cache,
@@ -140,16 +167,29 @@ def prompt_attention(
     starts: torch.Tensor,
     firsts: torch.Tensor,
     counts: torch.Tensor,
+    scales: Scales | None = None,
 ) -> torch.Tensor | None:
     """Causal attention of prompt chunks over the paged cache, where the blocks lie: chunk c's
     `counts[c]` tokens are rows `firsts[c]`.. of `query [N, KVH, G, D]`, at positions `starts[c]`..,
     and its keys those of the blocks `block_tables[c]` names (`[C, MAXB]` int64), a token seeing
     every key up to its own position. Returns `[N, KVH, G, D]`, or None when the kernel does not
     apply (not CPU, another dtype, no compiler, a head dim that is not a multiple of 4): the
-    caller gathers each chunk's blocks for SDPA then."""
+    caller gathers each chunk's blocks for SDPA then. An 8-bit cache comes with its `scales`."""
     module = _module_for(query)
     if module is None or not module.prompt_attention_available(query.shape[3]):
         return None
+    if scales is not None:
+        return module.prompt_attention_kv8(
+            query.contiguous(),
+            k_cache,
+            v_cache,
+            *scales,
+            block_tables.contiguous(),
+            starts,
+            firsts,
+            counts,
+            query.shape[-1] ** -0.5,
+        )  # [N, KVH, G, D]
     return module.prompt_attention(
         query.contiguous(),
         k_cache,
@@ -168,10 +208,12 @@ def paged_decode_attention_torch(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     lengths: torch.Tensor,
+    scales: Scales | None = None,
 ) -> torch.Tensor:
     """`decode_attention` in torch ops, on any device: gathers every row's MAXB blocks and masks
     keys t >= lengths[b], one SDPA call for the batch. It reads (and copies) MAXB * BS keys per row
-    however short the row, and sums in SDPA's order: close to the kernel, not bit for bit.
+    however short the row, and sums in SDPA's order: close to the kernel, not bit for bit. An
+    8-bit cache's gathered rows are dequantized with their `scales` into the query's dtype.
     `query [B, KVH, G, D]` -> `[B, KVH, G, D]`, contiguous."""
     batch, kv_heads, _, dim = query.shape
     block_size = k_cache.shape[2]
@@ -186,8 +228,10 @@ def paged_decode_attention_torch(
     span = max_blocks * block_size
     visible = torch.arange(span, device=device) < lengths[:, None]  # [B, MAXB BS]
 
-    def gather(cache: torch.Tensor) -> torch.Tensor:
+    def gather(cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         rows = cache[tables]  # [B, MAXB, KVH, BS, D]
+        if scale is not None:
+            rows = dequantize(rows, scale[tables], query.dtype)  # [B, MAXB, KVH, BS, D]
         rows = rows.transpose(1, 2).reshape(batch, kv_heads, span, dim)  # [B, KVH, MAXB BS, D]
         # Past a row's length lies whatever the pool holds (never-written memory may be NaN), and
         # the mask alone does not hide it: NaN + -inf is NaN in a score, 0 * NaN in the output.
@@ -195,8 +239,9 @@ def paged_decode_attention_torch(
         rows.masked_fill_(~visible[:, None, :, None], 0)  # [B, KVH, MAXB BS, D]
         return rows.to(query.dtype)  # [B, KVH, MAXB BS, D]
 
+    k_scale, v_scale = (None, None) if scales is None else scales
     attn = F.scaled_dot_product_attention(
-        query, gather(k_cache), gather(v_cache), attn_mask=visible[:, None, None]
+        query, gather(k_cache, k_scale), gather(v_cache, v_scale), attn_mask=visible[:, None, None]
     )  # [B, KVH, G, D]
     # CUDA's SDPA may hand back a strided view; callers view the result as [B, H, D]
     return attn.contiguous()  # [B, KVH, G, D]
@@ -227,11 +272,19 @@ def rope_and_cache(
     v_cache: torch.Tensor,
     slots: torch.Tensor,
     positions: torch.Tensor,
+    scales: Scales | None = None,
 ) -> torch.Tensor:
     """Rotate the q and k heads of `qkv [N, H + 2 KVH, D]` by `cos`, `sin [N, 1, D]`, write k and v
     into `k_cache`/`v_cache [S, KVH, C, D]` at (slots[n], positions[n]); return the rotated q `[N,
-    H, D]`."""
+    H, D]`. An 8-bit cache takes each k and v row quantized (`workers/kv_quant.py`), its scale
+    into `scales [S, KVH, C]` at the same place: the kernel and the torch ops write the same
+    bytes."""
     module = _module_for(qkv)
+    if module is not None and scales is not None:
+        # [N, H, D]
+        return module.rope_and_cache_kv8(
+            qkv, cos, sin, k_cache, v_cache, *scales, slots, positions, num_heads
+        )
     if module is not None and k_cache.dtype == qkv.dtype:
         # [N, H, D]
         return module.rope_and_cache(qkv, cos, sin, k_cache, v_cache, slots, positions, num_heads)
@@ -239,6 +292,15 @@ def rope_and_cache(
     qk = qkv[:, : num_heads + num_kv_heads]
     v = qkv[:, num_heads + num_kv_heads :]  # [N, H+KVH, D], [N, KVH, D]
     qk = qk * cos + rotate_half(qk) * sin  # [N, H+KVH, D]: q and k rotate in one pass
+    if scales is not None:
+        for rows, cache, scale in (
+            (qk[:, num_heads:], k_cache, scales[0]),
+            (v, v_cache, scales[1]),
+        ):
+            values, row_scales = quantize(rows, cache.dtype)  # [N, KVH, D], [N, KVH]
+            cache[slots, :, positions] = values
+            scale[slots, :, positions] = row_scales
+        return qk[:, :num_heads]  # [N, H, D]
     k_cache[slots, :, positions] = qk[:, num_heads:].to(k_cache.dtype)
     v_cache[slots, :, positions] = v.to(v_cache.dtype)
     return qk[:, :num_heads]  # [N, H, D]

@@ -9,6 +9,8 @@ import mmap
 import numpy as np
 import torch
 
+from workers.kv_quant import SCALE_BYTES, SCALE_DTYPE, kv_format, row_bytes, storage_dtype
+
 _HUGE_PAGE = 2 << 20
 
 
@@ -20,6 +22,10 @@ class PagedKVCache:
     Which block holds what is decided by the scheduler (`scheduler/block_pool.py`); the cache only
     reads and writes the blocks it is told. A position is visible to a query only if the query is at
     or after it, so a block reused by a new request needs no clearing.
+
+    With `kv_cache_dtype` int8 or fp8 (`workers/kv_quant.py`) K and V hold one byte per value, and
+    `k_scale`/`v_scale` `[layers, num_blocks, kv_heads, block_size]` (fp16) a scale per row;
+    otherwise they are None and K and V are in `dtype`.
     """
 
     def __init__(
@@ -31,24 +37,51 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        kv_cache_dtype: str = "auto",
     ) -> None:
         shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
-        self.k = _pool(shape, dtype, torch.device(device))
-        self.v = _pool(shape, dtype, torch.device(device))
+        device = torch.device(device)
+        storage = storage_dtype(kv_cache_dtype, dtype)
+        self.k = _pool(shape, storage, device)
+        self.v = _pool(shape, storage, device)
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+        self.kv_cache_dtype = kv_format(kv_cache_dtype)  # auto, int8 or fp8
+        if self.kv_cache_dtype != "auto":
+            self.k_scale = _pool(shape[:-1], SCALE_DTYPE, device)
+            self.v_scale = _pool(shape[:-1], SCALE_DTYPE, device)
         self.num_blocks = num_blocks
         self.block_size = block_size
 
     @staticmethod
     def bytes_per_token(
-        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        kv_cache_dtype: str = "auto",
     ) -> int:
-        """K and V bytes one token occupies across all layers."""
-        element = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * num_kv_heads * head_dim * element
+        """K and V bytes one token occupies across all layers (8-bit: their scales too)."""
+        return 2 * num_layers * num_kv_heads * row_bytes(head_dim, dtype, kv_cache_dtype)
+
+    @property
+    def dtype_name(self) -> str:
+        """What the cache holds its values as: int8, fp8, or the model's dtype (float32...)."""
+        if self.kv_cache_dtype != "auto":
+            return self.kv_cache_dtype
+        return str(self.k.dtype).removeprefix("torch.")
 
     @property
     def total_bytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        pools = [self.k, self.v, self.k_scale, self.v_scale]
+        return sum(p.numel() * p.element_size() for p in pools if p is not None)
+
+    def scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A layer's K and V scales `[num_blocks, kv_heads, block_size]` each (None unless
+        8-bit): the kernels take them beside the layer's K and V."""
+        if self.k_scale is None or self.v_scale is None:
+            return None
+        return self.k_scale[layer], self.v_scale[layer]
 
     def locate(self, block_table: list[int], start: int, end: int) -> tuple[list[int], list[int]]:
         """The (block, offset) of each position start..end-1 of a request with `block_table`."""
@@ -61,11 +94,16 @@ class PagedKVCache:
         """Block `src` into block `dst` (a fork's copy of its sibling's partly filled block)."""
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
+        if self.k_scale is not None and self.v_scale is not None:
+            self.k_scale[:, dst] = self.k_scale[:, src]
+            self.v_scale[:, dst] = self.v_scale[:, src]
 
     def export_spans(self, spans: list[tuple[list[int], int, int]]) -> torch.Tensor:
         """Copy each (block table, start, end) span out, one after another along the token axis of
         one contiguous `[layers, 2, kv_heads, tokens, head_dim]` tensor on the cache's device (one
-        copy, one object to send however many requests a step exported)."""
+        copy, one object to send however many requests a step exported). An 8-bit cache's rows
+        are bytes, `[layers, 2, kv_heads, tokens, head_dim + 2]`: each row's values, then its fp16
+        scale's two bytes."""
         blocks: list[int] = []
         offsets: list[int] = []
         for table, start, end in spans:
@@ -76,18 +114,31 @@ class PagedKVCache:
         index_o = torch.tensor(offsets, device=self.k.device)  # [tokens]
         keys = self.k[:, index_b, :, index_o]  # [tokens, layers, kv_heads, head_dim]
         values = self.v[:, index_b, :, index_o]  # [tokens, layers, kv_heads, head_dim]
-        rows = torch.stack((keys, values), dim=2)  # [tokens, layers, 2, kv_heads, head_dim]
-        return rows.permute(1, 2, 3, 0, 4).contiguous()  # [layers, 2, kv_heads, tokens, head_dim]
+        if self.k_scale is not None and self.v_scale is not None:
+            # [tokens, layers, kv_heads, head_dim + 2] each: the rows as bytes, scales after
+            keys = _with_scales(keys, self.k_scale[:, index_b, :, index_o])
+            values = _with_scales(values, self.v_scale[:, index_b, :, index_o])
+        rows = torch.stack((keys, values), dim=2)  # [tokens, layers, 2, kv_heads, width]
+        return rows.permute(1, 2, 3, 0, 4).contiguous()  # [layers, 2, kv_heads, tokens, width]
 
     def import_rows(
         self, block_table: list[int], rows: torch.Tensor | np.ndarray, start: int = 0
     ) -> int:
         """Write exported rows into a request's blocks at positions start..start+length-1; return
-        the length. bf16 rows may come as their raw 16-bit words (as numpy carries them)."""
+        the length. bf16 rows may come as their raw 16-bit words (as numpy carries them); an 8-bit
+        cache takes the bytes `export_spans` gives (values and scale per row)."""
         tensor = torch.as_tensor(rows)
         if self.k.dtype == torch.bfloat16 and tensor.dtype == torch.int16:
             tensor = tensor.view(torch.bfloat16)
-        tensor = tensor.to(self.k.device)  # [layers, 2, kv_heads, length, head_dim]
+        eight_bit = self.k_scale is not None
+        width = self.k.shape[-1] + (SCALE_BYTES if eight_bit else 0)
+        if tensor.shape[-1] != width or (tensor.dtype == torch.uint8) != eight_bit:
+            raise ValueError(
+                f"KV rows of {tensor.shape[-1]} {tensor.dtype} elements do not fit a "
+                f"{self.kv_cache_dtype} cache of {self.k.dtype} rows of {width}: the prefill and "
+                "decode workers must share one kv_cache_dtype"
+            )
+        tensor = tensor.to(self.k.device)  # [layers, 2, kv_heads, length, width]
         length = tensor.shape[3]
         if start + length > len(block_table) * self.block_size:
             raise ValueError(
@@ -97,11 +148,24 @@ class PagedKVCache:
         blocks, offsets = self.locate(block_table, start, start + length)
         index_b = torch.tensor(blocks, device=self.k.device)  # [length]
         index_o = torch.tensor(offsets, device=self.k.device)  # [length]
-        rows_k = tensor[:, 0].permute(2, 0, 1, 3)  # [length, layers, kv_heads, head_dim]
-        rows_v = tensor[:, 1].permute(2, 0, 1, 3)  # [length, layers, kv_heads, head_dim]
-        self.k[:, index_b, :, index_o] = rows_k
-        self.v[:, index_b, :, index_o] = rows_v
+        rows_k = tensor[:, 0].permute(2, 0, 1, 3)  # [length, layers, kv_heads, width]
+        rows_v = tensor[:, 1].permute(2, 0, 1, 3)  # [length, layers, kv_heads, width]
+        pools = ((self.k, self.k_scale, rows_k), (self.v, self.v_scale, rows_v))
+        for pool, scale, rows_of in pools:
+            if scale is None:
+                pool[:, index_b, :, index_o] = rows_of
+                continue
+            dim = pool.shape[-1]
+            pool[:, index_b, :, index_o] = rows_of[..., :dim].view(pool.dtype)
+            scale_bytes = rows_of[..., dim:].contiguous()  # [length, layers, kv_heads, 2]
+            scale[:, index_b, :, index_o] = scale_bytes.view(scale.dtype)[..., 0]
         return length
+
+
+def _with_scales(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """8-bit rows `[..., head_dim]` and their fp16 scales `[...]` as bytes `[..., head_dim + 2]`."""
+    scale_bytes = scales.contiguous()[..., None].view(torch.uint8)  # [..., 2]
+    return torch.cat((values.view(torch.uint8), scale_bytes), dim=-1)  # [..., head_dim + 2]
 
 
 def _pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

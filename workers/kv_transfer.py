@@ -202,9 +202,20 @@ def choose_transport(requested: str, own: dict[str, Any], peers: list[dict[str, 
     """The transport a prefill worker (`own`: what its `ready()` reported) uses for the KV it sends
     to any of its decode `peers` (theirs). `auto`: CUDA IPC when every peer shares its GPU, else
     NIXL when the KV is on a GPU and both sides have it, else the object store. An explicit choice
-    that some pair cannot use raises ValueError naming the pair and the reason."""
+    that some pair cannot use raises ValueError naming the pair and the reason, and so does a peer
+    whose cache holds another dtype than this worker's (`kv_cache_dtype`, or the model's): its
+    blocks cannot take these rows."""
     if requested not in CHOICES:
         raise ValueError(f"unknown KV transport {requested!r}: choose one of {', '.join(CHOICES)}")
+    ours = own.get("kv_cache", {}).get("dtype")
+    for peer in peers:
+        theirs = peer.get("kv_cache", {}).get("dtype")
+        if theirs != ours:
+            raise ValueError(
+                f"decode worker {peer.get('index')} keeps its KV cache in {theirs}, prefill "
+                f"worker {own.get('index')} in {ours}: the workers of a cell must share one "
+                "kv_cache_dtype and dtype"
+            )
 
     def why_not(name: str, peer: dict[str, Any]) -> str:
         for side, place in (("prefill", own), ("decode", peer)):

@@ -18,6 +18,7 @@ import torch
 
 from workers.catalog import ALIASES, DEFAULT_MODEL, MAX_DEFAULT_CONTEXT
 from workers.hf_checkpoint import rope_parameters, spec_from_hf, unfused
+from workers.kv_quant import row_bytes
 from workers.model import DecoderLM
 from workers.weights import checkpoint_files, load_weights
 
@@ -217,27 +218,36 @@ def eos_token_ids(config: Any, generation_config: Any, tokenizer: Any) -> frozen
 @dataclass
 class TokenizerInfo:
     """What the serving front needs without the weights: the tokenizer, EOS ids, context length,
-    and the K and V values one token keeps (every layer's, to size KV caches)."""
+    and the K and V values one token keeps (every layer's, to size KV caches) in rows of
+    `kv_head_dim` (an 8-bit cache keeps a scale per row)."""
 
     tokenizer: Any
     eos_token_ids: frozenset[int]
     max_context: int
     kv_values_per_token: int = 0
+    kv_head_dim: int = 1
+
+
+def kv_head_dim(config: Any) -> int:
+    """The values of one KV head of one token in one layer of a HF config: a cache row."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def kv_values_per_token(config: Any) -> int:
     """K and V values one token keeps in the cache, across every layer of a HF config."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return 2 * config.num_hidden_layers * kv_heads * head_dim
+    return 2 * config.num_hidden_layers * kv_heads * kv_head_dim(config)
 
 
-def kv_bytes_per_token(info: TokenizerInfo, dtype: str, device: str) -> int:
+def kv_bytes_per_token(
+    info: TokenizerInfo, dtype: str, device: str, kv_cache_dtype: str = "auto"
+) -> int:
     """Bytes of K and V one token takes in a cache of `dtype` on `device` (as the workers will
     resolve "auto": on the host that calls this, so give --dtype where workers have GPUs and it has
-    none)."""
+    none), or of 8-bit values and their scales (`kv_cache_dtype` int8, fp8)."""
     torch_dtype = resolve_dtype(dtype, resolve_device(device))
-    return info.kv_values_per_token * torch.empty((), dtype=torch_dtype).element_size()
+    rows = info.kv_values_per_token // info.kv_head_dim
+    return rows * row_bytes(info.kv_head_dim, torch_dtype, kv_cache_dtype)
 
 
 def load_tokenizer(name: str = DEFAULT_MODEL) -> TokenizerInfo:
@@ -255,6 +265,7 @@ def load_tokenizer(name: str = DEFAULT_MODEL) -> TokenizerInfo:
         eos_token_ids(config, generation, tokenizer),
         model_context(config),
         kv_values_per_token(config),
+        kv_head_dim(config),
     )
 
 

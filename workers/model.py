@@ -20,6 +20,7 @@ from workers.kernels import (
     silu_mul,
 )
 from workers.kv_cache import PagedKVCache
+from workers.kv_quant import dequantize
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite")
 
@@ -175,10 +176,18 @@ def fuse_linears(linears: list[nn.Linear], name: str) -> torch.Tensor | None:
     return fused
 
 
-def _gather(cache: torch.Tensor, table: torch.Tensor, context: int) -> torch.Tensor:
+def _gather(
+    cache: torch.Tensor,
+    table: torch.Tensor,
+    context: int,
+    scale: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """Positions 0..context-1 of one request from a layer's blocks `[blocks, KVH, block_size, D]`,
-    as `[1, KVH, context, D]`."""
+    as `[1, KVH, context, D]`; an 8-bit cache's dequantized with its `scale` into `dtype`."""
     blocks = cache[table]  # [n, KVH, block_size, D]
+    if scale is not None:
+        blocks = dequantize(blocks, scale[table], dtype)  # [n, KVH, block_size, D]
     n, kv_heads, size, dim = blocks.shape
     joined = blocks.transpose(0, 1).reshape(kv_heads, n * size, dim)  # [KVH, n * block_size, D]
     return joined[None, :, :context]  # [1, KVH, ctx, D]
@@ -231,8 +240,10 @@ class Attention(nn.Module):
             qkv[:, heads : heads + kv_heads] = self.k_norm(qkv[:, heads : heads + kv_heads])
         k_cache = cache.k[self.layer_idx]
         v_cache = cache.v[self.layer_idx]  # [blocks, KVH, block_size, D]
-        # [N, H, D]
-        q = rope_and_cache(qkv, cos, sin, heads, k_cache, v_cache, layout.blocks, layout.offsets)
+        scales = cache.scales(self.layer_idx)  # 8-bit: [blocks, KVH, block_size] each; else None
+        q = rope_and_cache(
+            qkv, cos, sin, heads, k_cache, v_cache, layout.blocks, layout.offsets, scales
+        )  # [N, H, D]
 
         out = torch.empty(n, heads, dim, dtype=q.dtype, device=q.device)  # [N, H, D]
         if layout.num_decode:
@@ -242,12 +253,14 @@ class Attention(nn.Module):
             grouped = q[:b].reshape(b, kv_heads, heads // kv_heads, dim)  # [B, KVH, G, D]
             tables = layout.decode_tables
             lengths = layout.decode_lengths
-            attn = decode_attention(grouped, k_cache, v_cache, tables, lengths)
+            attn = decode_attention(grouped, k_cache, v_cache, tables, lengths, scales)
             if attn is None:  # [B, KVH, G, D]
-                attn = paged_decode_attention_torch(grouped, k_cache, v_cache, tables, lengths)
+                attn = paged_decode_attention_torch(
+                    grouped, k_cache, v_cache, tables, lengths, scales
+                )
             out[:b] = attn.reshape(b, heads, dim)
         if layout.prefill:
-            self._prompts(q, layout, k_cache, v_cache, out)
+            self._prompts(q, layout, k_cache, v_cache, out, scales)
         return linear(out.view(n, heads * dim), self.o_proj.weight, self.o_proj.bias)  # [N, hidden]
 
     def _prompts(
@@ -257,6 +270,7 @@ class Attention(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         out: torch.Tensor,
+        scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """Attention of the prompt chunks' tokens (rows num_decode.. of `q [N, H, D]`) into `out`:
         all chunks in one kernel call over their blocks where it applies, else per chunk one SDPA
@@ -273,16 +287,18 @@ class Attention(nn.Module):
             layout.prefill_starts,
             layout.prefill_firsts,
             layout.prefill_counts,
+            scales,
         )
         if attn is not None:  # [P, KVH, G, D]
             out[b:] = attn.reshape(n, self.num_heads, self.head_dim)
             return
+        k_scale, v_scale = (None, None) if scales is None else scales
         for (table, first, length, start), mask in zip(
             layout.prefill, layout.prefill_masks, strict=True
         ):
             context = start + length
-            keys = _gather(k_cache, table, context)  # [1, KVH, ctx, D]
-            values = _gather(v_cache, table, context)  # [1, KVH, ctx, D]
+            keys = _gather(k_cache, table, context, k_scale, q.dtype)  # [1, KVH, ctx, D]
+            values = _gather(v_cache, table, context, v_scale, q.dtype)  # [1, KVH, ctx, D]
             query = q[first : first + length].transpose(0, 1)[None]  # [1, H, T, D]
             attn = F.scaled_dot_product_attention(
                 query, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True

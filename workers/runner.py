@@ -24,8 +24,8 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """Owns a model and a paged KV cache of `num_blocks` blocks of `block_size` tokens, and runs
-    plans on them."""
+    """Owns a model and a paged KV cache of `num_blocks` blocks of `block_size` tokens (in the
+    model's dtype, or 8-bit as `kv_cache_dtype` says), and runs plans on them."""
 
     def __init__(
         self,
@@ -33,6 +33,7 @@ class ModelRunner:
         num_blocks: int,
         block_size: int = BLOCK_SIZE,
         tokenizer: Any = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.model = model.eval()
         weight = model.model.embed_tokens.weight
@@ -40,7 +41,7 @@ class ModelRunner:
         self.dtype = weight.dtype
         spec = model.spec
         per_token = PagedKVCache.bytes_per_token(
-            spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype
+            spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype, kv_cache_dtype
         )
         # build the CPU kernels (once per machine) now, not inside a step; their matmul packs a copy
         # of every matrix on first use (counted here as every 2-D parameter: the embedding too, when
@@ -60,6 +61,7 @@ class ModelRunner:
             spec.head_dim,
             dtype=self.dtype,
             device=self.device,
+            kv_cache_dtype=kv_cache_dtype,
         )
         self.last_forward_s = 0.0  # seconds inside the model in the last execute(), for profiling
         # what the last execute() sampled: fed in for PENDING tokens
@@ -69,10 +71,11 @@ class ModelRunner:
         )
         self.states = RequestStates(grammars)  # per request: what penalties count, its grammar
         log.info(
-            "KV cache: %d blocks of %d tokens (%d tokens), %d bytes per token, %.2f GiB",
+            "KV cache: %d blocks of %d tokens (%d tokens), %s, %d bytes per token, %.2f GiB",
             num_blocks,
             block_size,
             num_blocks * block_size,
+            self.cache.dtype_name,
             per_token,
             self.cache.total_bytes / 2**30,
         )

@@ -15,4 +15,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("packed_linear_available", torch::wrap_pybind_function(packed_linear_available),
           "packed_linear_available");
     m.def("amx_bf16", torch::wrap_pybind_function(amx_bf16), "amx_bf16");
+    // the 8-bit KV cache (kv8.h)
+    m.def("decode_attention_kv8", torch::wrap_pybind_function(decode_attention_kv8),
+          "decode_attention_kv8");
+    m.def("prompt_attention_kv8", torch::wrap_pybind_function(prompt_attention_kv8),
+          "prompt_attention_kv8");
+    m.def("rope_and_cache_kv8", torch::wrap_pybind_function(rope_and_cache_kv8),
+          "rope_and_cache_kv8");
 }

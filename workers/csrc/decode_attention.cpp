@@ -8,7 +8,10 @@
 // is bit for bit the one of its keys laid out contiguously. Two paths: AVX-512 intrinsics where the
 // build machine has them (-march=native) and the head dim is 16, 32, 64 or 128, and plain loops
 // otherwise (other CPUs, other head dims). Both keep scores and sums in fp32 whatever the cache
-// dtype.
+// dtype. An 8-bit cache (int8, fp8: kv8.h) is the same code instantiated for its element type C:
+// its values load as floats, a key's score is its dot product times the key's scale and a value's
+// weight its softmax weight times the value's scale (the scales of a row's keys and values
+// gathered first, 2 bytes each).
 #include <ATen/Parallel.h>
 #include <torch/types.h>
 
@@ -21,6 +24,7 @@
 
 #include "common.h"
 #include "kernels.h"
+#include "kv8.h"
 #include "paged_kv.h"
 
 // f(t, row) for t = 0..len-1 in order, row the D elements of key (or value) t of `base`: the table
@@ -56,19 +60,21 @@ static inline __attribute__((always_inline)) void for_each_row(const T* base, co
 }
 
 // One (row, KV head): its G query rows over keys 0..len-1. q, out: [G, D]; k, v: paged as `pages`
-// says; scores: G * len.
-template <typename T>
-static void attend_scalar(const T* q, const T* k, const T* v, const Pages& pages, int64_t len,
-                          int64_t G, int64_t D, float scale, float* scores, T* out) {
+// says; scores: G * len; ks, vs: the keys' and values' scales (len each) when C is 8-bit.
+template <typename T, typename C = T>
+static void attend_scalar(const T* q, const C* k, const C* v, const Pages& pages, int64_t len,
+                          int64_t G, int64_t D, float scale, float* scores, T* out,
+                          const float* ks = nullptr, const float* vs = nullptr) {
     std::vector<float> qf(G * D), acc(G * D, 0.f), row(D), inv(G);
     for (int64_t i = 0; i < G * D; ++i) qf[i] = load(q, i) * scale;
-    for_each_row(k, pages, len, D, [&](int64_t t, const T* key) {
+    for_each_row(k, pages, len, D, [&](int64_t t, const C* key) {
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) row[d] = load(key, d);
         for (int64_t g = 0; g < G; ++g) {
             float s = 0.f;
 #pragma omp simd reduction(+ : s)
             for (int64_t d = 0; d < D; ++d) s += qf[g * D + d] * row[d];
+            if constexpr (is_kv8<C>) s *= ks[t];
             scores[g * len + t] = s;
         }
     }, v);
@@ -81,11 +87,12 @@ static void attend_scalar(const T* q, const T* k, const T* v, const Pages& pages
         for (int64_t t = 0; t < len; ++t) { sg[t] = exp_nonpositive(sg[t] - mx); sum += sg[t]; }
         inv[g] = 1.f / sum;
     }
-    for_each_row(v, pages, len, D, [&](int64_t t, const T* value) {
+    for_each_row(v, pages, len, D, [&](int64_t t, const C* value) {
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) row[d] = load(value, d);
         for (int64_t g = 0; g < G; ++g) {
-            const float p = scores[g * len + t];
+            float p = scores[g * len + t];
+            if constexpr (is_kv8<C>) p *= vs[t];
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) acc[g * D + d] += p * row[d];
         }
@@ -97,9 +104,10 @@ static void attend_scalar(const T* q, const T* k, const T* v, const Pages& pages
 // attend_scalar with D = 16 NV: up to GB query rows at a time keep their q and their output
 // accumulators in registers (GB * NV <= 16 of the 32), so each key and value row is loaded once per
 // group of GB.
-template <typename T, int NV>
-static void attend_avx512(const T* q, const T* k, const T* v, const Pages& pages, int64_t len,
-                          int64_t G, float scale, float* scores, T* out) {
+template <typename T, int NV, typename C = T>
+static void attend_avx512(const T* q, const C* k, const C* v, const Pages& pages, int64_t len,
+                          int64_t G, float scale, float* scores, T* out,
+                          const float* ks = nullptr, const float* vs = nullptr) {
     constexpr int D = 16 * NV, GB = NV <= 2 ? 8 : 16 / NV;
     for (int64_t g0 = 0; g0 < G; g0 += GB) {
         const int ng = int(std::min<int64_t>(GB, G - g0));
@@ -112,14 +120,18 @@ static void attend_avx512(const T* q, const T* k, const T* v, const Pages& pages
                            : _mm512_setzero_ps();
                 acc[g][i] = _mm512_setzero_ps();
             }
-        for_each_row(k, pages, len, D, [&](int64_t t, const T* key) {
+        for_each_row(k, pages, len, D, [&](int64_t t, const C* key) {
             __m512 kr[NV];
             for (int i = 0; i < NV; ++i) kr[i] = load16(key + 16 * i);
             for (int g = 0; g < GB; ++g) {
                 if (g >= ng) break;
                 __m512 s = _mm512_mul_ps(qv[g][0], kr[0]);
                 for (int i = 1; i < NV; ++i) s = _mm512_fmadd_ps(qv[g][i], kr[i], s);
-                scores[g * len + t] = _mm512_reduce_add_ps(s);
+                if constexpr (is_kv8<C>) {
+                    scores[g * len + t] = _mm512_reduce_add_ps(s) * ks[t];
+                } else {
+                    scores[g * len + t] = _mm512_reduce_add_ps(s);
+                }
             }
         }, v);
         for (int g = 0; g < ng; ++g) {
@@ -137,12 +149,14 @@ static void attend_avx512(const T* q, const T* k, const T* v, const Pages& pages
             }
             inv[g] = 1.f / _mm512_reduce_add_ps(sum);
         }
-        for_each_row(v, pages, len, D, [&](int64_t t, const T* value) {
+        for_each_row(v, pages, len, D, [&](int64_t t, const C* value) {
             __m512 vr[NV];
             for (int i = 0; i < NV; ++i) vr[i] = load16(value + 16 * i);
             for (int g = 0; g < GB; ++g) {
                 if (g >= ng) break;
-                const __m512 p = _mm512_set1_ps(scores[g * len + t]);
+                float weight = scores[g * len + t];
+                if constexpr (is_kv8<C>) weight *= vs[t];
+                const __m512 p = _mm512_set1_ps(weight);
                 for (int i = 0; i < NV; ++i) acc[g][i] = _mm512_fmadd_ps(p, vr[i], acc[g][i]);
             }
         });
@@ -154,27 +168,29 @@ static void attend_avx512(const T* q, const T* k, const T* v, const Pages& pages
 }
 #endif
 
-template <typename T>
-static void attend(const T* q, const T* k, const T* v, const Pages& pages, int64_t len, int64_t G,
-                   int64_t D, float scale, float* scores, T* out) {
+template <typename T, typename C = T>
+static void attend(const T* q, const C* k, const C* v, const Pages& pages, int64_t len, int64_t G,
+                   int64_t D, float scale, float* scores, T* out, const float* ks = nullptr,
+                   const float* vs = nullptr) {
 #if defined(__AVX512F__)
     switch (D) {
-        case 16: return attend_avx512<T, 1>(q, k, v, pages, len, G, scale, scores, out);
-        case 32: return attend_avx512<T, 2>(q, k, v, pages, len, G, scale, scores, out);
-        case 64: return attend_avx512<T, 4>(q, k, v, pages, len, G, scale, scores, out);
-        case 128: return attend_avx512<T, 8>(q, k, v, pages, len, G, scale, scores, out);
+        case 16: return attend_avx512<T, 1, C>(q, k, v, pages, len, G, scale, scores, out, ks, vs);
+        case 32: return attend_avx512<T, 2, C>(q, k, v, pages, len, G, scale, scores, out, ks, vs);
+        case 64: return attend_avx512<T, 4, C>(q, k, v, pages, len, G, scale, scores, out, ks, vs);
+        case 128: return attend_avx512<T, 8, C>(q, k, v, pages, len, G, scale, scores, out, ks, vs);
     }
 #endif
-    attend_scalar(q, k, v, pages, len, G, D, scale, scores, out);
+    attend_scalar(q, k, v, pages, len, G, D, scale, scores, out, ks, vs);
 }
 
-// q, out: [B, KVH, G, D]; k, v: [NB, KVH, BS, D] contiguous; tables: [B, MAXB]; lengths: [B]. Each
-// thread takes the next (row, KV head) pair, longest rows first, so threads finish together however
-// ragged the rows.
-template <typename T>
-static void run(const T* q, const T* k, const T* v, const int64_t* tables, const int64_t* lengths,
+// q, out: [B, KVH, G, D]; k, v: [NB, KVH, BS, D] contiguous; tables: [B, MAXB]; lengths: [B]; an
+// 8-bit cache's scales k_scale, v_scale: [NB, KVH, BS]. Each thread takes the next (row, KV head)
+// pair, longest rows first, so threads finish together however ragged the rows.
+template <typename T, typename C = T>
+static void run(const T* q, const C* k, const C* v, const int64_t* tables, const int64_t* lengths,
                 T* out, int64_t B, int64_t KVH, int64_t G, int64_t D, int64_t BS, int64_t MAXB,
-                float scale) {
+                float scale, const c10::Half* k_scale = nullptr,
+                const c10::Half* v_scale = nullptr) {
     std::vector<int64_t> order(B * KVH);
     std::iota(order.begin(), order.end(), 0);
     std::stable_sort(order.begin(), order.end(),
@@ -183,27 +199,30 @@ static void run(const T* q, const T* k, const T* v, const int64_t* tables, const
     std::atomic<int64_t> next{0};
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
         std::vector<float> scores(std::max<int64_t>(G, 8) * longest);
+        std::vector<float> ks(is_kv8<C> ? longest : 0), vs(is_kv8<C> ? longest : 0);
         for (int64_t i = next++; i < B * KVH; i = next++) {
             const int64_t item = order[i], b = item / KVH, h = item % KVH;
             const Pages pages{tables + b * MAXB, KVH * BS * D, BS};
+            if constexpr (is_kv8<C>) {
+                gather_scales(k_scale + h * BS, pages.table, KVH * BS, BS, lengths[b], ks.data());
+                gather_scales(v_scale + h * BS, pages.table, KVH * BS, BS, lengths[b], vs.data());
+            }
             attend(q + item * G * D, k + h * BS * D, v + h * BS * D, pages, lengths[b], G, D, scale,
-                   scores.data(), out + item * G * D);
+                   scores.data(), out + item * G * D, ks.data(), vs.data());
         }
     });
 }
 
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                               torch::Tensor block_tables, torch::Tensor lengths, double scale) {
-    check_paged_qkv(q, k, v);
-    const int64_t B = q.size(0), KVH = q.size(1), G = q.size(2), D = q.size(3);
-    const int64_t NB = k.size(0), BS = k.size(2);
+// B * MAXB integers against a loop over every key: a bad table fails here, not as a stray read
+static void check_rows(const torch::Tensor& q, const torch::Tensor& k,
+                       const torch::Tensor& block_tables, const torch::Tensor& lengths) {
+    const int64_t B = q.size(0), NB = k.size(0), BS = k.size(2);
     TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B &&
                     block_tables.is_contiguous() && lengths.numel() == B && lengths.is_contiguous(),
                 "block_tables [B, MAXB] and lengths [B] contiguous expected");
     const int64_t MAXB = block_tables.size(1);
     const int64_t* tables = block_tables.data_ptr<int64_t>();
     const int64_t* l = lengths.data_ptr<int64_t>();
-    // B * MAXB integers against a loop over every key: a bad table fails here, not as a stray read
     for (int64_t b = 0; b < B; ++b) {
         TORCH_CHECK(l[b] >= 0 && l[b] <= MAXB * BS, "length ", l[b], " of row ", b,
                     " does not fit its block table");
@@ -211,6 +230,16 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
             TORCH_CHECK(tables[b * MAXB + i] >= 0 && tables[b * MAXB + i] < NB, "block ",
                         tables[b * MAXB + i], " of row ", b, " outside the pool of ", NB);
     }
+}
+
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                               torch::Tensor block_tables, torch::Tensor lengths, double scale) {
+    check_paged_qkv(q, k, v);
+    check_rows(q, k, block_tables, lengths);
+    const int64_t B = q.size(0), KVH = q.size(1), G = q.size(2), D = q.size(3);
+    const int64_t BS = k.size(2), MAXB = block_tables.size(1);
+    const int64_t* tables = block_tables.data_ptr<int64_t>();
+    const int64_t* l = lengths.data_ptr<int64_t>();
     auto out = torch::empty_like(q);
     if (q.scalar_type() == torch::kFloat) {
         run<float>(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), tables, l,
@@ -219,5 +248,25 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
         run<uint16_t>(ptr<uint16_t>(q), ptr<uint16_t>(k), ptr<uint16_t>(v), tables, l,
                       ptr<uint16_t>(out), B, KVH, G, D, BS, MAXB, float(scale));
     }
+    return out;
+}
+
+torch::Tensor decode_attention_kv8(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                   torch::Tensor k_scale, torch::Tensor v_scale,
+                                   torch::Tensor block_tables, torch::Tensor lengths,
+                                   double scale) {
+    check_paged_kv8(q, k, v, k_scale, v_scale);
+    check_rows(q, k, block_tables, lengths);
+    const int64_t B = q.size(0), KVH = q.size(1), G = q.size(2), D = q.size(3);
+    const int64_t BS = k.size(2), MAXB = block_tables.size(1);
+    const int64_t* tables = block_tables.data_ptr<int64_t>();
+    const int64_t* l = lengths.data_ptr<int64_t>();
+    auto out = torch::empty_like(q);
+    with_kv8_types(q, k, [&](auto t, auto c) {
+        using T = decltype(t);
+        using C = decltype(c);
+        run<T, C>(ptr<T>(q), ptr<C>(k), ptr<C>(v), tables, l, ptr<T>(out), B, KVH, G, D, BS, MAXB,
+                  float(scale), ptr<c10::Half>(k_scale), ptr<c10::Half>(v_scale));
+    });
     return out;
 }

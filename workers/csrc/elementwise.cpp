@@ -1,5 +1,8 @@
 // The fused per-layer elementwise kernels: residual add + RMSNorm, rotary + cache write, SiLU-mul.
 //
+// The cache write also has an 8-bit form (int8, fp8: kv8.h), which quantizes each K and V row with
+// its scale as it writes it.
+//
 // Each kernel does what the eager torch ops of `workers/kernels.py` do, rounding to the tensor's
 // dtype wherever they round (bf16 after every op, as torch does), in one pass over the rows instead
 // of several ops of a dozen dispatches and thread forks each. fp32 differs from the eager ops only
@@ -12,9 +15,11 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "common.h"
 #include "kernels.h"
+#include "kv8.h"
 
 // exp(x) for any x: exp_nonpositive (the same polynomial holds for x > 0), clamped to +87.
 static inline float exp_any(float x) { return exp_nonpositive(x > 87.f ? 87.f : x); }
@@ -65,6 +70,14 @@ torch::Tensor add_rms_norm(torch::Tensor x, std::optional<torch::Tensor> delta, 
     return out;
 }
 
+// Element d of head `src` rotated: x cos + rotate_half(x) sin, each product rounded to T as torch
+// rounds it (the sum is rounded where it is stored).
+template <typename T>
+static inline float rotated(const T* src, const T* c, const T* s, int64_t d, int64_t half) {
+    const float rot = d < half ? -load(src, d + half) : load(src, d - half);
+    return rounded<T>(load(src, d) * load(c, d)) + rounded<T>(rot * load(s, d));
+}
+
 // qkv: [N, H + 2 KVH, D]; cos, sin: [N, D]; k_cache, v_cache: [S, KVH, C, D]; slots, positions:
 // [N]. q and k rotate (x cos + rotate_half(x) sin); k and v go to their cache rows; returns q: [N,
 // H, D]
@@ -88,11 +101,7 @@ static void rope_run(const T* qkv, const T* cos, const T* sin, T* q, T* kc, T* v
                     continue;
                 }
 #pragma omp simd
-                for (int64_t d = 0; d < D; ++d) {
-                    const float rot = d < half ? -load(src, d + half) : load(src, d - half);
-                    store(dst, d,
-                          rounded<T>(load(src, d) * load(c, d)) + rounded<T>(rot * load(s, d)));
-                }
+                for (int64_t d = 0; d < D; ++d) store(dst, d, rotated(src, c, s, d, half));
             }
         }
     });
@@ -119,6 +128,72 @@ torch::Tensor rope_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor
         rope_run<uint16_t>(ptr<uint16_t>(qkv), ptr<uint16_t>(cos), ptr<uint16_t>(sin),
                            ptr<uint16_t>(q), ptr<uint16_t>(k_cache), ptr<uint16_t>(v_cache), s, p,
                            N, H, KVH, C, D);
+    return q;
+}
+
+// rope_run into an 8-bit cache (E: int8_t or Fp8): each k and v row, as the activations' dtype T
+// holds it, quantized with its scale into k_scale, v_scale: [S, KVH, C]
+template <typename T, typename E>
+static void rope_kv8_run(const T* qkv, const T* cos, const T* sin, T* q, E* kc, E* vc,
+                         c10::Half* ks, c10::Half* vs, const int64_t* slots,
+                         const int64_t* positions, int64_t N, int64_t H, int64_t KVH, int64_t C,
+                         int64_t D) {
+    const int64_t half = D / 2, width = (H + 2 * KVH) * D;
+    at::parallel_for(0, N, rows_per_task(width), [&](int64_t begin, int64_t end) {
+        std::vector<float> row(D);
+        for (int64_t n = begin; n < end; ++n) {
+            const T* c = cos + n * D;
+            const T* s = sin + n * D;
+            const int64_t cache_row = slots[n] * KVH * C + positions[n]; // (slot, head 0, position)
+            for (int64_t head = 0; head < H; ++head) {
+                const T* src = qkv + n * width + head * D;
+                T* dst = q + (n * H + head) * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; ++d) store(dst, d, rotated(src, c, s, d, half));
+            }
+            for (int64_t head = 0; head < KVH; ++head) {
+                const T* key = qkv + n * width + (H + head) * D;
+                const T* value = key + KVH * D;
+                const int64_t at = cache_row + head * C;
+                for (int64_t d = 0; d < D; ++d) row[d] = rounded<T>(rotated(key, c, s, d, half));
+                quantize_row(row.data(), D, kc + at * D, ks + at);
+                for (int64_t d = 0; d < D; ++d) row[d] = load(value, d);
+                quantize_row(row.data(), D, vc + at * D, vs + at);
+            }
+        }
+    });
+}
+
+torch::Tensor rope_and_cache_kv8(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                                 torch::Tensor k_cache, torch::Tensor v_cache,
+                                 torch::Tensor k_scale, torch::Tensor v_scale,
+                                 torch::Tensor slots, torch::Tensor positions, int64_t H) {
+    TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() &&
+                    k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                    k_scale.is_contiguous() && v_scale.is_contiguous(),
+                "contiguous tensors expected");
+    TORCH_CHECK(qkv.scalar_type() == cos.scalar_type() &&
+                    (qkv.scalar_type() == torch::kFloat || qkv.scalar_type() == torch::kBFloat16),
+                "float32 or bfloat16 activations expected");
+    TORCH_CHECK((k_cache.scalar_type() == torch::kChar || k_cache.scalar_type() == torch::kByte) &&
+                    k_cache.scalar_type() == v_cache.scalar_type() &&
+                    k_scale.scalar_type() == torch::kHalf && v_scale.scalar_type() == torch::kHalf,
+                "int8 or uint8 (fp8) caches with float16 scales expected");
+    const int64_t N = qkv.size(0), D = qkv.size(2), KVH = k_cache.size(1), C = k_cache.size(2);
+    TORCH_CHECK(qkv.size(1) == H + 2 * KVH && cos.numel() == N * D &&
+                    k_scale.sizes() == k_cache.sizes().slice(0, 3) &&
+                    v_scale.sizes() == k_scale.sizes(),
+                "bad shapes");
+    auto q = torch::empty({N, H, D}, qkv.options());
+    const int64_t* s = slots.data_ptr<int64_t>();
+    const int64_t* p = positions.data_ptr<int64_t>();
+    with_kv8_types(qkv, k_cache, [&](auto t, auto e) {
+        using T = decltype(t);
+        using E = decltype(e);
+        rope_kv8_run<T, E>(ptr<T>(qkv), ptr<T>(cos), ptr<T>(sin), ptr<T>(q), ptr<E>(k_cache),
+                           ptr<E>(v_cache), ptr<c10::Half>(k_scale), ptr<c10::Half>(v_scale), s,
+                           p, N, H, KVH, C, D);
+    });
     return q;
 }
 

@@ -9,12 +9,20 @@
 // decode_attention.cpp
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                torch::Tensor block_tables, torch::Tensor lengths, double scale);
+torch::Tensor decode_attention_kv8(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                   torch::Tensor k_scale, torch::Tensor v_scale,
+                                   torch::Tensor block_tables, torch::Tensor lengths,
+                                   double scale);
 
 // prompt_attention.cpp
 bool prompt_attention_available(int64_t head_dim);
 torch::Tensor prompt_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                torch::Tensor block_tables, torch::Tensor starts,
                                torch::Tensor firsts, torch::Tensor counts, double scale);
+torch::Tensor prompt_attention_kv8(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                   torch::Tensor k_scale, torch::Tensor v_scale,
+                                   torch::Tensor block_tables, torch::Tensor starts,
+                                   torch::Tensor firsts, torch::Tensor counts, double scale);
 
 // elementwise.cpp
 torch::Tensor add_rms_norm(torch::Tensor x, std::optional<torch::Tensor> delta, torch::Tensor w,
@@ -22,6 +30,10 @@ torch::Tensor add_rms_norm(torch::Tensor x, std::optional<torch::Tensor> delta, 
 torch::Tensor rope_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                              torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
                              torch::Tensor positions, int64_t H);
+torch::Tensor rope_and_cache_kv8(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                                 torch::Tensor k_cache, torch::Tensor v_cache,
+                                 torch::Tensor k_scale, torch::Tensor v_scale,
+                                 torch::Tensor slots, torch::Tensor positions, int64_t H);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 
 // gemm.cpp

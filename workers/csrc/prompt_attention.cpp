@@ -15,7 +15,9 @@
 // vectors. Row r of token t sees keys 0..start+t (causal within the chunk). Written with GCC's
 // vector extensions: 16 lanes where the CPU has AVX-512, 8 elsewhere (AVX2), the same source; D
 // must be a multiple of 4, elsewhere `prompt_attention_available` says no and the gather + SDPA
-// path runs.
+// path runs. An 8-bit cache (int8, fp8: kv8.h) runs the same loops over its element type C: a
+// block's scores are multiplied by their keys' scales, and the softmax weights by their values'
+// scales before the value loop.
 #include <ATen/Parallel.h>
 #include <torch/types.h>
 
@@ -32,6 +34,7 @@
 
 #include "common.h"
 #include "kernels.h"
+#include "kv8.h"
 #include "paged_kv.h"
 
 namespace prompt {
@@ -178,11 +181,13 @@ struct Buffers {
 };
 
 // One item: tokens t0..t0+nt-1 of a chunk whose first token is at position `start`, KV head h.
-// q, out: the chunk's first token's [KVH, G, D]; k, v: KV head h's part of block 0.
-template <typename T>
-static void attend_tile(const T* q, const T* k, const T* v, const Pages& pages, int64_t start,
+// q, out: the chunk's first token's [KVH, G, D]; k, v: KV head h's part of block 0; for an 8-bit
+// C, ks, vs: KV head h's scales in block 0 (a block's are KVH BS apart).
+template <typename T, typename C = T>
+static void attend_tile(const T* q, const C* k, const C* v, const Pages& pages, int64_t start,
                         int64_t t0, int64_t nt, int64_t KVH, int64_t G, int64_t D, int64_t h,
-                        float scale, Buffers& buf, T* out) {
+                        float scale, Buffers& buf, T* out, const c10::Half* ks = nullptr,
+                        const c10::Half* vs = nullptr) {
     const int64_t R = nt * G, W = (R + VL - 1) / VL * VL, BS = pages.BS;
     buf.qt.assign(D * W, 0.f);
     buf.acct.assign(D * W, 0.f);
@@ -201,9 +206,21 @@ static void attend_tile(const T* q, const T* k, const T* v, const Pages& pages, 
     const int64_t end = start + t0 + nt;  // keys the last row sees
     for (int64_t kb = 0, b = 0; kb < end; kb += BS, ++b) {
         const int64_t nk = std::min(BS, end - kb);
-        const T* kblk = k + pages.table[b] * pages.stride;
-        const T* vblk = v + pages.table[b] * pages.stride;
+        const C* kblk = k + pages.table[b] * pages.stride;
+        const C* vblk = v + pages.table[b] * pages.stride;
         block_scores(buf.qt.data(), W, kblk, nk, D, buf.st.data(), buf.spare.data());
+        const c10::Half* vscales = nullptr;  // the block's values' scales (8-bit)
+        if constexpr (is_kv8<C>) {
+            const c10::Half* kscales = ks + pages.table[b] * KVH * BS;
+            vscales = vs + pages.table[b] * KVH * BS;
+            for (int64_t j = 0; j < nk; ++j) {
+                const vf key_scale = splat(load(kscales, j));
+                for (int64_t g = 0; g < W; g += VL) {
+                    float* s = buf.st.data() + j * W + g;
+                    vstore(s, vload(s) * key_scale);
+                }
+            }
+        }
         for (int64_t g = 0; g < W; g += VL) {
             vi limit;
             std::memcpy(&limit, buf.limit.data() + g, sizeof limit);
@@ -220,7 +237,11 @@ static void attend_tile(const T* q, const T* k, const T* v, const Pages& pages, 
                 float* s = buf.st.data() + j * W + g;
                 const vf e = vexp(vload(s) - top);
                 const vf p = limit > int32_t(kb + j) ? e : vf{};
-                vstore(s, p);
+                if constexpr (is_kv8<C>) {
+                    vstore(s, p * load(vscales, j));  // the value loop weighs value * scale
+                } else {
+                    vstore(s, p);
+                }
                 sum += p;
             }
             vstore(buf.m.data() + g, top);
@@ -237,14 +258,15 @@ static void attend_tile(const T* q, const T* k, const T* v, const Pages& pages, 
     }
 }
 
-// q, out: [N, KVH, G, D], the chunks' tokens one after another; k, v: [NB, KVH, BS, D];
-// tables: [C, MAXB]; starts, firsts, counts: [C] (a chunk's first position, its first row of q,
-// its tokens). Items are (chunk, KV head, tile of about 96 rows), the costliest first, each
-// taken by the next free thread.
-template <typename T>
-static void run(const T* q, const T* k, const T* v, const int64_t* tables, const int64_t* starts,
+// q, out: [N, KVH, G, D], the chunks' tokens one after another; k, v: [NB, KVH, BS, D] (of
+// element E: T, or 8-bit with scales k_scale, v_scale [NB, KVH, BS]); tables: [C, MAXB]; starts,
+// firsts, counts: [C] (a chunk's first position, its first row of q, its tokens). Items are
+// (chunk, KV head, tile of about 96 rows), the costliest first, each taken by the next free thread.
+template <typename T, typename E = T>
+static void run(const T* q, const E* k, const E* v, const int64_t* tables, const int64_t* starts,
                 const int64_t* firsts, const int64_t* counts, T* out, int64_t C, int64_t KVH,
-                int64_t G, int64_t D, int64_t BS, int64_t MAXB, float scale) {
+                int64_t G, int64_t D, int64_t BS, int64_t MAXB, float scale,
+                const c10::Half* k_scale = nullptr, const c10::Half* v_scale = nullptr) {
     const int64_t tile = std::max<int64_t>(1, 96 / G);
     struct Item {
         int64_t chunk, head, t0, nt, cost;
@@ -266,9 +288,10 @@ static void run(const T* q, const T* k, const T* v, const int64_t* tables, const
             const Item& it = items[i];
             const Pages pages{tables + it.chunk * MAXB, KVH * BS * D, BS};
             const int64_t first = firsts[it.chunk] * KVH * G * D;
-            attend_tile(q + first, k + it.head * BS * D, v + it.head * BS * D, pages,
-                        starts[it.chunk], it.t0, it.nt, KVH, G, D, it.head, scale, buf,
-                        out + first);
+            const int64_t head = it.head * BS;  // KV head h's part of block 0: its scales
+            attend_tile(q + first, k + head * D, v + head * D, pages, starts[it.chunk], it.t0,
+                        it.nt, KVH, G, D, it.head, scale, buf, out + first,
+                        k_scale ? k_scale + head : nullptr, v_scale ? v_scale + head : nullptr);
         }
     });
 }
@@ -277,11 +300,11 @@ static void run(const T* q, const T* k, const T* v, const int64_t* tables, const
 
 bool prompt_attention_available(int64_t head_dim) { return head_dim % prompt::DB == 0; }
 
-torch::Tensor prompt_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                               torch::Tensor block_tables, torch::Tensor starts,
-                               torch::Tensor firsts, torch::Tensor counts, double scale) {
-    check_paged_qkv(q, k, v);
-    const int64_t N = q.size(0), KVH = q.size(1), G = q.size(2), D = q.size(3);
+// a bad table or span fails here, not as a stray read
+static void check_chunks(const torch::Tensor& q, const torch::Tensor& k,
+                         const torch::Tensor& block_tables, const torch::Tensor& starts,
+                         const torch::Tensor& firsts, const torch::Tensor& counts) {
+    const int64_t N = q.size(0), D = q.size(3);
     const int64_t NB = k.size(0), BS = k.size(2);
     TORCH_CHECK(prompt_attention_available(D), "no prompt-attention kernel for head dim ", D);
     const int64_t C = starts.numel();
@@ -295,7 +318,7 @@ torch::Tensor prompt_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
     const int64_t* s = starts.data_ptr<int64_t>();
     const int64_t* f = firsts.data_ptr<int64_t>();
     const int64_t* n = counts.data_ptr<int64_t>();
-    for (int64_t c = 0; c < C; ++c) {  // a bad table or span fails here, not as a stray read
+    for (int64_t c = 0; c < C; ++c) {
         TORCH_CHECK(s[c] >= 0 && n[c] >= 0 && f[c] >= 0 && f[c] + n[c] <= N &&
                         s[c] + n[c] <= MAXB * BS,
                     "chunk ", c, " does not fit its block table or the batch");
@@ -303,6 +326,19 @@ torch::Tensor prompt_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
             TORCH_CHECK(tables[c * MAXB + i] >= 0 && tables[c * MAXB + i] < NB, "block ",
                         tables[c * MAXB + i], " of chunk ", c, " outside the pool of ", NB);
     }
+}
+
+torch::Tensor prompt_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                               torch::Tensor block_tables, torch::Tensor starts,
+                               torch::Tensor firsts, torch::Tensor counts, double scale) {
+    check_paged_qkv(q, k, v);
+    check_chunks(q, k, block_tables, starts, firsts, counts);
+    const int64_t KVH = q.size(1), G = q.size(2), D = q.size(3);
+    const int64_t BS = k.size(2), C = starts.numel(), MAXB = block_tables.size(1);
+    const int64_t* tables = block_tables.data_ptr<int64_t>();
+    const int64_t* s = starts.data_ptr<int64_t>();
+    const int64_t* f = firsts.data_ptr<int64_t>();
+    const int64_t* n = counts.data_ptr<int64_t>();
     auto out = torch::empty_like(q);
     if (q.scalar_type() == torch::kFloat) {
         prompt::run<float>(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), tables,
@@ -311,5 +347,28 @@ torch::Tensor prompt_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
         prompt::run<uint16_t>(ptr<uint16_t>(q), ptr<uint16_t>(k), ptr<uint16_t>(v), tables, s, f,
                               n, ptr<uint16_t>(out), C, KVH, G, D, BS, MAXB, float(scale));
     }
+    return out;
+}
+
+torch::Tensor prompt_attention_kv8(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                   torch::Tensor k_scale, torch::Tensor v_scale,
+                                   torch::Tensor block_tables, torch::Tensor starts,
+                                   torch::Tensor firsts, torch::Tensor counts, double scale) {
+    check_paged_kv8(q, k, v, k_scale, v_scale);
+    check_chunks(q, k, block_tables, starts, firsts, counts);
+    const int64_t KVH = q.size(1), G = q.size(2), D = q.size(3);
+    const int64_t BS = k.size(2), C = starts.numel(), MAXB = block_tables.size(1);
+    const int64_t* tables = block_tables.data_ptr<int64_t>();
+    const int64_t* s = starts.data_ptr<int64_t>();
+    const int64_t* f = firsts.data_ptr<int64_t>();
+    const int64_t* n = counts.data_ptr<int64_t>();
+    auto out = torch::empty_like(q);
+    with_kv8_types(q, k, [&](auto t, auto e) {
+        using T = decltype(t);
+        using E = decltype(e);
+        prompt::run<T, E>(ptr<T>(q), ptr<E>(k), ptr<E>(v), tables, s, f, n, ptr<T>(out), C, KVH,
+                          G, D, BS, MAXB, float(scale), ptr<c10::Half>(k_scale),
+                          ptr<c10::Half>(v_scale));
+    });
     return out;
 }
