@@ -15,4 +15,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("packed_linear_available", torch::wrap_pybind_function(packed_linear_available),
           "packed_linear_available");
     m.def("amx_bf16", torch::wrap_pybind_function(amx_bf16), "amx_bf16");
+    m.def("quant_linear", torch::wrap_pybind_function(quant_linear), "quant_linear");
+    m.def("quant_linear_isa", torch::wrap_pybind_function(quant_linear_isa), "quant_linear_isa");
 }
