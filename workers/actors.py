@@ -47,10 +47,11 @@ class Worker:
         block_size: int,
         num_threads: int,
         kv_transport: str = "auto",
+        quantization: str | None = None,
     ) -> None:
         torch.set_num_threads(max(1, num_threads))
         self.index = index
-        loaded = load_model(model, dtype, resolve_device(device))
+        loaded = load_model(model, dtype, resolve_device(device), quantization)
         self.runner = ModelRunner(
             loaded.model, num_blocks, block_size=block_size, tokenizer=loaded.tokenizer
         )
@@ -196,5 +197,6 @@ def spawn_worker(
             block_size,
             config.worker_threads(),
             config.kv_transport,
+            config.quantization,
         )
     )
