@@ -17,7 +17,7 @@ from pydantic import (
 
 from deploy.prompts import read_chat_template
 from scheduler.cell.state import MODES_ON_RAY, CellConfig
-from workers.catalog import DEFAULT_MODEL, MAX_DEFAULT_CONTEXT
+from workers.catalog import ALIASES, DEFAULT_MODEL, MAX_DEFAULT_CONTEXT
 
 Mode = Literal["local", "colocated", "disaggregated"]
 MODES: tuple[str, ...] = get_args(Mode)
@@ -26,6 +26,8 @@ ToolCallParser = Literal["hermes", "llama3_json", "mistral", "pythonic"]
 # the readers of `<think>` parts (deploy/serving/reasoning.py)
 ReasoningParser = Literal["qwen3", "deepseek_r1"]
 REASONING_PARSERS: tuple[str, ...] = get_args(ReasoningParser)
+# weights kept packed (workers/quantized.py): a GGUF's own blocks, or int8 made at load
+Quantization = Literal["gguf", "int8"]
 # how KV goes from prefill to decode workers (workers/kv_transfer.py)
 KVTransport = Literal["auto", "object_store", "nixl", "cuda_ipc"]
 # the cells' autoscaling policy, as Serve's controller imports it (by name: config imports no
@@ -86,6 +88,13 @@ class EngineConfig(BaseModel):
         "auto", description="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16."
     )
     device: str = Field("auto", description="auto, cpu or cuda.")
+    quantization: Quantization | None = Field(
+        None,
+        description="Weights kept quantized and multiplied packed, on the CPU (vLLM's "
+        "--quantization): gguf serves a GGUF file's Q8_0, Q4_0 and Q4_1 blocks as they are; int8 "
+        "quantizes any float checkpoint at load, per output channel. Unset: weights dequantized "
+        "to dtype.",
+    )
     prefill_workers: int = Field(1, ge=1, description="Prefill worker actors (disaggregated mode).")
     decode_workers: int = Field(
         1, ge=1, description="Decode worker actors (disaggregated and colocated)."
@@ -218,6 +227,17 @@ class EngineConfig(BaseModel):
             raise ValueError(
                 f"prefill_chunk ({self.prefill_chunk}) must not exceed token_budget "
                 f"({self.token_budget}): a chunk larger than a step's budget never runs whole"
+            )
+        gguf = self.model in ALIASES or self.model.endswith(".gguf")
+        if self.quantization == "gguf" and not gguf:
+            raise ValueError(
+                f"quantization gguf serves a GGUF file's blocks: {self.model!r} is neither a .gguf "
+                f"file nor a GGUF alias ({', '.join(ALIASES)}); use int8 for other checkpoints"
+            )
+        if self.quantization is not None and self.device.startswith("cuda"):
+            raise ValueError(
+                f"quantization {self.quantization} runs on the CPU kernels only: leave it unset "
+                "on cuda"
             )
         scaling = self.max_prefill_workers is not None or self.max_decode_workers is not None
         if self.planner_period_s is not None and not (self.pool_planner and scaling):

@@ -73,12 +73,14 @@ class InProcessEngine(Engine):
         from workers.loader import load_model
         from workers.runner import ModelRunner
 
-        loaded = loaded or load_model(config.model, config.dtype, config.device)
+        loaded = loaded or load_model(
+            config.model, config.dtype, config.device, config.quantization
+        )
         self.capacity = config.context_len(loaded.max_context)
         self.tokenizer = use_chat_template(loaded.tokenizer, config.chat_template)
         self.eos_token_ids = loaded.eos_token_ids
         spec = loaded.model.spec
-        dtype = loaded.model.model.embed_tokens.weight.dtype
+        dtype = loaded.model.model.embed_tokens.weight.dtype  # a packed one's: its activations
         per_token = PagedKVCache.bytes_per_token(
             spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype, config.kv_cache_dtype
         )

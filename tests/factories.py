@@ -296,3 +296,40 @@ def served_app(checkpoint: str, name: str, **args: Any) -> Iterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
+
+
+def save_tiny_gguf(  # type: ignore[no-untyped-def]
+    path, kind: str = "llama", linear_type: str = "Q4_1"
+):
+    """The tiny model's tensors as llama.cpp's converter writes a GGUF (architecture `llama`):
+    matrices quantized (the embedding Q8_0, the others `linear_type`), norms F32, the q and k rows
+    permuted for its RoPE layout. Only the tensors and the architecture: no tokenizer."""
+    import gguf
+
+    hf = tiny_hf_model(kind)
+    config = hf.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, tensor in hf.state_dict().items():
+        base = name.removesuffix(".weight")
+        if base == "lm_head" and config.tie_word_embeddings:
+            continue
+        w = tensor.float().numpy()
+        if base.endswith(("q_proj", "k_proj")):
+            heads = config.num_attention_heads
+            if base.endswith("k_proj"):
+                heads = config.num_key_value_heads
+            shape = w.shape
+            w = w.reshape(heads, 2, shape[0] // heads // 2, shape[1]).swapaxes(1, 2).reshape(shape)
+        qtype = gguf.GGMLQuantizationType.F32
+        if w.ndim == 2:
+            matrix = "Q8_0" if base in ("model.embed_tokens", "lm_head") else linear_type
+            qtype = gguf.GGMLQuantizationType[matrix]
+        writer.add_tensor(
+            f"{names.get_name(base)}.weight", gguf.quants.quantize(w, qtype), raw_dtype=qtype
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

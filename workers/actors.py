@@ -48,10 +48,11 @@ class Worker:
         num_threads: int,
         kv_transport: str = "auto",
         kv_cache_dtype: str = "auto",
+        quantization: str | None = None,
     ) -> None:
         torch.set_num_threads(max(1, num_threads))
         self.index = index
-        loaded = load_model(model, dtype, resolve_device(device))
+        loaded = load_model(model, dtype, resolve_device(device), quantization)
         self.runner = ModelRunner(
             loaded.model,
             num_blocks,
@@ -207,5 +208,6 @@ def spawn_worker(
             config.worker_threads(),
             config.kv_transport,
             config.kv_cache_dtype,
+            config.quantization,
         )
     )

@@ -324,7 +324,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Either copy (as much memory again as the weight) is made on first use and kept as an attribute
     of `weight`, tagged with the weight's version counter: writing into the weight (a state dict
     loaded into it, or into a view of it) makes the next call pack it again (a weight made in
-    inference mode has no version counter: it is packed once)."""
+    inference mode has no version counter: it is packed once). A packed quantized weight
+    (`workers/quantized.py`) multiplies itself."""
+    if not isinstance(weight, torch.Tensor):
+        return weight.linear(x, bias)  # [M, N]
     module = _module_for(x)
     bf16 = x.dtype == torch.bfloat16
     if module is not None and bf16 and x.dim() == 2 and LIBRARY_BF16_ON_AMX and module.amx_bf16():

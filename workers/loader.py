@@ -1,5 +1,5 @@
 """Model loading: an alias, a checkpoint directory, a GGUF file or a hub id, through
-`transformers`."""
+`transformers`; its weights dequantized, or kept packed (`--quantization`)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,11 @@ from typing import Any
 import torch
 
 from workers.catalog import ALIASES, DEFAULT_MODEL, MAX_DEFAULT_CONTEXT
+from workers.gguf_blocks import gguf_weights
 from workers.hf_checkpoint import rope_parameters, spec_from_hf, unfused
 from workers.kv_quant import row_bytes
 from workers.model import DecoderLM
+from workers.quantized import PackedWeight, install, quantize_int8, weight_bytes
 from workers.weights import checkpoint_files, load_weights
 
 log = logging.getLogger(__name__)
@@ -120,6 +122,14 @@ def _convert_gguf(gguf: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def gguf_file(name: str) -> Path | None:
+    """The GGUF file a --model value names (the alias's, or a .gguf path); None for others."""
+    if name in ALIASES:
+        return _alias_gguf(name)
+    path = Path(name).expanduser()
+    return path if path.suffix == ".gguf" else None
 
 
 def resolve_checkpoint(name: str) -> str:
@@ -269,10 +279,16 @@ def load_tokenizer(name: str = DEFAULT_MODEL) -> TokenizerInfo:
     )
 
 
-def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto") -> LoadedModel:
+def load_model(
+    name: str = DEFAULT_MODEL,
+    dtype: str = "auto",
+    device: str = "auto",
+    quantization: str | None = None,
+) -> LoadedModel:
     """Load a model by alias, directory, .gguf path or hub id, on the given device and dtype:
     tensor by tensor from its safetensors files (`workers/weights.py`), else through
-    `transformers` in fp32 on the host first."""
+    `transformers` in fp32 on the host first. With a `quantization` (`pack_weights`), its matrices
+    are then served packed."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     device = resolve_device(device)
@@ -293,10 +309,47 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
         generation_config = getattr(hf, "generation_config", None)
         model = from_hf_model(hf, torch_dtype, device)
         del hf
+    if quantization is not None:
+        pack_weights(model, name, quantization, config, device)
     return LoadedModel(
         name=name,
         model=model,
         tokenizer=tokenizer,
         eos_token_ids=eos_token_ids(config, generation_config, tokenizer),
         max_context=model_context(config),
+    )
+
+
+def pack_weights(model: DecoderLM, name: str, quantization: str, config: Any, device: str) -> None:
+    """Put packed weights in place of the model's float matrices: `gguf`, the GGUF file's own
+    Q8_0 / Q4_0 / Q4_1 blocks (`workers/gguf_blocks.py`); `int8`, each matrix quantized now, per
+    output channel. Raises ValueError, with the reason, where that cannot be served."""
+    if device != "cpu":
+        raise ValueError(
+            f"--quantization {quantization} runs on the CPU kernels only, not on {device}: leave "
+            "it unset there"
+        )
+    dtype = model.model.embed_tokens.weight.dtype
+    if quantization == "gguf":
+        path = gguf_file(name)
+        if path is None:
+            raise ValueError(f"--quantization gguf serves a GGUF file's blocks; {name} is not one")
+        weights = gguf_weights(path, model, config, dtype)
+    elif quantization == "int8":
+        weights = {
+            key: PackedWeight.pack(quantize_int8(param), dtype)
+            for key, param in model.named_parameters()
+            if param.dim() == 2
+        }
+    else:
+        raise ValueError(f"unknown quantization {quantization!r}: use gguf or int8")
+    install(model, weights)
+    formats = sorted({w.format for w in weights.values()})
+    floats, packed = weight_bytes(model)
+    log.info(
+        "weights: %d matrices packed (%s), %.1f MiB packed + %.1f MiB float",
+        len(weights),
+        ", ".join(formats),
+        packed / 2**20,
+        floats / 2**20,
     )

@@ -21,6 +21,7 @@ from workers.kernels import (
 )
 from workers.kv_cache import PagedKVCache
 from workers.kv_quant import dequantize
+from workers.quantized import PackedWeight
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite")
 
@@ -163,11 +164,19 @@ def fuse_linears(linears: list[nn.Linear], name: str) -> torch.Tensor | None:
     One matmul over the concatenation replaces several smaller ones (fewer calls, a better-shaped
     GEMM), while the parameters keep Hugging Face's names: loading a state dict copies into the
     views, which writes the fused tensor too, and nothing is stored twice. `DecoderLM._apply` fuses
-    again after `.to()`, which gives every parameter storage of its own.
+    again after `.to()`, which gives every parameter storage of its own. Packed weights
+    (`workers/quantized.py`) concatenate their packed rows, each projection then a view of its own.
     """
     params = [getattr(linear, name) for linear in linears]
     if params[0] is None:
         return None
+    if isinstance(params[0], PackedWeight):
+        packed = PackedWeight.cat(params)
+        offset = 0
+        for linear, p in zip(linears, params, strict=True):
+            setattr(linear, name, packed.take_rows(torch.arange(offset, offset + p.shape[0])))
+            offset += p.shape[0]
+        return packed
     fused = torch.cat([p.detach() for p in params])  # [sum of out, in] or [sum of out]
     offset = 0
     for p in params:

@@ -17,6 +17,7 @@ from scheduler.request import PENDING
 from workers.kernels import load_kernels
 from workers.kv_cache import PagedKVCache, check_fits
 from workers.model import BatchLayout, DecoderLM
+from workers.quantized import weight_bytes
 from workers.request_state import RequestStates
 from workers.sampling import sample, token_logprobs
 
@@ -44,8 +45,9 @@ class ModelRunner:
             spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype, kv_cache_dtype
         )
         # build the CPU kernels (once per machine) now, not inside a step; their matmul packs a copy
-        # of every matrix on first use (counted here as every 2-D parameter: the embedding too, when
-        # it is not the head)
+        # of every float matrix on first use (counted here as every 2-D parameter: the embedding
+        # too, when it is not the head); packed quantized weights (`--quantization`) are served as
+        # they lie, no copy, and are already resident, so the memory free counts them
         kernels = load_kernels() if self.device.type == "cpu" else None
         packed = (
             0
@@ -78,6 +80,14 @@ class ModelRunner:
             self.cache.dtype_name,
             per_token,
             self.cache.total_bytes / 2**30,
+        )
+        floats, quantized = weight_bytes(model)
+        log.info(
+            "weights: %.1f MiB float parameters, %.1f MiB packed quantized, %.1f MiB of kernel "
+            "copies at the first forward",
+            floats / 2**20,
+            quantized / 2**20,
+            packed / 2**20,
         )
 
     def execute(self, plan: StepPlan) -> Samples:

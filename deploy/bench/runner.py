@@ -229,7 +229,7 @@ def _prepare(
     else:
         from workers.loader import load_model
 
-        loaded = load_model(config.model, config.dtype, config.device)
+        loaded = load_model(config.model, config.dtype, config.device, config.quantization)
         tokenizer = loaded.tokenizer
     tokenizer = use_chat_template(tokenizer, config.chat_template)  # a prompts file's chats
     vocab = loaded.model.spec.vocab_size if loaded is not None else len(tokenizer)

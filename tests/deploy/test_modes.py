@@ -400,3 +400,47 @@ def test_block_pressure_with_shared_prefixes_and_choices_equals_local(ray_sessio
     assert got == expected
     assert stats["counters"]["preemptions"] >= 1
     assert all(w["slots_used"] == 0 for w in stats["workers"].values())
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="packed weights run on the CPU kernels only")
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_int8_weights_give_local_modes_tokens_in_every_mode(ray_session, tiny_checkpoint, mode):
+    """`--quantization int8` reaches every worker: each packs the same weights and runs the same
+    kernel, whose rows do not depend on their batch; the tokens are local mode's, and not those of
+    the fp32 weights."""
+    with open_engine(EngineConfig(model=tiny_checkpoint, **BASE, quantization="int8")) as engine:
+        local = engine.run(requests())
+    results, _ = run_mode(tiny_checkpoint, mode=mode, quantization="int8")
+    tokens = {k: c.token_ids for k, c in results.items()}
+    assert tokens == {k: c.token_ids for k, c in local.items()}
+    assert tokens != {k: c.token_ids for k, c in run_local(tiny_checkpoint).items()}
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="packed weights run on the CPU kernels only")
+def test_the_embedded_gguf_served_packed_gives_local_modes_tokens_disaggregated(ray_session):
+    """The embedded model from its Q4_1 and Q8_0 blocks: a prefill and a decode worker each read
+    the GGUF, and the greedy answers are local mode's token for token."""
+    from deploy.prompts import encode_prompt
+    from workers.loader import load_tokenizer
+
+    info = load_tokenizer()
+    questions = ["What is the capital of France?", "Name three colours."]
+    prompts = [
+        encode_prompt(info.tokenizer, messages=[{"role": "user", "content": q}]) for q in questions
+    ]
+
+    def answers():
+        return [
+            Request(req_id=str(i), prompt_ids=ids, max_tokens=16, stop_token_ids=info.eos_token_ids)
+            for i, ids in enumerate(prompts)
+        ]
+
+    config = dict(quantization="gguf", slots=2, max_model_len=256, dtype="float32", device="cpu")
+    with open_engine(EngineConfig(**config)) as engine:
+        local = engine.run(answers())
+    with RayEngine(EngineConfig(mode="disaggregated", **config)) as engine:
+        results = engine.run(answers())
+    assert {k: c.token_ids for k, c in results.items()} == {
+        k: c.token_ids for k, c in local.items()
+    }
+    assert all(len(c.token_ids) > 3 for c in results.values())

@@ -5,6 +5,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from workers import kernels
 
@@ -51,3 +52,37 @@ def test_a_compiler_error_names_the_real_file_and_line(tmp_path):
         kernels.build(csrc, name="pdserve_broken_kernels", build_directory=tmp_path)
     assert f"{csrc / 'elementwise.cpp'}:{source_line}:" in str(error.value)
     assert f"{csrc / 'common.h'}:{header_line}:" in str(error.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("isa", "flags"), [("avx2", ["-mno-avx512f"]), ("scalar", ["-mno-avx2"])])
+def test_the_quantized_matmuls_other_paths_give_the_same_bits(tmp_path, isa, flags):
+    """`quant_linear.cpp` built as for a CPU without AVX-512 (VPMADDUBSW on AVX2) or without AVX2
+    (plain loops) gives the bits this CPU's build gives, every format: the integer sums are exact
+    and the float steps the same fused multiply-adds in the same order."""
+    from torch.utils.cpp_extension import load
+
+    from tests.workers.test_quantized import packed
+    from workers.quantized import FORMATS
+
+    native = kernels.load_kernels()
+    if native is None or " avx2" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("no C++ compiler here, or a CPU without AVX2")
+    module = load(
+        name=f"pdserve_quant_linear_{isa}",
+        sources=[
+            str(kernels.CSRC / "quant_linear.cpp"),
+            str(Path(__file__).with_name("quant_linear_module.cpp")),
+        ],
+        extra_include_paths=[str(kernels.CSRC)],
+        extra_cflags=[*kernels.CFLAGS, *flags],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(tmp_path),
+    )
+    assert module.quant_linear_isa() == isa
+    x = torch.randn(37, 160)
+    bias = torch.randn(33)
+    for fmt, number in FORMATS.items():
+        w = packed(fmt, 33, 160)
+        args = (x, w.qs, w.scales, w.mins, bias, number, 33)
+        assert torch.equal(module.quant_linear(*args), native.quant_linear(*args)), fmt

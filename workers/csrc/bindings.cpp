@@ -22,4 +22,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "prompt_attention_kv8");
     m.def("rope_and_cache_kv8", torch::wrap_pybind_function(rope_and_cache_kv8),
           "rope_and_cache_kv8");
+    m.def("quant_linear", torch::wrap_pybind_function(quant_linear), "quant_linear");
+    m.def("quant_linear_isa", torch::wrap_pybind_function(quant_linear_isa), "quant_linear_isa");
 }

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 
 // decode_attention.cpp
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
@@ -41,3 +42,9 @@ bool amx_bf16();
 bool packed_linear_available(bool bf16);
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed,
                             std::optional<torch::Tensor> bias, int64_t N);
+
+// quant_linear.cpp
+std::string quant_linear_isa();
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor scales,
+                           std::optional<torch::Tensor> mins, std::optional<torch::Tensor> bias,
+                           int64_t format, int64_t N);

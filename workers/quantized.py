@@ -1,0 +1,258 @@
+"""Packed quantized weights: GGUF's Q8_0, Q4_0 and Q4_1 blocks and per-channel int8, kept in the
+kernel's layout, multiplied without dequantizing, and put in place of a model's float weights.
+
+A weight `[N, K]` is kept as its quants and scales only (no float copy): Q8_0 is 32 int8 and an
+fp16 scale per block of 32 k (value q * d), Q4_0 16 bytes of nibbles and an fp16 scale (value
+(q - 8) * d), Q4_1 nibbles, an fp16 scale and an fp16 min (value q * d + m), as llama.cpp lays them
+out; int8 (`--quantization int8`, made at load from a float checkpoint) is one int8 per value and an
+fp32 scale per output row (value q * s, s = the row's largest |w| / 127). The packing only moves
+those bits: rows go in panels of 16, `qs [P, K / 32, chunks, 16, 4]` (a chunk is 64 bytes: 4
+consecutive k of each of the 16 rows, or for nibbles 8 k, the low nibbles k 0-3 and the high ones
+k 4-7), block scales `[P, K / 32, 16]`, so the kernel (`csrc/quant_linear.cpp`) reads a panel in
+order. `dequantize()` is the reference: exactly what `gguf.quants.dequantize` gives for GGUF blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.kernels import load_kernels
+
+log = logging.getLogger(__name__)
+
+# the formats served packed, numbered as the kernel knows them
+FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "int8": 3}
+BLOCK = 32  # k per block of quants, and per block of the activations' int8
+PANEL = 16  # weight rows per panel
+
+
+@dataclass(frozen=True)
+class RowQuants:
+    """A weight's quants row by row, as a GGUF file has them, unpacked: `q [N, K]` (int8 values for
+    q8_0 and int8, nibbles 0..15 as uint8 for q4_*), `d` the scales (`[N, K / 32]` fp16, or `[N]`
+    fp32 for int8) and `m` Q4_1's mins (`[N, K / 32]` fp16). The form rows are permuted and
+    concatenated in."""
+
+    format: str
+    q: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None = None
+
+    def take(self, rows: torch.Tensor) -> RowQuants:
+        """These rows, in this order (a permutation, a slice)."""
+        m = None if self.m is None else self.m[rows]
+        return RowQuants(self.format, self.q[rows], self.d[rows], m)
+
+    @staticmethod
+    def cat(parts: list[RowQuants]) -> RowQuants:
+        m = None if parts[0].m is None else torch.cat([p.m for p in parts])
+        return RowQuants(
+            parts[0].format, torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), m
+        )
+
+
+class PackedWeight:
+    """A `[N, K]` weight served from its quants: `linear(x)` multiplies without a float copy,
+    `dequantize()` is its float reference, `rows(ids)` dequantizes only the rows asked for (an
+    embedding lookup). `dtype` is the dtype it takes and gives activations in (the model's)."""
+
+    def __init__(
+        self,
+        format: str,
+        shape: tuple[int, int],
+        qs: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> None:
+        self.format = format
+        self.shape = shape
+        self.qs = qs  # [P, K / 32, chunks, 16, 4] uint8 (int8 for q8_0 and int8)
+        self.scales = scales  # [P, K / 32, 16] fp16, or [P, 16] fp32 for int8
+        self.mins = mins  # [P, K / 32, 16] fp16 for q4_1
+        self.dtype = dtype
+
+    def __repr__(self) -> str:
+        return f"PackedWeight({self.format}, {list(self.shape)}, {self.nbytes} bytes)"
+
+    @property
+    def device(self) -> torch.device:
+        return self.qs.device
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.qs, self.scales] + ([] if self.mins is None else [self.mins])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @classmethod
+    def pack(cls, quants: RowQuants, dtype: torch.dtype = torch.float32) -> PackedWeight:
+        """Lay quants out in the kernel's panels (rows padded to a multiple of 16 with zeros)."""
+        n, k = quants.q.shape
+        if k % BLOCK:
+            raise ValueError(f"packed weights need K a multiple of {BLOCK}, got {k}")
+        pad = -n % PANEL
+        panels = (n + pad) // PANEL
+        blocks = k // BLOCK
+        q = F.pad(quants.q, (0, 0, 0, pad))  # [P 16, K]
+        if quants.format in ("q4_0", "q4_1"):
+            nib = q.view(panels, PANEL, blocks, 4, 2, 4)  # [P, 16, KB, chunk, lo/hi, 4]
+            q = nib[:, :, :, :, 0] | (nib[:, :, :, :, 1] << 4)  # [P, 16, KB, chunk, 4]
+        else:
+            q = q.view(panels, PANEL, blocks, 8, 4)  # [P, 16, KB, chunk, 4]
+        qs = q.permute(0, 2, 3, 1, 4).contiguous()  # [P, KB, chunk, 16, 4]
+        if quants.format == "int8":
+            scales = F.pad(quants.d, (0, pad)).view(panels, PANEL)  # [P, 16]
+            return cls("int8", (n, k), qs, scales.contiguous(), None, dtype)
+
+        def by_panel(t: torch.Tensor) -> torch.Tensor:  # [N, KB] -> [P, KB, 16]
+            return F.pad(t, (0, 0, 0, pad)).view(panels, PANEL, blocks).transpose(1, 2).contiguous()
+
+        mins = None if quants.m is None else by_panel(quants.m)
+        return cls(quants.format, (n, k), qs, by_panel(quants.d), mins, dtype)
+
+    def quants(self, rows: torch.Tensor | None = None) -> RowQuants:
+        """The quants of `rows` (all by default) unpacked from the panels: `pack`'s inverse."""
+        n, k = self.shape
+        rows = torch.arange(n) if rows is None else rows
+        panel = rows // PANEL
+        lane = rows % PANEL
+        q = self.qs[panel, :, :, lane]  # [R, KB, chunk, 4]
+        if self.format in ("q4_0", "q4_1"):
+            q = torch.stack((q & 0x0F, q >> 4), dim=3)  # [R, KB, chunk, lo/hi, 4]
+        q = q.reshape(len(rows), k)  # [R, K]
+        if self.format == "int8":
+            return RowQuants("int8", q, self.scales[panel, lane])
+        m = None if self.mins is None else self.mins[panel, :, lane]  # [R, KB]
+        return RowQuants(self.format, q, self.scales[panel, :, lane], m)
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 `[N, K]` (or the rows asked for), as `gguf.quants.dequantize` computes GGUF blocks
+        (bit for bit) and `q * s` for int8."""
+        quants = self.quants(rows)
+        q = quants.q.float()  # [R, K]
+        if self.format == "int8":
+            return q * quants.d[:, None]  # [R, K]
+        r = q.shape[0]
+        q = q.view(r, -1, BLOCK)  # [R, KB, 32]
+        d = quants.d.float()[:, :, None]  # [R, KB, 1]
+        if self.format == "q4_0":
+            values = d * (q - 8)
+        elif self.format == "q4_1":
+            values = d * q + quants.m.float()[:, :, None]
+        else:
+            values = q * d
+        return values.view(r, -1)  # [R, K]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """An embedding lookup: rows `ids [T]` dequantized, `[T, K]` in `dtype`."""
+        return self.dequantize(ids.reshape(-1).cpu()).to(self.dtype).view(*ids.shape, -1)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`x [M, K] @ W.T + bias` -> `[M, N]`: through `csrc/quant_linear.cpp` (the activations
+        quantized per block of 32 to int8, as llama.cpp's), or where the kernels cannot be built,
+        F.linear over the dequantized weight (slow: a fallback that keeps serving)."""
+        module = load_kernels() if x.device.type == "cpu" else None
+        if module is None or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2:
+            return F.linear(x, self.dequantize().to(x.dtype), bias)
+        return module.quant_linear(
+            x.contiguous(),
+            self.qs,
+            self.scales,
+            self.mins,
+            bias,
+            FORMATS[self.format],
+            self.shape[0],
+        )  # [M, N]
+
+    def take_rows(self, rows: torch.Tensor) -> PackedWeight:
+        """A weight of these rows only, in this order; a view where whole panels are taken."""
+        first = int(rows[0]) if len(rows) else 0
+        whole = (
+            len(rows) % PANEL == 0
+            and first % PANEL == 0
+            and torch.equal(rows, torch.arange(first, first + len(rows)))
+        )
+        if not whole:
+            return PackedWeight.pack(self.quants(rows), self.dtype)
+        panels = slice(first // PANEL, (first + len(rows)) // PANEL)
+        mins = None if self.mins is None else self.mins[panels]
+        shape = (len(rows), self.shape[1])
+        return PackedWeight(
+            self.format, shape, self.qs[panels], self.scales[panels], mins, self.dtype
+        )
+
+    @staticmethod
+    def cat(weights: list[PackedWeight]) -> PackedWeight:
+        """The weights' rows one after another (a fused projection): panels concatenated where
+        every part fills whole panels, else repacked."""
+        first = weights[0]
+        if any(w.format != first.format or w.shape[1] != first.shape[1] for w in weights):
+            raise ValueError(f"cannot concatenate {weights}: formats or K differ")
+        shape = (sum(w.shape[0] for w in weights), first.shape[1])
+        if all(w.shape[0] % PANEL == 0 for w in weights):
+            mins = None if first.mins is None else torch.cat([w.mins for w in weights])
+            qs = torch.cat([w.qs for w in weights])
+            scales = torch.cat([w.scales for w in weights])
+            return PackedWeight(first.format, shape, qs, scales, mins, first.dtype)
+        return PackedWeight.pack(RowQuants.cat([w.quants() for w in weights]), first.dtype)
+
+
+def quantize_int8(weight: torch.Tensor) -> RowQuants:
+    """Per-output-channel symmetric int8 of a float `[N, K]` weight: each row's scale is its
+    largest |w| / 127, quants round to nearest (|error| <= scale / 2)."""
+    w = weight.detach().float()  # [N, K]
+    scale = w.abs().amax(dim=1) / 127  # [N]
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))  # [N]
+    q = torch.round(w * inverse[:, None]).clamp(-127, 127).to(torch.int8)  # [N, K]
+    return RowQuants("int8", q, scale)
+
+
+class PackedEmbedding(nn.Module):
+    """An embedding table kept packed: a lookup dequantizes only the rows looked up. Tied to the
+    head, the same `weight` serves the logits."""
+
+    def __init__(self, weight: PackedWeight) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight.rows(ids)  # [T, hidden]
+
+
+def install(model: nn.Module, weights: dict[str, PackedWeight]) -> None:
+    """Put packed weights in place of a `DecoderLM`'s float ones, by parameter name: a linear's
+    weight (its float parameter dropped), the embedding (its module becomes a PackedEmbedding) and
+    the head; then fuse each layer's projections again (the fused weight a concatenation of packed
+    rows, each projection a view of its rows)."""
+    for name, weight in weights.items():
+        module_name = name.removesuffix(".weight")
+        module = model.get_submodule(module_name)
+        if isinstance(module, nn.Embedding):
+            parent, _, child = module_name.rpartition(".")
+            setattr(model.get_submodule(parent), child, PackedEmbedding(weight))
+        else:
+            del module.weight  # the float parameter goes: no copy is kept
+            module.weight = weight
+    for layer in model.model.layers:
+        layer.self_attn.fuse()
+        layer.mlp.fuse()
+
+
+def weight_bytes(model: nn.Module) -> tuple[int, int]:
+    """Bytes of a model's float parameters and of its packed weights. A projection's packed weight
+    is a view of its fused one: storage is counted once."""
+    floats = sum(p.numel() * p.element_size() for p in model.parameters())
+    storages = {}
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, PackedWeight):
+                for tensor in (value.qs, value.scales, value.mins):
+                    if tensor is not None:
+                        storage = tensor.untyped_storage()
+                        storages[storage.data_ptr()] = storage.nbytes()
+    return floats, sum(storages.values())
