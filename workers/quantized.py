@@ -14,7 +14,6 @@ order. `dequantize()` is the reference: exactly what `gguf.quants.dequantize` gi
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -22,8 +21,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.kernels import load_kernels
-
-log = logging.getLogger(__name__)
 
 # the formats served packed, numbered as the kernel knows them
 FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "int8": 3}
