@@ -10,7 +10,7 @@ from deploy.cli import build_parser, config_from_args
 from deploy.config import EngineConfig
 from deploy.driver import RayEngine, open_engine
 from scheduler.request import Request, SamplingParams
-from tests.deploy.test_modes import BASE, requests
+from tests.deploy.engine_configs import BASE, requests
 from tests.factories import prompt_ids
 from workers.kv_cache import PagedKVCache
 

@@ -10,20 +10,12 @@ from deploy.config import EngineConfig
 from deploy.driver import RayEngine, open_engine
 from deploy.engine_client import EngineClient, complete
 from scheduler.request import Request, SamplingParams
-from tests.deploy.engine_configs import BASE
+from tests.deploy.engine_configs import BASE, requests
 from tests.deploy.worker_doubles import FreeDecodeWorker, Gate, HeldWorker, start_engine
 from tests.factories import TEST_DEVICE, VOCAB, make_requests
 from tests.waiting import wait_for_stats
 
 pytestmark = pytest.mark.slow
-
-PROMPTS, OUTPUTS = [5, 31, 12, 47, 9, 20, 3, 60, 15], [17, 6, 25, 9, 3, 12, 30, 8, 14]
-
-
-def requests(sampling=None):
-    return make_requests(
-        9, PROMPTS, OUTPUTS, sampling=sampling, stop_token_ids=frozenset({VOCAB - 1})
-    )
 
 
 def run_local(checkpoint, sampling=None):

@@ -62,7 +62,7 @@ def test_the_quantized_matmuls_other_paths_give_the_same_bits(tmp_path, isa, fla
     and the float steps the same fused multiply-adds in the same order."""
     from torch.utils.cpp_extension import load
 
-    from tests.workers.test_quantized import packed
+    from tests.workers.quant_cases import packed
     from workers.quantized import FORMATS
 
     native = kernels.load_kernels()

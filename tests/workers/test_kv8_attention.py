@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 
-from tests.workers.test_kernels import (
+from tests.workers.paged_cases import (
     CHUNKS,
     LENGTHS,
     TOLERANCE,
@@ -24,12 +24,6 @@ from tests.workers.test_kernels import (
 )
 from workers import kernels
 from workers.kv_quant import STORAGE, dequantize, quantize
-
-
-@pytest.fixture
-def compiled():
-    if kernels.load_kernels() is None:
-        pytest.skip("no C++ compiler here: the kernels cannot be built")
 
 
 class Kv8Case(PagedCase):

@@ -7,43 +7,12 @@ import torch
 import torch.nn.functional as F
 
 from tests.factories import prompt_ids, save_tiny_gguf, tiny_hf_model, tiny_model
-from workers import kernels
+from tests.workers.quant_cases import FORMATS, SHAPES, int8_activations, packed
 from workers.gguf_blocks import gguf_weights, read_quants, unpermute_rows
 from workers.kv_cache import PagedKVCache
 from workers.loader import pack_weights
 from workers.model import BatchLayout
-from workers.quantized import PackedWeight, install, quantize_int8, weight_bytes
-
-FORMATS = ["q8_0", "q4_0", "q4_1", "int8"]
-GGUF_TYPES = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
-# (N, K): neither a multiple of a panel (16 rows) or of a tile (32 rows); K an odd number of blocks
-SHAPES = [(40, 96), (33, 160)]
-
-
-@pytest.fixture
-def compiled():
-    if kernels.load_kernels() is None:
-        pytest.skip("no C++ compiler here: the kernels cannot be built")
-
-
-def packed(fmt: str, n: int, k: int, seed: int = 0) -> PackedWeight:
-    """A random [n, k] weight quantized to `fmt` (GGUF's own quantizer for the GGUF types)."""
-    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
-    if fmt == "int8":
-        return PackedWeight.pack(quantize_int8(w))
-    kind = GGUF_TYPES[fmt]
-    raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[kind])
-    return PackedWeight.pack(read_quants("w", kind, torch.from_numpy(raw), k))
-
-
-def int8_activations(x: torch.Tensor) -> torch.Tensor:
-    """`x [M, K]` as the kernel rounds it: per block of 32, d = amax / 127 and q = round(x / d)
-    (in fp32, as the kernel computes them), returned as d * q in float64."""
-    blocks = x.view(x.shape[0], -1, 32)  # [M, KB, 32]
-    amax = blocks.abs().amax(dim=2, keepdim=True)  # [M, KB, 1]
-    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-    q = torch.round(blocks * inverse).clamp(-127, 127)
-    return (q.double() * (amax / 127).double()).view_as(x)  # [M, K]
+from workers.quantized import PackedWeight, install, weight_bytes
 
 
 @pytest.mark.usefixtures("compiled")
