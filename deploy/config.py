@@ -91,9 +91,9 @@ class EngineConfig(BaseModel):
     quantization: Quantization | None = Field(
         None,
         description="Weights kept quantized and multiplied packed, on the CPU (vLLM's "
-        "--quantization): gguf serves a GGUF file's Q8_0, Q4_0 and Q4_1 blocks as they are; int8 "
-        "quantizes any float checkpoint at load, per output channel. Unset: weights dequantized "
-        "to dtype.",
+        "--quantization): gguf serves a GGUF file's Q8_0, Q4_0, Q4_1, Q4_K and Q6_K blocks as they "
+        "are; int8 quantizes any float checkpoint at load, per output channel. Unset: weights "
+        "dequantized to dtype.",
     )
     prefill_workers: int = Field(1, ge=1, description="Prefill worker actors (disaggregated mode).")
     decode_workers: int = Field(

@@ -67,6 +67,10 @@ def tiny_hf_config(kind: str = "llama"):  # type: ignore[no-untyped-def]
     )
     if kind == "llama":
         return LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=True)
+    # rows of whole K-quant super-blocks (256): hidden 256, intermediate 512
+    if kind == "llama-wide":
+        wide = common | dict(hidden_size=256, intermediate_size=512)
+        return LlamaConfig(**wide, rope_theta=10000.0, tie_word_embeddings=True)
     if kind == "llama3-scaled":
         return LlamaConfig(
             **common,
@@ -298,6 +302,60 @@ def served_app(checkpoint: str, name: str, **args: Any) -> Iterator[str]:
         serve.shutdown()
 
 
+def gguf_quantize(w: Any, type_name: str) -> Any:
+    """`w [N, K]` (numpy fp32) as a GGUF tensor's raw blocks of `type_name`: `gguf`'s own quantizer,
+    or for Q4_K and Q6_K (which `gguf` can read but not write) a plain one of ours: each block's
+    scale (and min) from its range, 6- or 8-bit super-block scales, nearest rounding. Valid blocks
+    that `gguf.quants.dequantize` reads, not llama.cpp's error-minimizing choice."""
+    import gguf
+    import numpy as np
+
+    if type_name not in ("Q4_K", "Q6_K"):
+        return gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])
+    n, k = w.shape
+    if type_name == "Q4_K":
+        x = w.reshape(n, k // 256, 8, 32).astype(np.float32)
+        low = np.minimum(x.min(axis=3), 0)  # [N, S, 8]
+        scale = (x.max(axis=3) - low) / 15
+        d = (scale.max(axis=2, keepdims=True) / 63).astype(np.float16)  # [N, S, 1]
+        dmin = (-low.min(axis=2, keepdims=True) / 63).astype(np.float16)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            sc = np.nan_to_num(np.round(scale / d.astype(np.float32))).clip(0, 63).astype(np.uint8)
+            m = np.nan_to_num(np.round(-low / dmin.astype(np.float32))).clip(0, 63).astype(np.uint8)
+            step = (d.astype(np.float32) * sc)[..., None]
+            shift = (dmin.astype(np.float32) * m)[..., None]
+            q = np.nan_to_num(np.round((x + shift) / step)).clip(0, 15).astype(np.uint8)
+        scales = np.concatenate(
+            [
+                (sc[..., :4] | ((sc[..., 4:] & 0x30) << 2)),
+                (m[..., :4] | ((m[..., 4:] & 0x30) << 2)),
+                ((sc[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4)),
+            ],
+            axis=2,
+        ).astype(np.uint8)  # [N, S, 12]
+        q = q.reshape(n, k // 256, 4, 2, 32)
+        nibbles = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(n, k // 256, 128)
+        blocks = [d.view(np.uint8), dmin.view(np.uint8), scales, nibbles]
+    else:
+        x = w.reshape(n, k // 256, 16, 16).astype(np.float32)
+        scale = np.abs(x).max(axis=3) / 32  # [N, S, 16]
+        d = (scale.max(axis=2, keepdims=True) / 127).astype(np.float16)  # [N, S, 1]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            sc = np.nan_to_num(np.round(scale / d.astype(np.float32))).clip(-128, 127)
+            step = (d.astype(np.float32) * sc)[..., None]
+            q = np.nan_to_num(np.round(x / step)).clip(-32, 31).astype(np.int16) + 32
+        q = q.astype(np.uint8).reshape(n, k // 256, 2, 128)  # 0-63, by half super-block
+        low = q & 0x0F
+        ql = (low[..., :64] | (low[..., 64:] << 4)).reshape(n, k // 256, 128)
+        pairs = (q >> 4).reshape(n, k // 256, 2, 4, 32)
+        qh = np.zeros((n, k // 256, 2, 32), dtype=np.uint8)
+        for j in range(4):
+            qh |= pairs[:, :, :, j] << (2 * j)
+        sc8 = sc.astype(np.int8).view(np.uint8)
+        blocks = [ql, qh.reshape(n, k // 256, 64), sc8, d.view(np.uint8)]
+    return np.concatenate(blocks, axis=2).reshape(n, -1)
+
+
 def save_tiny_gguf(  # type: ignore[no-untyped-def]
     path, kind: str = "llama", linear_type: str = "Q4_1"
 ):
@@ -325,9 +383,8 @@ def save_tiny_gguf(  # type: ignore[no-untyped-def]
         if w.ndim == 2:
             matrix = "Q8_0" if base in ("model.embed_tokens", "lm_head") else linear_type
             qtype = gguf.GGMLQuantizationType[matrix]
-        writer.add_tensor(
-            f"{names.get_name(base)}.weight", gguf.quants.quantize(w, qtype), raw_dtype=qtype
-        )
+        raw = gguf_quantize(w, qtype.name) if w.ndim == 2 else w
+        writer.add_tensor(f"{names.get_name(base)}.weight", raw, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -17,7 +17,8 @@ from torch import nn
 from workers.quantized import PackedWeight, RowQuants
 
 # GGUF tensor types served packed (llama.cpp's block layouts), by their names in `gguf`
-SERVED = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+SERVED = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_k", "Q6_K": "q6_k"}
+SUPER = 256  # k per K-quant super-block
 # tensor types left as the float weights the model loaded
 FLOATS = ("F32", "F16", "BF16")
 
@@ -25,13 +26,16 @@ FLOATS = ("F32", "F16", "BF16")
 def read_quants(name: str, type_name: str, raw: torch.Tensor, k: int) -> RowQuants:
     """The quants of one GGUF tensor from its raw blocks `raw [N, bytes]` (uint8, rows of
     `k` values): Q8_0 = fp16 d + 32 int8; Q4_0 = fp16 d + 16 bytes of nibbles; Q4_1 = fp16 d +
-    fp16 m + 16 bytes, byte j holding value j in its low nibble and value j + 16 in its high one."""
+    fp16 m + 16 bytes, byte j holding value j in its low nibble and value j + 16 in its high one;
+    the K-quants' super-blocks of 256 as `k_quants` reads them."""
     if type_name not in SERVED:
         raise ValueError(
-            f"GGUF tensor {name} is {type_name}: --quantization gguf serves Q8_0, Q4_0 and Q4_1 "
-            "blocks only (K-quants such as Q4_K and Q6_K, and the other types, not yet); leave "
-            "--quantization unset to serve this file dequantized"
+            f"GGUF tensor {name} is {type_name}: --quantization gguf serves Q8_0, Q4_0, Q4_1, "
+            "Q4_K and Q6_K blocks (Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, the IQ types and the others "
+            "have no kernel yet); leave --quantization unset to serve this file dequantized"
         )
+    if type_name in ("Q4_K", "Q6_K"):
+        return k_quants(type_name, raw, k)
     n = raw.shape[0]
     blocks = raw.view(n, k // 32, -1)  # [N, KB, block bytes]
 
@@ -46,6 +50,40 @@ def read_quants(name: str, type_name: str, raw: torch.Tensor, k: int) -> RowQuan
     q = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=2)  # [N, KB, 32]: values 0-15, then 16-31
     m = half(2) if type_name == "Q4_1" else None
     return RowQuants(SERVED[type_name], q.reshape(n, k), half(0), m)
+
+
+def k_quants(type_name: str, raw: torch.Tensor, k: int) -> RowQuants:
+    """A Q4_K or Q6_K tensor's super-blocks as RowQuants with fp32 scales, exactly the values
+    `gguf.quants.dequantize` computes. Q4_K (144 bytes): fp16 d, fp16 dmin, 12 bytes of 6-bit
+    scales and mins for its 8 blocks of 32, 128 bytes of nibbles (byte i of 32-byte chunk c: value
+    i of block 2c low, of block 2c + 1 high); value d * sc * q - dmin * m. Q6_K (210 bytes): 128
+    bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales (one per 16 values), fp16 d;
+    value d * sc * (q - 32)."""
+    n = raw.shape[0]
+    supers = raw.view(n, k // SUPER, -1)  # [N, S, bytes]
+
+    def half(first: int) -> torch.Tensor:  # [N, S] fp32 of the fp16 at byte `first`
+        return supers[:, :, first : first + 2].contiguous().view(torch.float16)[:, :, 0].float()
+
+    if type_name == "Q4_K":
+        packed = supers[:, :, 4:16].view(n, -1, 3, 4)  # [N, S, 3, 4]: the 12 bytes of scales
+        low, high, both = packed[:, :, 0], packed[:, :, 1], packed[:, :, 2]  # [N, S, 4] each
+        sc = torch.cat((low & 0x3F, (both & 0x0F) | ((low >> 2) & 0x30)), dim=2)  # [N, S, 8]
+        mins = torch.cat((high & 0x3F, (both >> 4) | ((high >> 2) & 0x30)), dim=2)  # [N, S, 8]
+        d = (half(0)[:, :, None] * sc.float()).view(n, -1)  # [N, K / 32]
+        m = -(half(2)[:, :, None] * mins.float()).view(n, -1)  # [N, K / 32]
+        nibbles = supers[:, :, 16:].view(n, -1, 4, 1, 32)  # [N, S, chunk, 1, 32]
+        q = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=3)  # [N, S, chunk, lo/hi, 32]
+        return RowQuants("q4_k", q.reshape(n, k), d, m)
+    low = supers[:, :, :128].view(n, -1, 2, 1, 64)  # [N, S, half, 1, 64]
+    low = torch.cat((low & 0x0F, low >> 4), dim=3).view(n, -1, 2, 4, 32)  # [N, S, half, j, 32]
+    high = supers[:, :, 128:192].view(n, -1, 2, 1, 32)  # [N, S, half, 1, 32]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1)
+    high = (high >> shifts) & 0x03  # [N, S, half, j, 32]
+    q = (low | (high << 4)).reshape(n, k)  # [N, K]: 0-63
+    sc = supers[:, :, 192:208].contiguous().view(torch.int8).float()  # [N, S, 16]
+    d = (half(208)[:, :, None] * sc).view(n, -1)  # [N, K / 16]
+    return RowQuants("q6_k", q, d)
 
 
 def unpermute_rows(num_rows: int, num_heads: int) -> torch.Tensor:

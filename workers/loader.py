@@ -322,8 +322,9 @@ def load_model(
 
 def pack_weights(model: DecoderLM, name: str, quantization: str, config: Any, device: str) -> None:
     """Put packed weights in place of the model's float matrices: `gguf`, the GGUF file's own
-    Q8_0 / Q4_0 / Q4_1 blocks (`workers/gguf_blocks.py`); `int8`, each matrix quantized now, per
-    output channel. Raises ValueError, with the reason, where that cannot be served."""
+    Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K blocks (`workers/gguf_blocks.py`); `int8`, each matrix
+    quantized now, per output channel. Raises ValueError, with the reason, where that cannot be
+    served."""
     if device != "cpu":
         raise ValueError(
             f"--quantization {quantization} runs on the CPU kernels only, not on {device}: leave "

@@ -1,11 +1,14 @@
-"""Packed quantized weights: GGUF's Q8_0, Q4_0 and Q4_1 blocks and per-channel int8, kept in the
-kernel's layout, multiplied without dequantizing, and put in place of a model's float weights.
+"""Packed quantized weights: GGUF's Q8_0, Q4_0, Q4_1, Q4_K and Q6_K blocks and per-channel int8,
+kept in the kernel's layout, multiplied without dequantizing, put in place of a model's float ones.
 
 A weight `[N, K]` is kept as its quants and scales only (no float copy): Q8_0 is 32 int8 and an
 fp16 scale per block of 32 k (value q * d), Q4_0 16 bytes of nibbles and an fp16 scale (value
 (q - 8) * d), Q4_1 nibbles, an fp16 scale and an fp16 min (value q * d + m), as llama.cpp lays them
 out; int8 (`--quantization int8`, made at load from a float checkpoint) is one int8 per value and an
-fp32 scale per output row (value q * s, s = the row's largest |w| / 127). The packing only moves
+fp32 scale per output row (value q * s, s = the row's largest |w| / 127). The K-quants' super-blocks
+of 256 come apart exactly into these forms with fp32 scales: Q4_K as Q4_1 with each block of 32's
+scale d * sc and min -dmin * m (6-bit sc and m), Q6_K as bytes q (0-63) with a scale d * sc per 16
+k (value (q - 32) * d * sc, 8-bit sc). The packing only moves
 those bits: rows go in panels of 16, `qs [P, K / 32, chunks, 16, 4]` (a chunk is 64 bytes: 4
 consecutive k of each of the 16 rows, or for nibbles 8 k, the low nibbles k 0-3 and the high ones
 k 4-7), block scales `[P, K / 32, 16]`, so the kernel (`csrc/quant_linear.cpp`) reads a panel in
@@ -23,7 +26,8 @@ from torch import nn
 from workers.kernels import load_kernels
 
 # the formats served packed, numbered as the kernel knows them
-FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "int8": 3}
+FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "int8": 3, "q4_k": 4, "q6_k": 5}
+NIBBLES = ("q4_0", "q4_1", "q4_k")  # formats of two values to a byte
 BLOCK = 32  # k per block of quants, and per block of the activations' int8
 PANEL = 16  # weight rows per panel
 
@@ -31,8 +35,9 @@ PANEL = 16  # weight rows per panel
 @dataclass(frozen=True)
 class RowQuants:
     """A weight's quants row by row, as a GGUF file has them, unpacked: `q [N, K]` (int8 values for
-    q8_0 and int8, nibbles 0..15 as uint8 for q4_*), `d` the scales (`[N, K / 32]` fp16, or `[N]`
-    fp32 for int8) and `m` Q4_1's mins (`[N, K / 32]` fp16). The form rows are permuted and
+    q8_0 and int8, nibbles 0..15 as uint8 for q4_*, 0..63 as uint8 for q6_k), `d` the scales
+    (`[N, K / 32]` fp16; fp32 for q4_k, `[N, K / 16]` fp32 for q6_k, `[N]` fp32 for int8) and `m`
+    the mins of q4_1 and q4_k (shaped and typed as `d`). The form rows are permuted and
     concatenated in."""
 
     format: str
@@ -70,8 +75,9 @@ class PackedWeight:
         self.format = format
         self.shape = shape
         self.qs = qs  # [P, K / 32, chunks, 16, 4] uint8 (int8 for q8_0 and int8)
-        self.scales = scales  # [P, K / 32, 16] fp16, or [P, 16] fp32 for int8
-        self.mins = mins  # [P, K / 32, 16] fp16 for q4_1
+        # [P, K / 32, 16] fp16 (fp32 for q4_k), [P, K / 16, 16] fp32 (q6_k), [P, 16] fp32 (int8)
+        self.scales = scales
+        self.mins = mins  # [P, K / 32, 16] for q4_1 (fp16) and q4_k (fp32)
         self.dtype = dtype
 
     def __repr__(self) -> str:
@@ -96,7 +102,7 @@ class PackedWeight:
         panels = (n + pad) // PANEL
         blocks = k // BLOCK
         q = F.pad(quants.q, (0, 0, 0, pad))  # [P 16, K]
-        if quants.format in ("q4_0", "q4_1"):
+        if quants.format in NIBBLES:
             nib = q.view(panels, PANEL, blocks, 4, 2, 4)  # [P, 16, KB, chunk, lo/hi, 4]
             q = nib[:, :, :, :, 0] | (nib[:, :, :, :, 1] << 4)  # [P, 16, KB, chunk, 4]
         else:
@@ -106,8 +112,9 @@ class PackedWeight:
             scales = F.pad(quants.d, (0, pad)).view(panels, PANEL)  # [P, 16]
             return cls("int8", (n, k), qs, scales.contiguous(), None, dtype)
 
-        def by_panel(t: torch.Tensor) -> torch.Tensor:  # [N, KB] -> [P, KB, 16]
-            return F.pad(t, (0, 0, 0, pad)).view(panels, PANEL, blocks).transpose(1, 2).contiguous()
+        def by_panel(t: torch.Tensor) -> torch.Tensor:  # [N, KB] -> [P, KB, 16] (q6_k: 2 KB)
+            padded = F.pad(t, (0, 0, 0, pad)).view(panels, PANEL, t.shape[1])
+            return padded.transpose(1, 2).contiguous()
 
         mins = None if quants.m is None else by_panel(quants.m)
         return cls(quants.format, (n, k), qs, by_panel(quants.d), mins, dtype)
@@ -119,7 +126,7 @@ class PackedWeight:
         panel = rows // PANEL
         lane = rows % PANEL
         q = self.qs[panel, :, :, lane]  # [R, KB, chunk, 4]
-        if self.format in ("q4_0", "q4_1"):
+        if self.format in NIBBLES:
             q = torch.stack((q & 0x0F, q >> 4), dim=3)  # [R, KB, chunk, lo/hi, 4]
         q = q.reshape(len(rows), k)  # [R, K]
         if self.format == "int8":
@@ -135,11 +142,13 @@ class PackedWeight:
         if self.format == "int8":
             return q * quants.d[:, None]  # [R, K]
         r = q.shape[0]
+        if self.format == "q6_k":  # a scale per 16
+            return (quants.d[:, :, None] * (q.view(r, -1, 16) - 32)).view(r, -1)  # [R, K]
         q = q.view(r, -1, BLOCK)  # [R, KB, 32]
         d = quants.d.float()[:, :, None]  # [R, KB, 1]
         if self.format == "q4_0":
             values = d * (q - 8)
-        elif self.format == "q4_1":
+        elif self.format in ("q4_1", "q4_k"):
             values = d * q + quants.m.float()[:, :, None]
         else:
             values = q * d

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.factories import prompt_ids, save_tiny_gguf, tiny_hf_model, tiny_model
-from tests.workers.quant_cases import FORMATS, SHAPES, int8_activations, packed
+from tests.factories import gguf_quantize, prompt_ids, save_tiny_gguf, tiny_hf_model, tiny_model
+from tests.workers.quant_cases import FORMATS, int8_activations, matmul_cases, packed, shapes
 from workers.gguf_blocks import gguf_weights, read_quants, unpermute_rows
 from workers.kv_cache import PagedKVCache
 from workers.loader import pack_weights
@@ -17,8 +17,7 @@ from workers.quantized import PackedWeight, install, weight_bytes
 
 @pytest.mark.usefixtures("compiled")
 @pytest.mark.parametrize("rows", [1, 3, 8, 64])
-@pytest.mark.parametrize(("n", "k"), SHAPES)
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("fmt", "n", "k"), matmul_cases())
 def test_the_packed_matmul_is_the_dequantized_one_up_to_its_int8_activations(fmt, n, k, rows):
     """The bound: the kernel rounds x_k to d_b q_k with d_b = amax_b / 127 (amax_b the largest |x|
     of x_k's block b of 32), so |x_k - d_b q_k| <= amax_b / 254, and takes each block's dot
@@ -48,26 +47,41 @@ def test_the_packed_matmul_is_the_dequantized_one_up_to_its_int8_activations(fmt
 def test_a_row_is_computed_alone_and_bf16_rounds_the_fp32_result_once(fmt):
     """A row's output does not depend on the rows beside it (so a request's tokens do not depend on
     its batch), and bf16 activations give the fp32 kernel's result on the same values, rounded."""
-    weight = packed(fmt, 40, 96)
-    x = torch.randn(13, 96, generator=torch.Generator().manual_seed(2))
+    n, k = shapes(fmt)[0]
+    weight = packed(fmt, n, k)
+    x = torch.randn(13, k, generator=torch.Generator().manual_seed(2))
     batched = weight.linear(x)
     for i in range(13):
         assert torch.equal(weight.linear(x[i : i + 1])[0], batched[i])
-    bias = torch.randn(40).bfloat16()
+    bias = torch.randn(n).bfloat16()
     x16 = x.bfloat16()
     rounded = weight.linear(x16.float(), bias.float()).bfloat16()
     assert torch.equal(weight.linear(x16, bias), rounded)
 
 
-@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
 def test_gguf_blocks_dequantize_bit_for_bit_as_gguf_does(fmt):
     """Packed and unpacked again, the quants give `gguf.quants.dequantize`'s values exactly, whole
-    or a few rows at a time (an embedding lookup)."""
+    or a few rows at a time (an embedding lookup). The K-quants also from random bytes: every
+    6-bit scale and min, every sign of Q6_K's scales (d and dmin made small finite fp16s)."""
     qtype = gguf.GGMLQuantizationType[fmt]
-    w = torch.randn(33, 96, generator=torch.Generator().manual_seed(3)).numpy()
-    raw = gguf.quants.quantize(w, qtype)
-    weight = PackedWeight.pack(read_quants("w", fmt, torch.from_numpy(raw), 96))
+    k = 512 if fmt.endswith("_K") else 96
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(33, k, generator=g).numpy()
+    raw = gguf_quantize(w, fmt)
     reference = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
+    assert (reference - w).abs().max() < 0.2 * abs(w).max()  # blocks of these values
+    if fmt.endswith("_K"):
+        noise = torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g).numpy()
+        supers = noise.reshape(33, k // 256, -1)
+        for first in [0, 2] if fmt == "Q4_K" else [208]:
+            small = (torch.rand(33, k // 256, generator=g) / 50).half().numpy()
+            supers[:, :, first : first + 2] = small.view("uint8").reshape(33, k // 256, 2)
+        noisy = PackedWeight.pack(read_quants("w", fmt, torch.from_numpy(noise), k))
+        assert torch.equal(
+            noisy.dequantize(), torch.from_numpy(gguf.quants.dequantize(noise, qtype))
+        )
+    weight = PackedWeight.pack(read_quants("w", fmt, torch.from_numpy(raw), k))
     assert torch.equal(weight.dequantize(), reference)
     ids = torch.tensor([[32, 0], [17, 17]])
     assert torch.equal(weight.rows(ids), reference[ids])
@@ -118,11 +132,11 @@ def test_a_gguf_is_read_under_our_names_with_q_and_k_rows_in_hugging_faces_order
 
 
 def test_a_type_without_a_kernel_is_refused_by_name(tmp_path):
-    """K-quants (and Q5_0, ...) have no packed kernel yet: loading says which tensor and why."""
-    with pytest.raises(ValueError, match=r"blk\.0\.ffn_down\.weight is Q6_K.*not yet"):
-        read_quants("blk.0.ffn_down.weight", "Q6_K", torch.zeros(4, 210, dtype=torch.uint8), 256)
+    """Q5_K (and Q5_0, ...) have no packed kernel yet: loading says which tensor and why."""
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_down\.weight is Q5_K.*no kernel yet"):
+        read_quants("blk.0.ffn_down.weight", "Q5_K", torch.zeros(4, 176, dtype=torch.uint8), 256)
     path = save_tiny_gguf(tmp_path / "tiny.gguf", linear_type="Q5_0")
-    with pytest.raises(ValueError, match=r"attn_q\.weight is Q5_0.*Q8_0, Q4_0 and Q4_1"):
+    with pytest.raises(ValueError, match=r"attn_q\.weight is Q5_0.*Q4_1, Q4_K and Q6_K"):
         gguf_weights(path, tiny_model("llama"), tiny_hf_model("llama").config, torch.float32)
 
 
@@ -138,18 +152,23 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.usefixtures("compiled")
-@pytest.mark.parametrize("linear_type", ["Q4_1", "Q8_0"])
-def test_a_gguf_served_packed_stays_near_its_dequantized_model(tmp_path, linear_type):
+@pytest.mark.parametrize(
+    ("kind", "linear_type"),
+    [("llama", "Q4_1"), ("llama", "Q8_0"), ("llama-wide", "Q4_K"), ("llama-wide", "Q6_K")],
+)
+def test_a_gguf_served_packed_stays_near_its_dequantized_model(tmp_path, kind, linear_type):
     """The tiny model served from its GGUF blocks against the same model with those weights
     dequantized: only the activations' int8 differs. Each matmul's error is at most 1/254 of a
     block's largest activation per term (about 0.5% of an output in RMS); through two layers and
     the head of these tiny models, drawn with weights ten times a real model's so that their
-    attention is sharp, we measured 2.3-2.7%: held to 6%. The embedding is dequantized rows only."""
-    config = tiny_hf_model("llama").config
-    path = save_tiny_gguf(tmp_path / "tiny.gguf", linear_type=linear_type)
-    model = tiny_model("llama")
+    attention is sharp, we measured 2.3-2.7%: held to 6%. The embedding is dequantized rows only.
+    The K-quants need rows of whole super-blocks of 256: the wide tiny model (hidden 256)."""
+    config = tiny_hf_model(kind).config
+    path = save_tiny_gguf(tmp_path / "tiny.gguf", kind, linear_type=linear_type)
+    model = tiny_model(kind)
     weights = gguf_weights(path, model, config, torch.float32)
-    reference = tiny_model("llama")
+    assert {w.format for w in weights.values()} == {"q8_0", linear_type.lower()}
+    reference = tiny_model(kind)
     with torch.no_grad():
         for name, param in reference.named_parameters():
             if name in weights:
