@@ -19,6 +19,7 @@ import torch
 from workers.catalog import ALIASES, DEFAULT_MODEL, MAX_DEFAULT_CONTEXT
 from workers.gguf_blocks import gguf_weights
 from workers.hf_checkpoint import rope_parameters, spec_from_hf, unfused
+from workers.hf_quantized import quantization_config
 from workers.kv_quant import row_bytes
 from workers.model import DecoderLM
 from workers.quantized import PackedWeight, install, quantize_int8, weight_bytes
@@ -310,6 +311,12 @@ def load_model(
         model = from_hf_model(hf, torch_dtype, device)
         del hf
     if quantization is not None:
+        quant = quantization_config(config)
+        if quant is not None:
+            raise ValueError(
+                f"{name} is quantized already ({quant.get('quant_method')}): its own quantization "
+                f"is served packed; leave --quantization {quantization} unset"
+            )
         pack_weights(model, name, quantization, config, device)
     return LoadedModel(
         name=name,

@@ -18,8 +18,10 @@ from typing import Any
 
 import torch
 
+from workers import hf_quantized
 from workers.hf_checkpoint import spec_from_hf, unfused
 from workers.model import DecoderLM
+from workers.quantized import PackedWeight, install
 
 
 def checkpoint_files(checkpoint: str) -> list[Path]:
@@ -55,8 +57,9 @@ def _tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, shard.get_tensor(name)
 
 
-def _shapes(files: list[Path]) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint as an empty `meta` tensor of its shape and dtype."""
+def _shapes(files: list[Path], method: str | None) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint as an empty `meta` tensor of its shape and dtype; a quantized
+    linear (`method`) as the `weight` it stands for."""
     from safetensors import safe_open
 
     shapes = {}
@@ -65,23 +68,74 @@ def _shapes(files: list[Path]) -> dict[str, torch.Tensor]:
             for name in shard.keys():  # noqa: SIM118
                 shape = shard.get_slice(name).get_shape()
                 shapes[name] = torch.empty(shape, dtype=torch.float32, device="meta")
-    return shapes
+    if method is None:
+        return shapes
+    linears, rest = hf_quantized.split_tensors(shapes, method)
+    for module, tensors in linears.items():
+        shape = hf_quantized.weight_shape(method, tensors)
+        rest[f"{module}.weight"] = torch.empty(shape, device="meta")
+    return rest
+
+
+def _packed_linears(
+    linears: dict[str, dict[str, torch.Tensor]],
+    method: str,
+    quant: dict[str, Any],
+    config: Any,
+    dtype: torch.dtype,
+) -> dict[str, PackedWeight]:
+    """The quantized linears as packed weights by our parameter names: Phi-3's fused `qkv_proj`
+    and `gate_up_proj` split by rows, as `unfused` splits float ones."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    q = config.num_attention_heads * head_dim
+    kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
+    out = {}
+    for module, tensors in linears.items():
+        quants = hf_quantized.read_quants(method, tensors, quant)
+        n = quants.q.shape[0]
+        if module.endswith("self_attn.qkv_proj"):
+            prefix = module.removesuffix("qkv_proj")
+            parts = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, n)}
+        elif module.endswith("mlp.gate_up_proj"):
+            prefix = module.removesuffix("gate_up_proj")
+            parts = {"gate_proj": (0, n // 2), "up_proj": (n // 2, n)}
+        else:
+            prefix, parts = "", {module: (0, n)}
+        for name, (first, last) in parts.items():
+            rows = quants.take(torch.arange(first, last))
+            out[f"{prefix}{name}.weight"] = PackedWeight.pack(rows, dtype)
+    return out
 
 
 def load_weights(
     files: list[Path], config: Any, dtype: torch.dtype, device: str | torch.device
 ) -> DecoderLM:
-    """Our model of a checkpoint's safetensors `files`, on `device` in `dtype`. Raises ValueError
-    if the checkpoint's tensors do not fit the model."""
-    spec = spec_from_hf(config, unfused(_shapes(files), config))
+    """Our model of a checkpoint's safetensors `files`, on `device` in `dtype`; a GPTQ or AWQ
+    checkpoint's quantized linears served packed (`workers/hf_quantized.py`; the CPU kernels).
+    Raises ValueError if the checkpoint's tensors do not fit the model, or if its quantization
+    cannot be served (with the reason)."""
+    quant = hf_quantized.quantization_config(config)
+    method = None if quant is None else hf_quantized.check_method(quant)
+    if method is not None and torch.device(device).type != "cpu":
+        raise ValueError(f"{method} checkpoints run on the CPU kernels only, not on {device}")
+    if method is not None and getattr(config, "attention_multiplier", None) is not None:
+        raise ValueError(
+            f"{config.model_type}'s multipliers are folded into float weights at load: its "
+            f"{method} checkpoint's packed weights cannot take them"
+        )
+    spec = spec_from_hf(config, unfused(_shapes(files, method), config))
     inv_freq, rope_scale = rotary_embedding(config)
     with torch.device("meta"):
         model = DecoderLM(spec, inv_freq, rope_scale)
     model = model.to(dtype=dtype).to_empty(device=device)  # storage only on the target
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    linears: dict[str, dict[str, torch.Tensor]] = {}
     with torch.no_grad():
         for name, tensor in _tensors(files):
+            if method is not None and name.rpartition(".")[2] in hf_quantized.TENSORS[method]:
+                linears.setdefault(name.rpartition(".")[0], {})[name.rpartition(".")[2]] = tensor
+                continue
             # as `transformers` would load it: fp32, then our own conversions
             for key, value in unfused({name: tensor.float()}, config).items():
                 if key == "lm_head.weight" and spec.tie_word_embeddings:
@@ -92,7 +146,13 @@ def load_weights(
                     raise ValueError(f"checkpoint does not fit the model: unexpected {key}")
                 params[key].copy_(value)
                 loaded.add(key)
-    missing = sorted(set(params) - loaded)
+    packed = {} if method is None else _packed_linears(linears, method, quant, config, dtype)
+    unknown = sorted(set(packed) - set(params))
+    if unknown:
+        raise ValueError(f"checkpoint does not fit the model: unexpected {unknown[:5]}")
+    missing = sorted(set(params) - loaded - set(packed))
     if missing:
         raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}")
+    if packed:
+        install(model, packed)
     return model.eval()

@@ -1,10 +1,13 @@
 """The packed quantized weights' test cases: the formats, awkward shapes, random weights quantized
-by GGUF's own quantizer (or per channel for int8), activations rounded as the kernel rounds them."""
+by GGUF's own quantizer (or per channel for int8), activations rounded as the kernel rounds them,
+a model's logits and how far they moved."""
 
 import torch
 
 from tests.factories import gguf_quantize
 from workers.gguf_blocks import read_quants
+from workers.kv_cache import PagedKVCache
+from workers.model import BatchLayout
 from workers.quantized import PackedWeight, quantize_int8
 
 FORMATS = ["q8_0", "q4_0", "q4_1", "int8", "q4_k", "q6_k"]
@@ -44,3 +47,14 @@ def int8_activations(x: torch.Tensor) -> torch.Tensor:
     inverse = torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))
     q = torch.round(blocks * inverse).clamp(-127, 127)
     return (q.double() * (amax / 127).double()).view_as(x)  # [M, K]
+
+
+def logits(model, ids: list[int]) -> torch.Tensor:
+    spec = model.spec
+    cache = PagedKVCache(spec.num_layers, 8, spec.num_kv_heads, 16, spec.head_dim)
+    input_ids, layout = BatchLayout.pack([(list(range(8)), ids, 0)], 0, 16, "cpu")
+    return model(input_ids, layout, cache, torch.arange(len(ids)))  # [T, vocab]
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm())

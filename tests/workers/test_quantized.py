@@ -7,11 +7,17 @@ import torch
 import torch.nn.functional as F
 
 from tests.factories import gguf_quantize, prompt_ids, save_tiny_gguf, tiny_hf_model, tiny_model
-from tests.workers.quant_cases import FORMATS, int8_activations, matmul_cases, packed, shapes
+from tests.workers.quant_cases import (
+    FORMATS,
+    int8_activations,
+    logits,
+    matmul_cases,
+    packed,
+    relative_error,
+    shapes,
+)
 from workers.gguf_blocks import gguf_weights, read_quants, unpermute_rows
-from workers.kv_cache import PagedKVCache
 from workers.loader import pack_weights
-from workers.model import BatchLayout
 from workers.quantized import PackedWeight, install, weight_bytes
 
 
@@ -138,17 +144,6 @@ def test_a_type_without_a_kernel_is_refused_by_name(tmp_path):
     path = save_tiny_gguf(tmp_path / "tiny.gguf", linear_type="Q5_0")
     with pytest.raises(ValueError, match=r"attn_q\.weight is Q5_0.*Q4_1, Q4_K and Q6_K"):
         gguf_weights(path, tiny_model("llama"), tiny_hf_model("llama").config, torch.float32)
-
-
-def logits(model, ids: list[int]) -> torch.Tensor:
-    spec = model.spec
-    cache = PagedKVCache(spec.num_layers, 8, spec.num_kv_heads, 16, spec.head_dim)
-    input_ids, layout = BatchLayout.pack([(list(range(8)), ids, 0)], 0, 16, "cpu")
-    return model(input_ids, layout, cache, torch.arange(len(ids)))  # [T, vocab]
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got - want).norm() / want.norm())
 
 
 @pytest.mark.usefixtures("compiled")

@@ -1,0 +1,155 @@
+"""GPTQ and AWQ int4 checkpoints served packed: their integers read as the layouts AutoGPTQ and
+AutoAWQ write them, the values (q - z) * s exactly, a tiny checkpoint of each loaded through
+`load_model` and near the float model of the same values, and what cannot be served refused at
+load with the reason."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.factories import prompt_ids, save_tiny_checkpoint, tiny_model
+from tests.workers.quant_cases import logits, relative_error
+from workers.hf_quantized import check_method, read_quants
+from workers.loader import load_model
+from workers.quantized import PackedWeight
+
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # the column at each nibble of an AWQ word
+
+
+def pack_words(values: torch.Tensor) -> torch.Tensor:
+    """`[R, C, 8]` nibbles as int32 words `[R, C]`, value i in bits 4 i."""
+    words = torch.zeros(values.shape[:2], dtype=torch.int64)
+    for i in range(8):
+        words |= values[:, :, i].long() << (4 * i)
+    return (words - ((words >> 31) << 32)).to(torch.int32)  # two's complement
+
+
+def quantized(n: int, k: int, group: int, seed: int = 0, lowest_zero: int = 0):
+    """Random 4-bit q `[N, K]`, zeros and fp16 scales `[G, N]`: what a quantizer chose. GPTQ's
+    v1 format stores z - 1 in 4 bits, so its zeros are 1-15 (gptq_v2 was made for z = 0)."""
+    g = torch.Generator().manual_seed(seed)
+    groups = 1 if group == -1 else k // group
+    q = torch.randint(0, 16, (n, k), generator=g)
+    zeros = torch.randint(lowest_zero, 16, (groups, n), generator=g)
+    scales = (torch.rand(groups, n, generator=g) / 20 + 0.01).half()
+    return q, zeros, scales
+
+
+def gptq_tensors(q, zeros, scales, version: str = "gptq") -> dict[str, torch.Tensor]:
+    n, k = q.shape
+    stored = zeros - 1 if version == "gptq" else zeros  # v1 keeps z - 1
+    return {
+        "qweight": pack_words(q.T.reshape(k // 8, 8, n).transpose(1, 2)),  # [K / 8, N]
+        "qzeros": pack_words((stored & 0x0F).view(-1, n // 8, 8)),  # [G, N / 8]
+        "scales": scales,
+        "g_idx": (torch.arange(k) // (k // scales.shape[0])).to(torch.int32),
+    }
+
+
+def awq_tensors(q, zeros, scales) -> dict[str, torch.Tensor]:
+    def words(t: torch.Tensor) -> torch.Tensor:  # [R, N] -> [R, N / 8] in AWQ's column order
+        columns = t.view(t.shape[0], -1, 8)
+        return pack_words(columns[:, :, AWQ_ORDER])
+
+    return {"qweight": words(q.T.contiguous()), "qzeros": words(zeros), "scales": scales}
+
+
+def reference(q, zeros, scales) -> torch.Tensor:
+    """w = (q - z) * s, in fp32, `[N, K]`."""
+    per_group = q.shape[1] // scales.shape[0]
+    z = zeros.T.repeat_interleave(per_group, dim=1).float()
+    s = scales.T.repeat_interleave(per_group, dim=1).float()
+    return (q.float() - z) * s
+
+
+@pytest.mark.parametrize("group", [32, 64, -1])
+@pytest.mark.parametrize("method", ["gptq", "gptq_v2", "awq"])
+def test_packed_integers_read_as_q_minus_z_times_s(method, group):
+    q, zeros, scales = quantized(40, 128, group, lowest_zero=1 if method == "gptq" else 0)
+    if method == "awq":
+        tensors, config = awq_tensors(q, zeros, scales), {}
+    else:
+        tensors = gptq_tensors(q, zeros, scales, method)
+        config = {"checkpoint_format": method}
+    quants = read_quants(method.removesuffix("_v2"), tensors, config)
+    weight = PackedWeight.pack(quants)
+    want = reference(q, zeros, scales)
+    torch.testing.assert_close(weight.dequantize(), want, rtol=2e-7, atol=0)
+
+
+def test_what_cannot_be_served_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="bitsandbytes.*GPTQ and AWQ"):
+        check_method({"quant_method": "bitsandbytes"})
+    with pytest.raises(ValueError, match="8 bits: pdserve serves 4-bit gptq only"):
+        check_method({"quant_method": "gptq", "bits": 8, "group_size": 128})
+    with pytest.raises(ValueError, match="group size 48"):
+        check_method({"quant_method": "awq", "bits": 4, "group_size": 48})
+    with pytest.raises(ValueError, match="GEMM layout"):
+        check_method({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"})
+    q, zeros, scales = quantized(16, 128, 32)
+    tensors = gptq_tensors(q, zeros, scales)
+    tensors["g_idx"] = tensors["g_idx"].flip(0)  # act-order: k's groups out of order
+    with pytest.raises(ValueError, match="act-order"):
+        read_quants("gptq", tensors, {})
+
+
+def quantize_groups(w: torch.Tensor, group: int = 32):
+    """A float `[N, K]` weight as asymmetric 4-bit q `[N, K]`, zeros and fp16 scales `[G, N]`."""
+    n, k = w.shape
+    blocks = w.float().view(n, k // group, group)
+    low, high = blocks.amin(dim=2).clamp(max=0), blocks.amax(dim=2).clamp(min=0)
+    s = ((high - low) / 15).clamp(min=1e-4).half()  # [N, G]
+    z = torch.round(-low / s.float()).clamp(1, 15).long()  # [N, G]: 1-15, as GPTQ v1 stores
+    q = torch.round(blocks / s.float()[:, :, None] + z[:, :, None]).clamp(0, 15).long()
+    return q.view(n, k), z.T.contiguous(), s.T.contiguous()
+
+
+def save_quantized(path, method: str):
+    """The tiny llama checkpoint with every linear of its layers quantized to 4 bits in groups of
+    32 (the embedding and head left float, as GPTQ and AWQ leave them), written as `method`
+    writes it; and our model with the same values in float, for reference."""
+    from safetensors.torch import load_file
+
+    save_tiny_checkpoint(path)
+    reference_model = tiny_model()
+    params = dict(reference_model.named_parameters())
+    state = {}
+    for name, tensor in load_file(path / "model.safetensors").items():
+        module, _, last = name.rpartition(".")
+        if ".layers." not in name or tensor.dim() != 2:
+            state[name] = tensor
+            continue
+        q, z, s = quantize_groups(tensor)
+        tensors = awq_tensors(q, z, s) if method == "awq" else gptq_tensors(q, z, s)
+        state.update({f"{module}.{part}": t for part, t in tensors.items()})
+        with torch.no_grad():
+            params[name].copy_(reference(q, z, s))  # a view of the fused projection
+    (path / "model.safetensors").unlink()
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    config_path = path / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": 32}
+    config_path.write_text(json.dumps(config))
+    return reference_model
+
+
+@pytest.mark.usefixtures("compiled")
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_checkpoint_loads_packed_and_stays_near_its_float_values(tmp_path, method):
+    """Loaded by `load_model`, every linear of the layers is packed (no float copy kept) and the
+    logits stay within the activations' int8 of the float model of the same values (the GGUF
+    test's bound: 6%); `--quantization` on top of it, or a GPU, is refused."""
+    reference_model = save_quantized(tmp_path, method)
+    loaded = load_model(str(tmp_path), dtype="float32", device="cpu")
+    model = loaded.model
+    packed = [
+        m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), PackedWeight)
+    ]
+    assert len(packed) == 2 * 7 and {w.format for w in packed} == {"q4_k"}
+    assert all(p.dim() == 1 for name, p in model.named_parameters() if ".layers." in name)
+    ids = prompt_ids(40, seed=1)
+    assert relative_error(logits(model, ids), logits(reference_model, ids)) < 0.06
+    with pytest.raises(ValueError, match=f"quantized already \\({method}\\)"):
+        load_model(str(tmp_path), dtype="float32", device="cpu", quantization="int8")
