@@ -45,6 +45,12 @@ class RowQuants:
     d: torch.Tensor
     m: torch.Tensor | None = None
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """`[N, K]` of the weight."""
+        n, k = self.q.shape
+        return n, k
+
     def take(self, rows: torch.Tensor) -> RowQuants:
         """These rows, in this order (a permutation, a slice)."""
         m = None if self.m is None else self.m[rows]

@@ -73,26 +73,30 @@ def _shapes(files: list[Path], method: str | None) -> dict[str, torch.Tensor]:
     linears, rest = hf_quantized.split_tensors(shapes, method)
     for module, tensors in linears.items():
         shape = hf_quantized.weight_shape(method, tensors)
-        rest[f"{module}.weight"] = torch.empty(shape, device="meta")
+        if shape is not None:
+            rest[f"{module}.weight"] = torch.empty(shape, device="meta")
     return rest
 
 
-def _packed_linears(
+def _quantized_linears(
     linears: dict[str, dict[str, torch.Tensor]],
     method: str,
     quant: dict[str, Any],
     config: Any,
     dtype: torch.dtype,
-) -> dict[str, PackedWeight]:
-    """The quantized linears as packed weights by our parameter names: Phi-3's fused `qkv_proj`
-    and `gate_up_proj` split by rows, as `unfused` splits float ones."""
+) -> tuple[dict[str, PackedWeight], dict[str, torch.Tensor]]:
+    """The quantized linears by our parameter names: packed weights, and the float weights of
+    those without a CPU kernel (FP8, dequantized); Phi-3's fused `qkv_proj` and `gate_up_proj`
+    split by rows, as `unfused` splits float ones."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     q = config.num_attention_heads * head_dim
     kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
-    out = {}
+    packed, floats = {}, {}
     for module, tensors in linears.items():
-        quants = hf_quantized.read_quants(method, tensors, quant)
-        n = quants.q.shape[0]
+        weight = hf_quantized.linear_weight(method, tensors, quant)
+        if weight is None:  # activation scales only
+            continue
+        n = weight.shape[0]
         if module.endswith("self_attn.qkv_proj"):
             prefix = module.removesuffix("qkv_proj")
             parts = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, n)}
@@ -102,16 +106,20 @@ def _packed_linears(
         else:
             prefix, parts = "", {module: (0, n)}
         for name, (first, last) in parts.items():
-            rows = quants.take(torch.arange(first, last))
-            out[f"{prefix}{name}.weight"] = PackedWeight.pack(rows, dtype)
-    return out
+            rows = torch.arange(first, last)
+            if isinstance(weight, torch.Tensor):
+                floats[f"{prefix}{name}.weight"] = weight[rows]
+            else:
+                packed[f"{prefix}{name}.weight"] = PackedWeight.pack(weight.take(rows), dtype)
+    return packed, floats
 
 
 def load_weights(
     files: list[Path], config: Any, dtype: torch.dtype, device: str | torch.device
 ) -> DecoderLM:
-    """Our model of a checkpoint's safetensors `files`, on `device` in `dtype`; a GPTQ or AWQ
-    checkpoint's quantized linears served packed (`workers/hf_quantized.py`; the CPU kernels).
+    """Our model of a checkpoint's safetensors `files`, on `device` in `dtype`; a GPTQ, AWQ or
+    compressed-tensors checkpoint's quantized linears served packed (`workers/hf_quantized.py`;
+    the CPU kernels; FP8 ones dequantized).
     Raises ValueError if the checkpoint's tensors do not fit the model, or if its quantization
     cannot be served (with the reason)."""
     quant = hf_quantized.quantization_config(config)
@@ -133,8 +141,9 @@ def load_weights(
     linears: dict[str, dict[str, torch.Tensor]] = {}
     with torch.no_grad():
         for name, tensor in _tensors(files):
-            if method is not None and name.rpartition(".")[2] in hf_quantized.TENSORS[method]:
-                linears.setdefault(name.rpartition(".")[0], {})[name.rpartition(".")[2]] = tensor
+            module, _, last = name.rpartition(".")
+            if method is not None and hf_quantized.is_quantized_part(method, last, tensor):
+                linears.setdefault(module, {})[last] = tensor
                 continue
             # as `transformers` would load it: fp32, then our own conversions
             for key, value in unfused({name: tensor.float()}, config).items():
@@ -146,11 +155,16 @@ def load_weights(
                     raise ValueError(f"checkpoint does not fit the model: unexpected {key}")
                 params[key].copy_(value)
                 loaded.add(key)
-    packed = {} if method is None else _packed_linears(linears, method, quant, config, dtype)
-    unknown = sorted(set(packed) - set(params))
+    packed, floats = {}, {}
+    if method is not None:
+        packed, floats = _quantized_linears(linears, method, quant, config, dtype)
+    unknown = sorted((set(packed) | set(floats)) - set(params))
     if unknown:
         raise ValueError(f"checkpoint does not fit the model: unexpected {unknown[:5]}")
-    missing = sorted(set(params) - loaded - set(packed))
+    with torch.no_grad():
+        for key, value in floats.items():
+            params[key].copy_(value)
+    missing = sorted(set(params) - loaded - set(packed) - set(floats))
     if missing:
         raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}")
     if packed:

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from tests.factories import prompt_ids, save_tiny_checkpoint, tiny_model
 from tests.workers.quant_cases import logits, relative_error
-from workers.hf_quantized import check_method, read_quants
+from workers.hf_quantized import check_method, linear_weight, read_quants
 from workers.loader import load_model
 from workers.quantized import PackedWeight
 
@@ -80,7 +80,7 @@ def test_packed_integers_read_as_q_minus_z_times_s(method, group):
 
 
 def test_what_cannot_be_served_is_refused_with_the_reason():
-    with pytest.raises(ValueError, match="bitsandbytes.*GPTQ and AWQ"):
+    with pytest.raises(ValueError, match="bitsandbytes.*GPTQ, AWQ and compressed-tensors"):
         check_method({"quant_method": "bitsandbytes"})
     with pytest.raises(ValueError, match="8 bits: pdserve serves 4-bit gptq only"):
         check_method({"quant_method": "gptq", "bits": 8, "group_size": 128})
@@ -106,7 +106,7 @@ def quantize_groups(w: torch.Tensor, group: int = 32):
     return q.view(n, k), z.T.contiguous(), s.T.contiguous()
 
 
-def save_quantized(path, method: str):
+def save_quantized(path, method: str, form: str = ""):
     """The tiny llama checkpoint with every linear of its layers quantized to 4 bits in groups of
     32 (the embedding and head left float, as GPTQ and AWQ leave them), written as `method`
     writes it; and our model with the same values in float, for reference."""
@@ -121,35 +121,140 @@ def save_quantized(path, method: str):
         if ".layers." not in name or tensor.dim() != 2:
             state[name] = tensor
             continue
-        q, z, s = quantize_groups(tensor)
-        tensors = awq_tensors(q, z, s) if method == "awq" else gptq_tensors(q, z, s)
+        if method in ("gptq", "awq"):
+            q, z, s = quantize_groups(tensor)
+            tensors = awq_tensors(q, z, s) if method == "awq" else gptq_tensors(q, z, s)
+            values = reference(q, z, s)
+        else:
+            tensors, values = ct_tensors(tensor, form, symmetric=False)
         state.update({f"{module}.{part}": t for part, t in tensors.items()})
         with torch.no_grad():
-            params[name].copy_(reference(q, z, s))  # a view of the fused projection
+            params[name].copy_(values)  # a view of the fused projection
     (path / "model.safetensors").unlink()
     save_file(state, path / "model.safetensors", metadata={"format": "pt"})
     config_path = path / "config.json"
     config = json.loads(config_path.read_text())
     config["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": 32}
+    if method == "compressed-tensors":
+        bits = 4 if form == "pack-quantized" else 8
+        strategy = "group" if bits == 4 else "channel"
+        kind = "float" if form == "float-quantized" else "int"
+        config["quantization_config"] = ct_config(form, bits, strategy, False, kind)
     config_path.write_text(json.dumps(config))
     return reference_model
 
 
 @pytest.mark.usefixtures("compiled")
-@pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_a_checkpoint_loads_packed_and_stays_near_its_float_values(tmp_path, method):
-    """Loaded by `load_model`, every linear of the layers is packed (no float copy kept) and the
-    logits stay within the activations' int8 of the float model of the same values (the GGUF
-    test's bound: 6%); `--quantization` on top of it, or a GPU, is refused."""
-    reference_model = save_quantized(tmp_path, method)
+@pytest.mark.parametrize(
+    ("method", "form", "fmt"),
+    [
+        ("gptq", "", "q4_k"),
+        ("awq", "", "q4_k"),
+        ("compressed-tensors", "pack-quantized", "q4_k"),
+        ("compressed-tensors", "int-quantized", "int8"),
+        ("compressed-tensors", "float-quantized", None),
+    ],
+)
+def test_a_checkpoint_loads_packed_and_stays_near_its_float_values(tmp_path, method, form, fmt):
+    """Loaded by `load_model`, every linear of the layers is packed (no float copy kept; FP8's
+    dequantized floats instead) and the logits stay within the activations' int8 of the float
+    model of the same values (the GGUF test's bound: 6%; FP8 served as float: equal); and
+    `--quantization` on top of it is refused."""
+    reference_model = save_quantized(tmp_path, method, form)
     loaded = load_model(str(tmp_path), dtype="float32", device="cpu")
     model = loaded.model
     packed = [
         m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), PackedWeight)
     ]
-    assert len(packed) == 2 * 7 and {w.format for w in packed} == {"q4_k"}
-    assert all(p.dim() == 1 for name, p in model.named_parameters() if ".layers." in name)
     ids = prompt_ids(40, seed=1)
-    assert relative_error(logits(model, ids), logits(reference_model, ids)) < 0.06
+    if fmt is None:
+        assert packed == []
+        assert torch.equal(logits(model, ids), logits(reference_model, ids))
+    else:
+        assert len(packed) == 2 * 7 and {w.format for w in packed} == {fmt}
+        assert all(p.dim() == 1 for name, p in model.named_parameters() if ".layers." in name)
+        assert relative_error(logits(model, ids), logits(reference_model, ids)) < 0.06
     with pytest.raises(ValueError, match=f"quantized already \\({method}\\)"):
         load_model(str(tmp_path), dtype="float32", device="cpu", quantization="int8")
+
+
+def ct_config(form: str, bits: int, strategy: str, symmetric: bool = True, kind: str = "int"):
+    weights = {"num_bits": bits, "type": kind, "symmetric": symmetric, "strategy": strategy}
+    if strategy == "group":
+        weights["group_size"] = 32
+    group = {"targets": ["Linear"], "weights": weights}
+    return {"quant_method": "compressed-tensors", "format": form, "config_groups": {"g": group}}
+
+
+def ct_tensors(w: torch.Tensor, form: str, strategy: str = "group", symmetric: bool = True):
+    """A float weight `[N, K]` as llm-compressor saves it, packed with compressed-tensors' own
+    `pack_to_int32`; and its values dequantized, (q - z) * s, for reference."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    n, k = w.shape
+    if form == "float-quantized":
+        scale = (w.abs().amax(dim=1, keepdim=True) / 448).bfloat16()  # [N, 1]
+        fp8 = (w / scale.float()).to(torch.float8_e4m3fn)
+        return {"weight": fp8, "weight_scale": scale}, fp8.float() * scale.float()
+    if form == "int-quantized":
+        scale = (w.abs().amax(dim=1, keepdim=True) / 127).bfloat16()  # [N, 1]
+        q = torch.round(w / scale.float()).clamp(-128, 127).to(torch.int8)
+        return {"weight": q, "weight_scale": scale}, q.float() * scale.float()
+    per = 32 if strategy == "group" else k
+    blocks = w.view(n, k // per, per)
+    if symmetric:
+        scale = (blocks.abs().amax(dim=2) / 7).clamp(min=1e-4).bfloat16()  # [N, G]
+        zero = torch.zeros_like(scale, dtype=torch.int8)
+    else:
+        low, high = blocks.amin(dim=2).clamp(max=0), blocks.amax(dim=2).clamp(min=0)
+        scale = ((high - low) / 15).clamp(min=1e-4).bfloat16()
+        zero = (torch.round(-low / scale.float()) - 8).clamp(-8, 7).to(torch.int8)
+    q = torch.round(blocks / scale.float()[:, :, None] + zero[:, :, None].float())
+    q = q.clamp(-8, 7).to(torch.int8).view(n, k)
+    tensors = {
+        "weight_packed": pack_to_int32(q, 4),
+        "weight_scale": scale,
+        "weight_shape": torch.tensor([n, k]),
+    }
+    if not symmetric:
+        tensors["weight_zero_point"] = pack_to_int32(zero, 4, packed_dim=0)
+    values = (q.float().view(n, k // per, per) - zero.float()[:, :, None]) * scale.float()[
+        :, :, None
+    ]
+    return tensors, values.view(n, k)
+
+
+@pytest.mark.parametrize(
+    ("form", "strategy", "symmetric"),
+    [
+        ("pack-quantized", "group", True),
+        ("pack-quantized", "group", False),
+        ("pack-quantized", "channel", True),
+        ("int-quantized", "channel", True),
+        ("float-quantized", "channel", True),
+    ],
+)
+def test_compressed_tensors_weights_read_as_they_were_written(form, strategy, symmetric):
+    """int4 (symmetric and with zero points, per group and per channel) and int8 come back as
+    the values compressed-tensors' layout holds; FP8 as fp8 * scale in float."""
+    w = torch.randn(40, 128, generator=torch.Generator().manual_seed(4))
+    tensors, want = ct_tensors(w, form, strategy, symmetric)
+    weight = linear_weight("compressed-tensors", tensors, {})
+    if form == "float-quantized":
+        assert isinstance(weight, torch.Tensor) and torch.equal(weight, want)
+        return
+    packed = PackedWeight.pack(weight)
+    assert packed.format == ("q4_k" if form == "pack-quantized" else "int8")
+    torch.testing.assert_close(packed.dequantize(), want, rtol=2e-7, atol=0)
+
+
+def test_compressed_tensors_schemes_without_a_kernel_are_refused():
+    with pytest.raises(ValueError, match="format nvfp4-pack-quantized"):
+        check_method(ct_config("nvfp4-pack-quantized", 4, "group"))
+    with pytest.raises(ValueError, match="int4 weights per tensor"):
+        check_method(ct_config("pack-quantized", 4, "tensor"))
+    with pytest.raises(ValueError, match="int8 weights per group"):
+        check_method(ct_config("int-quantized", 8, "group"))
+    with pytest.raises(ValueError, match="float4"):
+        check_method(ct_config("float-quantized", 4, "channel", kind="float"))
+    assert check_method(ct_config("pack-quantized", 4, "group")) == "compressed-tensors"
