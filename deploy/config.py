@@ -234,11 +234,6 @@ class EngineConfig(BaseModel):
                 f"quantization gguf serves a GGUF file's blocks: {self.model!r} is neither a .gguf "
                 f"file nor a GGUF alias ({', '.join(ALIASES)}); use int8 for other checkpoints"
             )
-        if self.quantization is not None and self.device.startswith("cuda"):
-            raise ValueError(
-                f"quantization {self.quantization} runs on the CPU kernels only: leave it unset "
-                "on cuda"
-            )
         scaling = self.max_prefill_workers is not None or self.max_decode_workers is not None
         if self.planner_period_s is not None and not (self.pool_planner and scaling):
             raise ValueError(

@@ -22,7 +22,7 @@ from workers.hf_checkpoint import rope_parameters, spec_from_hf, unfused
 from workers.hf_quantized import quantization_config
 from workers.kv_quant import row_bytes
 from workers.model import DecoderLM
-from workers.quantized import PackedWeight, install, quantize_int8, weight_bytes
+from workers.quantized import PackedWeight, check_device, install, quantize_int8, weight_bytes
 from workers.weights import checkpoint_files, load_weights
 
 log = logging.getLogger(__name__)
@@ -332,11 +332,7 @@ def pack_weights(model: DecoderLM, name: str, quantization: str, config: Any, de
     Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K blocks (`workers/gguf_blocks.py`); `int8`, each matrix
     quantized now, per output channel. Raises ValueError, with the reason, where that cannot be
     served."""
-    if device != "cpu":
-        raise ValueError(
-            f"--quantization {quantization} runs on the CPU kernels only, not on {device}: leave "
-            "it unset there"
-        )
+    check_device(device, f"--quantization {quantization}")
     dtype = model.model.embed_tokens.weight.dtype
     if quantization == "gguf":
         path = gguf_file(name)

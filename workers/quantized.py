@@ -128,7 +128,7 @@ class PackedWeight:
     def quants(self, rows: torch.Tensor | None = None) -> RowQuants:
         """The quants of `rows` (all by default) unpacked from the panels: `pack`'s inverse."""
         n, k = self.shape
-        rows = torch.arange(n) if rows is None else rows
+        rows = torch.arange(n, device=self.device) if rows is None else rows.to(self.device)
         panel = rows // PANEL
         lane = rows % PANEL
         q = self.qs[panel, :, :, lane]  # [R, KB, chunk, 4]
@@ -162,12 +162,17 @@ class PackedWeight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """An embedding lookup: rows `ids [T]` dequantized, `[T, K]` in `dtype`."""
-        return self.dequantize(ids.reshape(-1).cpu()).to(self.dtype).view(*ids.shape, -1)
+        return self.dequantize(ids.reshape(-1)).to(self.dtype).view(*ids.shape, -1)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`x [M, K] @ W.T + bias` -> `[M, N]`: through `csrc/quant_linear.cpp` (the activations
         quantized per block of 32 to int8, as llama.cpp's), or where the kernels cannot be built,
         F.linear over the dequantized weight (slow: a fallback that keeps serving)."""
+        if x.device.type == "cuda" and x.dim() == 2:
+            from workers.triton_quant import quant_matmul
+
+            args = (self.qs, self.scales, self.mins, bias, FORMATS[self.format], self.shape[0])
+            return quant_matmul(x, *args)  # [M, N]
         module = load_kernels() if x.device.type == "cpu" else None
         if module is None or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2:
             return F.linear(x, self.dequantize().to(x.dtype), bias)
@@ -180,6 +185,15 @@ class PackedWeight:
             FORMATS[self.format],
             self.shape[0],
         )  # [M, N]
+
+    def to(self, device: str | torch.device) -> PackedWeight:
+        """This weight on `device` (itself where it lies there already)."""
+        if self.qs.device == torch.device(device):
+            return self
+        mins = None if self.mins is None else self.mins.to(device)
+        return PackedWeight(
+            self.format, self.shape, self.qs.to(device), self.scales.to(device), mins, self.dtype
+        )
 
     def take_rows(self, rows: torch.Tensor) -> PackedWeight:
         """A weight of these rows only, in this order; a view where whole panels are taken."""
@@ -241,7 +255,9 @@ def install(model: nn.Module, weights: dict[str, PackedWeight]) -> None:
     weight (its float parameter dropped), the embedding (its module becomes a PackedEmbedding) and
     the head; then fuse each layer's projections again (the fused weight a concatenation of packed
     rows, each projection a view of its rows)."""
+    device = model.model.embed_tokens.weight.device
     for name, weight in weights.items():
+        weight = weight.to(device)
         module_name = name.removesuffix(".weight")
         module = model.get_submodule(module_name)
         if isinstance(module, nn.Embedding):
@@ -253,6 +269,22 @@ def install(model: nn.Module, weights: dict[str, PackedWeight]) -> None:
     for layer in model.model.layers:
         layer.self_attn.fuse()
         layer.mlp.fuse()
+
+
+def check_device(device: str | torch.device, what: str) -> None:
+    """Raise ValueError, with the reason, where packed weights cannot run on `device`: the CPU
+    kernels serve them on the CPU, the Triton kernel (`workers/triton_quant.py`) on a CUDA GPU."""
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return
+    if kind != "cuda":
+        raise ValueError(f"{what} runs on the CPU or a CUDA GPU, not on {device}")
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        raise ValueError(
+            f"{what} on a GPU needs Triton (CUDA builds of torch ship it), which this Python lacks"
+        )
 
 
 def weight_bytes(model: nn.Module) -> tuple[int, int]:

@@ -21,7 +21,7 @@ import torch
 from workers import hf_quantized
 from workers.hf_checkpoint import spec_from_hf, unfused
 from workers.model import DecoderLM
-from workers.quantized import PackedWeight, install
+from workers.quantized import PackedWeight, check_device, install
 
 
 def checkpoint_files(checkpoint: str) -> list[Path]:
@@ -124,8 +124,8 @@ def load_weights(
     cannot be served (with the reason)."""
     quant = hf_quantized.quantization_config(config)
     method = None if quant is None else hf_quantized.check_method(quant)
-    if method is not None and torch.device(device).type != "cpu":
-        raise ValueError(f"{method} checkpoints run on the CPU kernels only, not on {device}")
+    if method is not None:
+        check_device(device, f"a {method} checkpoint")
     if method is not None and getattr(config, "attention_multiplier", None) is not None:
         raise ValueError(
             f"{config.model_type}'s multipliers are folded into float weights at load: its "

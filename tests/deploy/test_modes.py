@@ -394,7 +394,6 @@ def test_block_pressure_with_shared_prefixes_and_choices_equals_local(ray_sessio
     assert all(w["slots_used"] == 0 for w in stats["workers"].values())
 
 
-@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="packed weights run on the CPU kernels only")
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
 def test_int8_weights_give_local_modes_tokens_in_every_mode(ray_session, tiny_checkpoint, mode):
     """`--quantization int8` reaches every worker: each packs the same weights and runs the same
@@ -408,7 +407,6 @@ def test_int8_weights_give_local_modes_tokens_in_every_mode(ray_session, tiny_ch
     assert tokens != {k: c.token_ids for k, c in run_local(tiny_checkpoint).items()}
 
 
-@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="packed weights run on the CPU kernels only")
 def test_the_embedded_gguf_served_packed_gives_local_modes_tokens_disaggregated(ray_session):
     """The embedded model from its Q4_1 and Q8_0 blocks: a prefill and a decode worker each read
     the GGUF, and the greedy answers are local mode's token for token."""

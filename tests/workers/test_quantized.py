@@ -190,10 +190,22 @@ def test_int8_stays_near_the_fp32_model(kind):
     assert relative_error(logits(model, ids), logits(tiny_model(kind), ids)) < 0.1
 
 
-def test_packed_weights_are_refused_off_the_cpu_and_for_files_that_are_not_gguf():
+def test_packed_weights_are_refused_where_no_kernel_runs_and_for_files_that_are_not_gguf(
+    monkeypatch,
+):
+    """The CPU kernels, or on a CUDA GPU the Triton kernel: another device, or a GPU without
+    Triton, is refused at load with the reason."""
+    import importlib.util
+
     model = tiny_model("llama")
     config = tiny_hf_model("llama").config
-    with pytest.raises(ValueError, match="CPU kernels only"):
+    with pytest.raises(ValueError, match="CPU or a CUDA GPU, not on mps"):
+        pack_weights(model, "tiny", "int8", config, "mps")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: None if name == "triton" else find_spec(name)
+    )
+    with pytest.raises(ValueError, match="needs Triton"):
         pack_weights(model, "tiny", "int8", config, "cuda")
     with pytest.raises(ValueError, match="not one"):
         pack_weights(model, "some/checkpoint", "gguf", config, "cpu")

@@ -18,6 +18,7 @@ CHECKS = {
     "sampling",
     "kv_transports",
     "disaggregated",
+    "quantized",
 }
 
 
@@ -38,6 +39,7 @@ def test_every_check_passes_on_the_cpu(ray_session, tmp_path, capsys):
     assert transports["nixl"]["carried_by"] == ["nixl"] and transports["nixl"]["gb_s"] > 0
     assert "cuda" in transports["cuda_ipc"]["skipped"] or "cpu" in transports["cuda_ipc"]["skipped"]
     assert checks["disaggregated"]["differ_from_local"] == []
+    assert checks["quantized"]["batched_differ_from_solo"] == []
 
 
 def test_a_failing_check_fails_the_command_and_the_rest_still_run(tmp_path, monkeypatch, capsys):
@@ -45,7 +47,7 @@ def test_a_failing_check_fails_the_command_and_the_rest_still_run(tmp_path, monk
         raise RuntimeError("the forward broke")
 
     monkeypatch.setattr(gpu_check, "check_logits_fp32", broken)
-    skips = ["kv_transports", "disaggregated", "logprobs_bf16", "sampling"]
+    skips = ["kv_transports", "disaggregated", "logprobs_bf16", "sampling", "quantized"]
     args = ["gpu-check", "--device", "cpu", "--no-sweep", "--workdir", str(tmp_path)]
     assert main(args + [f"--skip={name}" for name in skips]) == 1
     report = json.loads(capsys.readouterr().out)
