@@ -27,7 +27,7 @@ ToolCallParser = Literal["hermes", "llama3_json", "mistral", "pythonic"]
 ReasoningParser = Literal["qwen3", "deepseek_r1"]
 REASONING_PARSERS: tuple[str, ...] = get_args(ReasoningParser)
 # weights kept packed (workers/quantized.py): a GGUF's own blocks, or int8 made at load
-Quantization = Literal["gguf", "int8"]
+Quantization = Literal["gguf", "int8", "fp8"]
 # how KV goes from prefill to decode workers (workers/kv_transfer.py)
 KVTransport = Literal["auto", "object_store", "nixl", "cuda_ipc"]
 # the cells' autoscaling policy, as Serve's controller imports it (by name: config imports no
@@ -90,10 +90,11 @@ class EngineConfig(BaseModel):
     device: str = Field("auto", description="auto, cpu or cuda.")
     quantization: Quantization | None = Field(
         None,
-        description="Weights kept quantized and multiplied packed, on the CPU (vLLM's "
-        "--quantization): gguf serves a GGUF file's Q8_0, Q4_0, Q4_1, Q4_K and Q6_K blocks as they "
-        "are; int8 quantizes any float checkpoint at load, per output channel. Unset: weights "
-        "dequantized to dtype.",
+        description="Weights kept quantized and multiplied packed (vLLM's --quantization): gguf "
+        "serves a GGUF file's Q8_0, Q4_0, Q4_1, Q4_K and Q6_K blocks as they are; int8 quantizes "
+        "any float checkpoint at load, per output channel; fp8 (GPU only) to FP8 e4m3 per output "
+        "channel. Unset: weights dequantized to dtype (a GPTQ, AWQ or compressed-tensors "
+        "checkpoint is served packed as it is).",
     )
     prefill_workers: int = Field(1, ge=1, description="Prefill worker actors (disaggregated mode).")
     decode_workers: int = Field(

@@ -19,8 +19,9 @@ as vLLM reads them):
   `[N, K / g]` (or `[N, 1]` per channel); asymmetric ones a `weight_zero_point [N / 8, K / g]`
   packed along N the same way, plus 8: w = (q - z) * s, z = 8 when symmetric. `int-quantized`
   int8 is `weight [N, K]` int8 with a per-channel (or per-tensor) `weight_scale`: the kernel's
-  int8 format as it is. `float-quantized` FP8 (e4m3) has no CPU kernel: its weights are
-  dequantized at load, w = fp8 * `weight_scale`, and served as float.
+  int8 format as it is. `float-quantized` FP8 (e4m3), `weight` and a per-channel or per-tensor
+  `weight_scale`, is served as FP8 on a GPU (`Fp8Weight`) and dequantized at load on a CPU, which
+  has no FP8 kernel.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 
-from workers.quantized import BLOCK, RowQuants
+from workers.quantized import BLOCK, Fp8Weight, RowQuants
 
 METHODS = ("gptq", "awq", "compressed-tensors")
 CT_TENSORS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
@@ -112,9 +113,9 @@ def compressed_weights(quant: dict[str, Any]) -> dict[str, Any]:
     return scheme
 
 
-def compressed_quants(tensors: dict[str, torch.Tensor]) -> RowQuants | torch.Tensor:
+def compressed_quants(tensors: dict[str, torch.Tensor]) -> RowQuants | Fp8Weight:
     """One compressed-tensors linear: its quants (int4 as the 4-bit affine format, int8 as the
-    int8 one), or, FP8, its weight dequantized to fp32 `[N, K]`."""
+    int8 one), or its FP8 weight and per-row scales."""
     scale = tensors["weight_scale"].float()
     if "weight_packed" in tensors:
         packed = tensors["weight_packed"]  # [N, K / 8]
@@ -139,14 +140,15 @@ def compressed_quants(tensors: dict[str, torch.Tensor]) -> RowQuants | torch.Ten
     n = weight.shape[0]
     if weight.dtype == torch.int8:
         return RowQuants("int8", weight, scale.reshape(-1).expand(n).contiguous())
-    return weight.float() * scale.reshape(-1, 1)  # FP8: per channel [N, 1] or per tensor [1]
+    per_row = scale.reshape(-1).expand(n).contiguous()  # per channel [N, 1] or per tensor [1]
+    return Fp8Weight(weight, per_row, torch.float32)
 
 
 def linear_weight(
     method: str, tensors: dict[str, torch.Tensor], quant: dict[str, Any]
-) -> RowQuants | torch.Tensor | None:
-    """One quantized linear from its tensors: its quants, or (FP8) its float weight; None for a
-    module with activation scales only."""
+) -> RowQuants | Fp8Weight | None:
+    """One quantized linear from its tensors: its quants, or its FP8 weight; None for a module
+    with activation scales only."""
     if method == "compressed-tensors":
         if "weight_scale" not in tensors:
             return None

@@ -22,7 +22,14 @@ from workers.hf_checkpoint import rope_parameters, spec_from_hf, unfused
 from workers.hf_quantized import quantization_config
 from workers.kv_quant import row_bytes
 from workers.model import DecoderLM
-from workers.quantized import PackedWeight, check_device, install, quantize_int8, weight_bytes
+from workers.quantized import (
+    PackedWeight,
+    check_device,
+    install,
+    quantize_fp8,
+    quantize_int8,
+    weight_bytes,
+)
 from workers.weights import checkpoint_files, load_weights
 
 log = logging.getLogger(__name__)
@@ -345,8 +352,20 @@ def pack_weights(model: DecoderLM, name: str, quantization: str, config: Any, de
             for key, param in model.named_parameters()
             if param.dim() == 2
         }
+    elif quantization == "fp8":
+        if torch.device(device).type != "cuda":
+            raise ValueError(
+                "--quantization fp8 multiplies on a GPU's FP8 tensor cores; on a CPU use int8 "
+                "(or gguf)"
+            )
+        # the layers' matrices, as vLLM's fp8: the embedding and the head stay as they are
+        weights = {
+            key: quantize_fp8(param, dtype)
+            for key, param in model.named_parameters()
+            if param.dim() == 2 and ".layers." in key
+        }
     else:
-        raise ValueError(f"unknown quantization {quantization!r}: use gguf or int8")
+        raise ValueError(f"unknown quantization {quantization!r}: use gguf, int8 or fp8")
     install(model, weights)
     formats = sorted({w.format for w in weights.values()})
     floats, packed = weight_bytes(model)

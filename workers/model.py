@@ -21,7 +21,7 @@ from workers.kernels import (
 )
 from workers.kv_cache import PagedKVCache
 from workers.kv_quant import dequantize
-from workers.quantized import PackedWeight
+from workers.quantized import QUANTIZED
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite")
 
@@ -170,8 +170,8 @@ def fuse_linears(linears: list[nn.Linear], name: str) -> torch.Tensor | None:
     params = [getattr(linear, name) for linear in linears]
     if params[0] is None:
         return None
-    if isinstance(params[0], PackedWeight):
-        packed = PackedWeight.cat(params)
+    if isinstance(params[0], QUANTIZED):
+        packed = type(params[0]).cat(params)
         offset = 0
         for linear, p in zip(linears, params, strict=True):
             setattr(linear, name, packed.take_rows(torch.arange(offset, offset + p.shape[0])))

@@ -94,9 +94,12 @@ class PackedWeight:
         return self.qs.device
 
     @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.qs, self.scales] + ([] if self.mins is None else [self.mins])
+
+    @property
     def nbytes(self) -> int:
-        tensors = [self.qs, self.scales] + ([] if self.mins is None else [self.mins])
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
     @classmethod
     def pack(cls, quants: RowQuants, dtype: torch.dtype = torch.float32) -> PackedWeight:
@@ -228,6 +231,94 @@ class PackedWeight:
         return PackedWeight.pack(RowQuants.cat([w.quants() for w in weights]), first.dtype)
 
 
+class Fp8Weight:
+    """A `[N, K]` weight in FP8 (e4m3) with one fp32 scale per output row (value q * s): vLLM's
+    `--quantization fp8` and compressed-tensors' FP8 checkpoints. On a CUDA GPU, with bf16
+    activations, `linear` rounds each activation row to FP8 with a scale of its own (its largest
+    |x| / 448, as vLLM's dynamic FP8) and multiplies with torch's scaled matmul (the tensor cores'
+    FP8); elsewhere it multiplies the dequantized weight. The same interface as PackedWeight."""
+
+    format = "fp8"
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+        self.q = q  # [N, K] float8_e4m3fn
+        self.scale = scale  # [N] fp32
+        self.dtype = dtype
+        self.shape = (q.shape[0], q.shape[1])
+
+    def __repr__(self) -> str:
+        return f"Fp8Weight({list(self.shape)}, {self.nbytes} bytes)"
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.q, self.scale]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 `[N, K]` (or the rows asked for): q * s."""
+        q, scale = (self.q, self.scale) if rows is None else (self.q[rows], self.scale[rows])
+        return q.float() * scale[:, None]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.dequantize(ids.reshape(-1)).to(self.dtype).view(*ids.shape, -1)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        n, k = self.shape
+        if x.device.type == "cuda" and x.dtype == torch.bfloat16 and x.dim() == 2:
+            if n % 16 == 0 and k % 16 == 0:
+                return scaled_linear(x, self.q, self.scale, bias)
+        return F.linear(x, self.dequantize().to(x.dtype), bias)
+
+    def to(self, device: str | torch.device) -> Fp8Weight:
+        if self.q.device == torch.device(device):
+            return self
+        return Fp8Weight(self.q.to(device), self.scale.to(device), self.dtype)
+
+    def take_rows(self, rows: torch.Tensor) -> Fp8Weight:
+        """These rows; a view where they are consecutive."""
+        first = int(rows[0]) if len(rows) else 0
+        if torch.equal(rows.cpu(), torch.arange(first, first + len(rows))):
+            part = slice(first, first + len(rows))
+            return Fp8Weight(self.q[part], self.scale[part], self.dtype)
+        return Fp8Weight(self.q[rows], self.scale[rows], self.dtype)
+
+    @staticmethod
+    def cat(weights: list[Fp8Weight]) -> Fp8Weight:
+        q = torch.cat([w.q for w in weights])
+        return Fp8Weight(q, torch.cat([w.scale for w in weights]), weights[0].dtype)
+
+
+def scaled_linear(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`x [M, K] @ (q * scale).T + bias` with x rounded to FP8 per row (scale: its largest |x| /
+    448) and torch's scaled matmul (fp32 sums, bf16 out); q `[N, K]` e4m3, scale `[N]` fp32."""
+    amax = x.abs().amax(dim=1, keepdim=True).float()  # [M, 1]
+    x_scale = torch.where(amax > 0, amax / 448, torch.ones_like(amax))  # [M, 1]
+    xq = (x.float() / x_scale).clamp(-448, 448).to(torch.float8_e4m3fn)  # [M, K]
+    out = torch._scaled_mm(
+        xq, q.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=torch.bfloat16
+    )  # [M, N]
+    return out if bias is None else out + bias
+
+
+def quantize_fp8(weight: torch.Tensor, dtype: torch.dtype) -> Fp8Weight:
+    """Per-output-channel FP8 (e4m3) of a float `[N, K]` weight: each row's scale its largest
+    |w| / 448, values rounded to the nearest e4m3."""
+    w = weight.detach().float()  # [N, K]
+    amax = w.abs().amax(dim=1)  # [N]
+    scale = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
+    q = (w / scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return Fp8Weight(q, scale, dtype)
+
+
 def quantize_int8(weight: torch.Tensor) -> RowQuants:
     """Per-output-channel symmetric int8 of a float `[N, K]` weight: each row's scale is its
     largest |w| / 127, quants round to nearest (|error| <= scale / 2)."""
@@ -238,11 +329,15 @@ def quantize_int8(weight: torch.Tensor) -> RowQuants:
     return RowQuants("int8", q, scale)
 
 
+# the weights a model's matrices may be in place of float ones
+QUANTIZED = (PackedWeight, Fp8Weight)
+
+
 class PackedEmbedding(nn.Module):
     """An embedding table kept packed: a lookup dequantizes only the rows looked up. Tied to the
     head, the same `weight` serves the logits."""
 
-    def __init__(self, weight: PackedWeight) -> None:
+    def __init__(self, weight: PackedWeight | Fp8Weight) -> None:
         super().__init__()
         self.weight = weight
 
@@ -250,7 +345,7 @@ class PackedEmbedding(nn.Module):
         return self.weight.rows(ids)  # [T, hidden]
 
 
-def install(model: nn.Module, weights: dict[str, PackedWeight]) -> None:
+def install(model: nn.Module, weights: dict[str, PackedWeight | Fp8Weight]) -> None:
     """Put packed weights in place of a `DecoderLM`'s float ones, by parameter name: a linear's
     weight (its float parameter dropped), the embedding (its module becomes a PackedEmbedding) and
     the head; then fuse each layer's projections again (the fused weight a concatenation of packed
@@ -294,8 +389,8 @@ def weight_bytes(model: nn.Module) -> tuple[int, int]:
     storages = {}
     for module in model.modules():
         for value in vars(module).values():
-            if isinstance(value, PackedWeight):
-                for tensor in (value.qs, value.scales, value.mins):
+            if isinstance(value, QUANTIZED):
+                for tensor in value.tensors:
                     if tensor is not None:
                         storage = tensor.untyped_storage()
                         storages[storage.data_ptr()] = storage.nbytes()

@@ -21,7 +21,7 @@ import torch
 from workers import hf_quantized
 from workers.hf_checkpoint import spec_from_hf, unfused
 from workers.model import DecoderLM
-from workers.quantized import PackedWeight, check_device, install
+from workers.quantized import Fp8Weight, PackedWeight, check_device, install
 
 
 def checkpoint_files(checkpoint: str) -> list[Path]:
@@ -84,10 +84,11 @@ def _quantized_linears(
     quant: dict[str, Any],
     config: Any,
     dtype: torch.dtype,
-) -> tuple[dict[str, PackedWeight], dict[str, torch.Tensor]]:
+    device: str | torch.device,
+) -> tuple[dict[str, PackedWeight | Fp8Weight], dict[str, torch.Tensor]]:
     """The quantized linears by our parameter names: packed weights, and the float weights of
-    those without a CPU kernel (FP8, dequantized); Phi-3's fused `qkv_proj` and `gate_up_proj`
-    split by rows, as `unfused` splits float ones."""
+    those without a kernel on `device` (FP8 on a CPU, dequantized); Phi-3's fused `qkv_proj` and
+    `gate_up_proj` split by rows, as `unfused` splits float ones."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     q = config.num_attention_heads * head_dim
     kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
@@ -107,10 +108,13 @@ def _quantized_linears(
             prefix, parts = "", {module: (0, n)}
         for name, (first, last) in parts.items():
             rows = torch.arange(first, last)
-            if isinstance(weight, torch.Tensor):
-                floats[f"{prefix}{name}.weight"] = weight[rows]
-            else:
+            if not isinstance(weight, Fp8Weight):
                 packed[f"{prefix}{name}.weight"] = PackedWeight.pack(weight.take(rows), dtype)
+            elif torch.device(device).type == "cuda":
+                part = weight.take_rows(rows)
+                packed[f"{prefix}{name}.weight"] = Fp8Weight(part.q, part.scale, dtype)
+            else:
+                floats[f"{prefix}{name}.weight"] = weight.dequantize(rows)
     return packed, floats
 
 
@@ -157,7 +161,7 @@ def load_weights(
                 loaded.add(key)
     packed, floats = {}, {}
     if method is not None:
-        packed, floats = _quantized_linears(linears, method, quant, config, dtype)
+        packed, floats = _quantized_linears(linears, method, quant, config, dtype, device)
     unknown = sorted((set(packed) | set(floats)) - set(params))
     if unknown:
         raise ValueError(f"checkpoint does not fit the model: unexpected {unknown[:5]}")

@@ -18,7 +18,9 @@ non-zero if any failed. The checks, in order:
 * `quantized`: the model's matrices packed in int8 (`--quantization int8`: the Triton kernel on a
   GPU, the C++ one on a CPU): its logits against an fp32 model of the same int8 values
   dequantized (within 1e-3 relative on a GPU, which multiplies the dequantized tile; 6% on a CPU,
-  whose kernel rounds activations to int8), and its greedy tokens batched equal each run alone.
+  whose kernel rounds activations to int8), and its greedy tokens batched equal each run alone;
+  on a GPU also `--quantization fp8` in bf16 against bf16 weights of the same FP8 values (10%:
+  each activation row rounded to e4m3's 3 mantissa bits, about 3% RMS a matmul).
 * `disaggregated`: one prefill and one decode worker (half a GPU each where there is one) give the
   local engine's tokens; the handoff's GB/s per transport.
 * `slots_sweep`: `pdserve gpu-bench`'s sweep against HF static batching, cut at --sweep-seconds.
@@ -302,6 +304,7 @@ def check_quantized(checkpoint: Path, device: str) -> dict[str, Any]:
                 out.append(_forward(model, cache, [(0, prompt, 0)], 0))
         errors.append(float((out[0] - out[1]).norm() / out[1].norm()))
     limit = 1e-3 if device.startswith("cuda") else 0.06
+    fp8_error = _fp8_logit_error(checkpoint, device) if device.startswith("cuda") else None
     requests = _requests(6, 24)
     batched = _engine_tokens(checkpoint, device, requests, quantization="int8")
     solo: dict[str, list[int]] = {}
@@ -311,9 +314,35 @@ def check_quantized(checkpoint: Path, device: str) -> dict[str, Any]:
     return {
         "relative_logit_error": max(errors),
         "limit": limit,
+        "fp8_relative_logit_error": fp8_error,
         "batched_differ_from_solo": solo_differs,
-        "ok": max(errors) <= limit and not solo_differs,
+        "ok": max(errors) <= limit and not solo_differs and (fp8_error is None or fp8_error < 0.1),
     }
+
+
+def _fp8_logit_error(checkpoint: Path, device: str) -> float:
+    """`--quantization fp8` in bf16 against a bf16 model of the same FP8 values dequantized: the
+    relative logit error of the activations' FP8 rounding and the scaled matmul."""
+    from workers.kv_cache import PagedKVCache
+    from workers.loader import load_model
+    from workers.quantized import Fp8Weight
+
+    fp8 = load_model(str(checkpoint), "bfloat16", device, quantization="fp8").model
+    reference = load_model(str(checkpoint), "bfloat16", device).model
+    with torch.no_grad():
+        for name, module in fp8.named_modules():
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, Fp8Weight):
+                reference.get_submodule(name).weight.copy_(weight.dequantize())
+    spec = fp8.spec
+    out = []
+    for model in (fp8, reference):
+        cache = PagedKVCache(
+            spec.num_layers, 16, spec.num_kv_heads, 16, spec.head_dim, torch.bfloat16, device
+        )
+        with torch.no_grad():
+            out.append(_forward(model, cache, [(0, _prompt(40, 1), 0)], 0).float())
+    return float((out[0] - out[1]).norm() / out[1].norm())
 
 
 SAMPLING_OPTIONS: dict[str, dict[str, Any]] = {

@@ -9,21 +9,22 @@ from deploy.cli import build_parser, main
 from deploy.config import EngineConfig
 
 
-def test_unset_keeps_the_weights_dequantized_and_the_two_values_are_accepted(tiny_checkpoint):
+def test_unset_keeps_the_weights_dequantized_and_the_values_are_accepted(tiny_checkpoint):
     assert EngineConfig().quantization is None
     assert EngineConfig(quantization="gguf").quantization == "gguf"  # the embedded GGUF
     assert EngineConfig(model="/models/x.Q4_0.gguf", quantization="gguf").quantization == "gguf"
     assert EngineConfig(model=tiny_checkpoint, quantization="int8").quantization == "int8"
+    assert EngineConfig(model=tiny_checkpoint, quantization="fp8").quantization == "fp8"
 
 
 def test_a_bad_value_is_refused_with_the_accepted_ones(capsys):
-    with pytest.raises(ValidationError, match="'gguf' or 'int8'"):
+    with pytest.raises(ValidationError, match="'gguf', 'int8' or 'fp8'"):
         EngineConfig(quantization="int4")
     with pytest.raises(SystemExit):
         build_parser().parse_args(
             ["generate", "--input", "i", "--output", "o", "--quantization", "awq"]
         )
-    assert "choose from 'gguf', 'int8'" in capsys.readouterr().err
+    assert "choose from 'gguf', 'int8', 'fp8'" in capsys.readouterr().err
 
 
 def test_gguf_needs_a_gguf_file(tiny_checkpoint):

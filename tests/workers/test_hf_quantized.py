@@ -13,7 +13,7 @@ from tests.factories import prompt_ids, save_tiny_checkpoint, tiny_model
 from tests.workers.quant_cases import logits, relative_error
 from workers.hf_quantized import check_method, linear_weight, read_quants
 from workers.loader import load_model
-from workers.quantized import PackedWeight
+from workers.quantized import Fp8Weight, PackedWeight
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # the column at each nibble of an AWQ word
 
@@ -236,12 +236,12 @@ def ct_tensors(w: torch.Tensor, form: str, strategy: str = "group", symmetric: b
 )
 def test_compressed_tensors_weights_read_as_they_were_written(form, strategy, symmetric):
     """int4 (symmetric and with zero points, per group and per channel) and int8 come back as
-    the values compressed-tensors' layout holds; FP8 as fp8 * scale in float."""
+    the values compressed-tensors' layout holds; FP8 as its fp8 values and per-row scales."""
     w = torch.randn(40, 128, generator=torch.Generator().manual_seed(4))
     tensors, want = ct_tensors(w, form, strategy, symmetric)
     weight = linear_weight("compressed-tensors", tensors, {})
     if form == "float-quantized":
-        assert isinstance(weight, torch.Tensor) and torch.equal(weight, want)
+        assert isinstance(weight, Fp8Weight) and torch.equal(weight.dequantize(), want)
         return
     packed = PackedWeight.pack(weight)
     assert packed.format == ("q4_k" if form == "pack-quantized" else "int8")
@@ -258,3 +258,33 @@ def test_compressed_tensors_schemes_without_a_kernel_are_refused():
     with pytest.raises(ValueError, match="float4"):
         check_method(ct_config("float-quantized", 4, "channel", kind="float"))
     assert check_method(ct_config("pack-quantized", 4, "group")) == "compressed-tensors"
+
+
+def test_an_fp8_checkpoint_is_kept_fp8_for_a_gpu_and_dequantized_for_a_cpu(tmp_path):
+    """compressed-tensors FP8: on a GPU each projection stays FP8 (the fused ones split as views
+    of the checkpoint's rows); on a CPU, with no FP8 kernel, the same values in float."""
+    from transformers import AutoConfig
+
+    from workers.hf_quantized import split_tensors
+    from workers.weights import _quantized_linears
+
+    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(5))
+    tensors, want = ct_tensors(w, "float-quantized")
+    save_tiny_checkpoint(tmp_path)
+    config = AutoConfig.from_pretrained(tmp_path)
+    named = {f"model.layers.0.mlp.gate_up_proj.{part}": t for part, t in tensors.items()}
+    linears, _ = split_tensors(named, "compressed-tensors")
+    packed, floats = _quantized_linears(
+        linears, "compressed-tensors", {}, config, torch.bfloat16, "cuda"
+    )
+    gate, up = (
+        packed["model.layers.0.mlp.gate_proj.weight"],
+        packed["model.layers.0.mlp.up_proj.weight"],
+    )
+    assert floats == {} and isinstance(gate, Fp8Weight) and gate.dtype == torch.bfloat16
+    assert torch.equal(torch.cat([gate.dequantize(), up.dequantize()]), want)
+    assert gate.q.untyped_storage().data_ptr() == tensors["weight"].untyped_storage().data_ptr()
+    packed, floats = _quantized_linears(
+        linears, "compressed-tensors", {}, config, torch.float32, "cpu"
+    )
+    assert packed == {} and torch.equal(floats["model.layers.0.mlp.up_proj.weight"], want[48:])
