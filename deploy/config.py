@@ -17,6 +17,7 @@ from pydantic import (
 
 from deploy.prompts import read_chat_template
 from scheduler.cell.state import MODES_ON_RAY, CellConfig
+from scheduler.speculation import SpeculativeConfig
 from workers.catalog import ALIASES, DEFAULT_MODEL, MAX_DEFAULT_CONTEXT
 
 Mode = Literal["local", "colocated", "disaggregated"]
@@ -77,6 +78,12 @@ class EngineConfig(BaseModel):
     )
     token_budget: int = Field(
         256, ge=1, description="Tokens computed per step: decode tokens first, then prompt chunks."
+    )
+    speculative_config: str | dict[str, Any] | None = Field(
+        None,
+        description="Speculative decoding, as vLLM's flag: JSON such as "
+        '\'{"method": "ngram", "num_speculative_tokens": 4}\' (also prompt_lookup_min, '
+        "prompt_lookup_max, disable_by_batch_size). Unset: off.",
     )
     prefill_chunk: int = Field(
         128, ge=1, description="Most prompt tokens of one request in one step."
@@ -243,6 +250,29 @@ class EngineConfig(BaseModel):
             )
         return self
 
+    @field_validator("speculative_config")
+    @classmethod
+    def _speculative(cls, value: str | dict[str, Any] | None) -> dict[str, Any] | None:
+        """A JSON object (the flag's text) or a mapping (the Serve config's), checked whole."""
+        if value is None:
+            return None
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not JSON: {e}") from e
+            if not isinstance(value, dict):
+                raise ValueError("speculative_config must be a JSON object")
+        SpeculativeConfig.from_dict(value)  # raises ValueError with the reason
+        return value
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        config = self.speculative_config
+        return None if config is None else SpeculativeConfig.from_dict(dict(config))
+
     @field_validator("kv_cache_memory")
     @classmethod
     def _memory_size(cls, value: str | int | None) -> str | int | None:
@@ -336,6 +366,7 @@ class EngineConfig(BaseModel):
             prefill_blocks=self.num_blocks(capacity, self.prefill_slots, bytes_per_token),
             block_size=self.block_size,
             prefix_caching=self.prefix_caching,
+            speculative=self.speculative,
             cache_routing=self.cache_routing,
             max_burst_ms=self.max_burst_ms,
             kv_transfer_failure=self.kv_transfer_failure,

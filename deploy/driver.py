@@ -102,6 +102,7 @@ class InProcessEngine(Engine):
             num_blocks=num_blocks,
             block_size=config.block_size,
             prefix_caching=config.prefix_caching,
+            speculative=config.speculative,
         )
         log.info(
             "local engine: %s, %d requests at once of up to %d tokens, %d KV blocks of %d "
@@ -135,15 +136,19 @@ class InProcessEngine(Engine):
 
     def profile(self) -> dict[str, Any]:
         prof = self.engine.profile
-        return {
-            "engine_steps": self.engine.num_steps,
-            "model_fraction": prof["model_s"] / max(prof["step_s"], 1e-9),
-            "outside_forward_fraction": 1 - prof["model_s"] / max(prof["step_s"], 1e-9),
-            "decode_steps": prof["decode_steps"],
-            "decode_step_ms": 1000 * prof["decode_step_s"] / max(prof["decode_steps"], 1),
-            "decode_model_fraction": prof["decode_model_s"] / max(prof["decode_step_s"], 1e-9),
-            "peak_running": self.engine.scheduler.peak_running,
-        } | combined_stats([self.engine.scheduler.blocks.stats()])
+        return (
+            {
+                "engine_steps": self.engine.num_steps,
+                "model_fraction": prof["model_s"] / max(prof["step_s"], 1e-9),
+                "outside_forward_fraction": 1 - prof["model_s"] / max(prof["step_s"], 1e-9),
+                "decode_steps": prof["decode_steps"],
+                "decode_step_ms": 1000 * prof["decode_step_s"] / max(prof["decode_steps"], 1),
+                "decode_model_fraction": prof["decode_model_s"] / max(prof["decode_step_s"], 1e-9),
+                "peak_running": self.engine.scheduler.peak_running,
+            }
+            | combined_stats([self.engine.scheduler.blocks.stats()])
+            | spec_summary(self.engine.scheduler.spec_stats.as_dict())
+        )
 
     def reset_profile(self) -> None:
         self.engine.reset_profile()
@@ -209,7 +214,8 @@ class RayEngine(Engine):
         }
         # each worker's peak, summed: at most what ran at once
         peak = sum(w.get("peak_running", 0) for w in workers)
-        return timeline | {"peak_running": peak} | combined_stats(caches)
+        spec = spec_summary(stats.get("spec_decode") or {})
+        return timeline | {"peak_running": peak} | combined_stats(caches) | spec
 
     def reset_profile(self) -> None:
         import ray
@@ -234,3 +240,15 @@ def open_engine(config: EngineConfig, loaded: Any = None) -> Engine:
     """Start the engine of `config.mode`; `loaded` (a LoadedModel) saves loading it again in local
     mode."""
     return InProcessEngine(config, loaded) if config.mode == "local" else RayEngine(config)
+
+
+def spec_summary(spec: dict[str, Any]) -> dict[str, Any]:
+    """Speculative decoding's counts for a profile (the bench summary): none where it is off."""
+    if not spec.get("num_drafts"):
+        return {}
+    return {
+        "spec_drafts": spec["num_drafts"],
+        "spec_draft_tokens": spec["num_draft_tokens"],
+        "spec_accepted_tokens": spec["num_accepted_tokens"],
+        "spec_acceptance_rate": round(spec["acceptance_rate"], 4),
+    }

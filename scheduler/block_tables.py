@@ -39,6 +39,14 @@ class BlockTables:
         request.block_table += blocks
         return True
 
+    def shrink(self, request: Request, num_tokens: int) -> None:
+        """Give back the blocks past those that hold positions 0..num_tokens-1 (rejected drafts':
+        never named, for their tokens were never known)."""
+        keep = self.pool.blocks_for(num_tokens)
+        if len(request.block_table) > keep:
+            self.pool.free_blocks(request.block_table[keep:])
+            del request.block_table[keep:]
+
     def fit(self, request: Request, length: int) -> int:
         """The longest prompt chunk of at most `length` tokens whose blocks can be had now."""
         room = len(request.block_table) * self.pool.block_size - request.num_computed

@@ -94,6 +94,10 @@ class Samples:
 
     tokens: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # of the sampled token
+    # a chunk with drafts: the tokens after the first that it took (drafts that matched, then the
+    # token sampled after the last of them), and their log-probs
+    more: dict[str, list[int]] = field(default_factory=dict)
+    more_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     # of a chunk's prompt_targets
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 

@@ -103,25 +103,35 @@ class OutputProcessor:
         requests."""
         outputs: dict[str, RequestOutput] = {}
         finished = list(update.finished)
-        for req_id, token in update.accepted.items():
+        for req_id, tokens in update.accepted.items():
             detok = self.detokenizers.get(req_id)
             out = outputs.setdefault(req_id, RequestOutput(req_id))
-            out.token_ids.append(token)
             request = self.requests.get(req_id)
-            if request is not None:
-                if request.sampling.logprobs is not None and len(request.logprobs) == len(
-                    request.output_ids
-                ):
-                    out.logprobs.append(request.logprobs[-1])
-                if request.sampling.prompt_logprobs is not None and len(request.output_ids) == 1:
-                    out.prompt_logprobs = list(request.prompt_logprobs)
-            if detok is None:
-                continue
-            out.text += detok.push(token)
-            if detok.stopped:
-                request = scheduler.finish(req_id, FinishReason.STOP)
-                if request is not None:
-                    finished.append(request)
+            # the request's outputs before this step's: the step took tokens[0], tokens[1], ...
+            first = None if request is None else len(request.output_ids) - len(tokens)
+            for i, token in enumerate(tokens):
+                out.token_ids.append(token)
+                if request is not None and first is not None:
+                    index = first + i  # this token's output index
+                    if request.sampling.logprobs is not None and index < len(request.logprobs):
+                        out.logprobs.append(request.logprobs[index])
+                    if request.sampling.prompt_logprobs is not None and index == 0:
+                        out.prompt_logprobs = list(request.prompt_logprobs)
+                if detok is None:
+                    continue
+                out.text += detok.push(token)
+                if detok.stopped:
+                    if request is not None and first is not None and i + 1 < len(tokens):
+                        # a stop string inside an accepted run: what follows it is not output
+                        del request.output_ids[first + i + 1 :]
+                        del request.logprobs[first + i + 1 :]
+                        del request.token_times_s[
+                            len(request.token_times_s) - (len(tokens) - i - 1) :
+                        ]
+                    stopped = scheduler.finish(req_id, FinishReason.STOP)
+                    if stopped is not None:
+                        finished.append(stopped)
+                    break
         for request in finished:
             out = outputs.setdefault(request.req_id, RequestOutput(request.req_id))
             out.text += self.close(request)

@@ -34,6 +34,9 @@ class Chunk:
     prompt_targets: tuple[int, ...] = ()
     # the request's `num_admissions` when planned: a result for an earlier admission of it is void
     admission: int = 0
+    # speculative decoding: draft tokens appended to a decode chunk's token (token_ids[1:]); the
+    # worker samples at every position and takes drafts while they equal its samples
+    draft: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -73,10 +76,10 @@ class StepPlan:
 
 
 class StepUpdate(NamedTuple):
-    """What a step's results did: the tokens taken (a request that left while the step ran takes
-    none) and the requests that finished."""
+    """What a step's results did: the tokens taken, in order (a request that left while the step
+    ran takes none; one whose drafts were accepted, several) and the requests that finished."""
 
-    accepted: dict[str, int]
+    accepted: dict[str, list[int]]
     finished: list[Request]
 
 

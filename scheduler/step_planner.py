@@ -11,6 +11,7 @@ from scheduler.block_pool import BLOCK_SIZE, BlockPool
 from scheduler.block_tables import BlockTables
 from scheduler.plan import Chunk, StepPlan, StepUpdate, WaitingEntry
 from scheduler.request import FinishReason, Request, RequestStatus, TokenLogprob
+from scheduler.speculation import NgramIndex, SpeculativeConfig
 from scheduler.worker_copy import WorkerCopy
 
 
@@ -27,7 +28,13 @@ class StepPlanner:
 
     With `prefix_caching`, every full block whose tokens are known is named by its hash chain as
     soon as it is planned: a new request whose prompt starts with named blocks points its table at
-    them instead of computing them (prompt blocks and generated ones alike)."""
+    them instead of computing them (prompt blocks and generated ones alike).
+
+    With `speculative` (n-gram proposals), a decoding request whose last token is known carries
+    draft tokens in its decode chunk while fewer than `disable_by_batch_size` requests decode: the
+    worker verifies them in the step and `update()` takes the accepted run, then gives back the
+    positions (and blocks) of rejected drafts. A request with a token in flight is not planned
+    again until its result is in, so its next chunk can speculate."""
 
     def __init__(
         self,
@@ -41,6 +48,7 @@ class StepPlanner:
         num_blocks: int | None = None,
         block_size: int = BLOCK_SIZE,
         prefix_caching: bool = False,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         limits = {
             "num_slots": (num_slots, 1),
@@ -93,6 +101,10 @@ class StepPlanner:
         self.blocks = BlockPool(num_blocks, block_size)
         self.prefix_caching = prefix_caching
         self.tables = BlockTables(self.blocks, prefix_caching)
+        self.speculative = speculative
+        self.ngrams: dict[str, NgramIndex] = {}  # per speculating request: its n-gram index
+        self.draft_lens: dict[str, int] = {}  # per request: the drafts its next chunk may carry
+        self.spec_stats = SpecStats(speculative.num_speculative_tokens if speculative else 0)
 
     # ---- admission
     def check(self, request: Request) -> None:
@@ -227,6 +239,7 @@ class StepPlanner:
 
         budget = self.token_budget
         decode: list[Chunk] = []
+        speculate = self._speculating()
         for request in list(self.running):
             if (
                 budget
@@ -234,10 +247,19 @@ class StepPlanner:
                 and request.status is RequestStatus.RUNNING
                 and request.is_decoding
                 and request.num_outputs_planned < request.max_tokens
-                and self._grow_or_preempt(request, request.num_computed + 1, preempted)
+                and not (speculate and request.num_pending)  # its result first, then drafts
             ):
-                decode.append(self._chunk(request, 1))
-                budget -= 1
+                draft = self._draft(request, budget) if speculate else []
+                if draft and not self.tables.grow(request, request.num_computed + 1 + len(draft)):
+                    draft = []  # drafts never preempt: without room the chunk decodes alone
+                if not self._grow_or_preempt(request, request.num_computed + 1, preempted):
+                    continue
+                chunk = self._chunk(request, 1)
+                if draft:
+                    chunk.token_ids += draft
+                    chunk.draft = tuple(draft)
+                decode.append(chunk)
+                budget -= chunk.num_tokens
         prefill: list[Chunk] = []
         for request in self._prefill_order():
             if not budget:
@@ -304,6 +326,36 @@ class StepPlanner:
             copies=copies,
             exports=exports,
         )
+
+    def _speculating(self) -> bool:
+        """Whether this plan's decode chunks carry drafts: speculation is on and the batch small."""
+        config = self.speculative
+        if config is None or not self.decodes:
+            return False
+        limit = config.disable_by_batch_size
+        return limit is None or len(self.running) < limit
+
+    def _draft(self, request: Request, budget: int) -> list[int]:
+        """The n-gram proposal for a decoding request whose last token is known: at most its draft
+        length, the budget left after its own token, the outputs max_tokens leaves after the one
+        sampled, and the positions its context has left."""
+        config = self.speculative
+        assert config is not None
+        known = request.num_tokens
+        if request.num_pending or request.num_computed != known - 1:
+            return []
+        index = self.ngrams.get(request.req_id)
+        if index is None or len(index.tokens) > known:
+            index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
+            self.ngrams[request.req_id] = index
+        index.extend(request.token_ids(len(index.tokens), known))
+        k = min(
+            self.draft_lens.get(request.req_id, config.num_speculative_tokens),
+            budget - 1,
+            request.max_tokens - request.num_outputs_planned - 1,
+            self.capacity - known,
+        )
+        return index.propose(k) if k > 0 else []
 
     def _prefill_order(self) -> list[Request]:
         """Running requests in the order their prompts get chunks: most urgent, then oldest, but of
@@ -451,15 +503,19 @@ class StepPlanner:
         sampled: dict[str, int],
         logprobs: dict[str, TokenLogprob] | None = None,
         prompt_logprobs: dict[str, list[TokenLogprob]] | None = None,
+        more: dict[str, list[int]] | None = None,
+        more_logprobs: dict[str, list[TokenLogprob]] | None = None,
     ) -> StepUpdate:
         """Record a planned step's results: the tokens taken and the requests that finished in it.
         `sampled` maps req_id to the token sampled for each chunk with `sample=True`; `logprobs` to
         its log-probs, for requests that asked; `prompt_logprobs` to those of the chunk's
-        `prompt_targets`. Chunks of requests that left meanwhile (finished, aborted or preempted
-        while the step ran, even if they have a slot here again) are ignored; so is the token a
-        later step in flight samples for a request that finished in this one."""
+        `prompt_targets`; `more` to the tokens after the first that a chunk with drafts accepted
+        (its drafts that matched, then one more), `more_logprobs` to theirs. Chunks of requests
+        that left meanwhile (finished, aborted or preempted while the step ran, even if they have a
+        slot here again) are ignored; so is the token a later step in flight samples for a request
+        that finished in this one, and whatever follows a stop inside an accepted run."""
         finished: list[Request] = []
-        accepted: dict[str, int] = {}
+        accepted: dict[str, list[int]] = {}
         now = time.perf_counter()
         for chunk in plan.chunks:
             request = self.requests.get(chunk.req_id)
@@ -489,24 +545,47 @@ class StepPlanner:
                 known += prompt_logprobs[chunk.req_id][len(known) - chunk.start_pos :]
             if not chunk.sample:
                 continue
-            token = accepted[chunk.req_id] = sampled[chunk.req_id]
+            tokens = [sampled[chunk.req_id]] + (more or {}).get(chunk.req_id, [])
+            token_logprobs = []
             if logprobs and chunk.req_id in logprobs:
-                request.logprobs.append(logprobs[chunk.req_id])
+                token_logprobs = [logprobs[chunk.req_id]] + (more_logprobs or {}).get(
+                    chunk.req_id, []
+                )
             request.num_pending -= 1
-            request.output_ids.append(token)
-            # a block planned before this token was known is full now
-            if self.prefix_caching and request.req_id not in self.importing:
-                self.tables.name_full_blocks(request)
-            request.token_times_s.append(now)
-            if request.first_token_s is None:
-                request.first_token_s = now
-            if token in request.stop_token_ids:
-                self.finish(request.req_id, FinishReason.STOP)
-            elif len(request.output_ids) >= request.max_tokens:
-                self.finish(request.req_id, FinishReason.LENGTH)
-            if request.finished:
-                finished.append(request)
+            if chunk.draft:  # its KV holds the accepted drafts; the rejected ones' is void
+                self._verified(request, chunk, len(tokens) - 1)
+            taken = accepted[chunk.req_id] = []
+            for i, token in enumerate(tokens):
+                taken.append(token)
+                if i < len(token_logprobs):
+                    request.logprobs.append(token_logprobs[i])
+                request.output_ids.append(token)
+                # a block planned before this token was known is full now
+                if self.prefix_caching and request.req_id not in self.importing:
+                    self.tables.name_full_blocks(request)
+                request.token_times_s.append(now)
+                if request.first_token_s is None:
+                    request.first_token_s = now
+                if token in request.stop_token_ids:
+                    self.finish(request.req_id, FinishReason.STOP)
+                elif len(request.output_ids) >= request.max_tokens:
+                    self.finish(request.req_id, FinishReason.LENGTH)
+                if request.finished:
+                    finished.append(request)
+                    break
         return StepUpdate(accepted, finished)
+
+    def _verified(self, request: Request, chunk: Chunk, num_accepted: int) -> None:
+        """A chunk's drafts were verified, `num_accepted` of them taken: count them, set the next
+        draft length (one past the run accepted, up to k), and give back the positions of the
+        rejected ones (their KV is past the request's length: the next tokens write over it) and
+        the blocks only they were in."""
+        config = self.speculative
+        assert config is not None
+        self.spec_stats.add(len(chunk.draft), num_accepted)
+        self.draft_lens[request.req_id] = min(num_accepted + 1, config.num_speculative_tokens)
+        request.num_computed = chunk.start_pos + 1 + num_accepted
+        self.tables.shrink(request, request.num_computed + 1)
 
     def finish(self, req_id: str, reason: FinishReason, error: str | None = None) -> Request | None:
         """End a request in any state and return its slot; None if it is unknown or already
@@ -524,6 +603,8 @@ class StepPlanner:
         if request is None:
             return None
         self.worker_copy.forget(req_id)
+        self.ngrams.pop(req_id, None)
+        self.draft_lens.pop(req_id, None)
         if request.status is RequestStatus.WAITING:
             self.waiting = [e for e in self.waiting if e.request is not request]
         else:
@@ -559,6 +640,45 @@ class StepPlanner:
 
     def waiting_requests(self) -> Iterable[Request]:
         return (e.request for e in self.waiting)
+
+
+class SpecStats:
+    """Speculative decoding's counts on one worker, as vLLM names them: chunks that carried
+    drafts, draft tokens, the accepted ones, and accepted ones by position in their draft."""
+
+    def __init__(self, k: int) -> None:
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * k
+
+    def add(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_position": list(self.accepted_per_position),
+            "acceptance_rate": self.num_accepted_tokens / max(self.num_draft_tokens, 1),
+        }
+
+    @staticmethod
+    def summed(stats: list[SpecStats]) -> dict[str, object]:
+        """Several workers' counts as one (`as_dict`'s form)."""
+        total = SpecStats(max((len(s.accepted_per_position) for s in stats), default=0))
+        for s in stats:
+            total.num_drafts += s.num_drafts
+            total.num_draft_tokens += s.num_draft_tokens
+            total.num_accepted_tokens += s.num_accepted_tokens
+            for i, n in enumerate(s.accepted_per_position):
+                total.accepted_per_position[i] += n
+        return total.as_dict()
 
 
 class QueueFullError(ValueError):

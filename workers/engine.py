@@ -72,7 +72,12 @@ class LocalEngine:
         samples = self.runner.execute(plan)
         with self._lock:
             update = self.scheduler.update(
-                plan, samples.tokens, samples.logprobs, samples.prompt_logprobs
+                plan,
+                samples.tokens,
+                samples.logprobs,
+                samples.prompt_logprobs,
+                samples.more,
+                samples.more_logprobs,
             )
             outputs = self.outputs.apply(self.scheduler, update)
         self.num_steps += 1

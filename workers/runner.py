@@ -102,8 +102,13 @@ class ModelRunner:
         self.states.remember(plan.chunks)
         for src, dst in plan.copies:
             self.cache.copy_block(src, dst)
-        decode = [(c, ids) for c in plan.decode if (ids := self._fed(c)) is not None]
-        fed = decode + [(c, ids) for c in plan.prefill if (ids := self._fed(c)) is not None]
+        # one-token decode rows first; a decode chunk with drafts runs as a prompt chunk does (its
+        # tokens attend to the request's blocks and to one another)
+        decode = [
+            (c, ids) for c in plan.decode if not c.draft and (ids := self._fed(c)) is not None
+        ]
+        chunked = [c for c in plan.decode if c.draft] + plan.prefill
+        fed = decode + [(c, ids) for c in chunked if (ids := self._fed(c)) is not None]
         if not fed:  # (a step that only imports KV, or whose chunks' caches were lost here)
             self.last_sampled = {}
             self.last_forward_s = 0.0
@@ -119,9 +124,16 @@ class ModelRunner:
         starts = list(itertools.accumulate((c.num_tokens for c in chunks), initial=0))
         sampling = [c for c in chunks if c.sample]
         echo = [(c, start) for c, start in zip(chunks, starts, strict=False) if c.prompt_targets]
+        # a sampling chunk's last token samples; one with drafts samples at each of its tokens,
+        # those rows after every chunk's own
         logits_indices = [
-            start + c.num_tokens - 1 for c, start in zip(chunks, starts, strict=False) if c.sample
+            start + c.num_tokens - 1 - len(c.draft)
+            for c, start in zip(chunks, starts, strict=False)
+            if c.sample
         ]
+        drafted = [(c, start) for c, start in zip(chunks, starts, strict=False) if c.draft]
+        for c, start in drafted:
+            logits_indices += range(start + 1, start + c.num_tokens)
         for c, start in echo:  # target i is predicted by the chunk's token i
             logits_indices += range(start, start + len(c.prompt_targets))
         forward_start = time.perf_counter()
@@ -137,6 +149,10 @@ class ModelRunner:
         if sampling:
             samples.tokens = self._sample(logits[: len(sampling)], sampling, samples)
         row = len(sampling)
+        for c, _ in drafted:
+            rows = logits[row : row + len(c.draft)]
+            row += len(c.draft)
+            self._verify(c, rows, samples)
         for c, _ in echo:
             rows = logits[row : row + len(c.prompt_targets)]
             row += len(c.prompt_targets)
@@ -144,8 +160,35 @@ class ModelRunner:
             samples.prompt_logprobs[c.req_id] = token_logprobs(
                 rows, list(c.prompt_targets), [num_top] * len(rows)
             )
-        self.last_sampled = samples.tokens
+        self.last_sampled = dict(samples.tokens)
+        for req_id, more in samples.more.items():
+            self.last_sampled[req_id] = more[-1]
         return samples
+
+    def _verify(self, chunk: Chunk, rows: torch.Tensor, samples: Samples) -> None:
+        """A chunk's drafts against the model: while the token sampled at a position equals the
+        next draft, the draft is taken and the next position samples (with the request's state
+        past the tokens taken, and its seed at that output index), so the tokens are exactly those
+        decoding one at a time would give. `rows [k, vocab]`: the logits after each draft."""
+        params = self.states.params_of(chunk)
+        state = self.states.get(chunk.req_id) if params.needs_history else None
+        token = samples.tokens[chunk.req_id]
+        more: list[int] = []
+        logprobs = []
+        for i, draft in enumerate(chunk.draft):
+            if token != draft:
+                break
+            index = chunk.output_index + 1 + i
+            (token,) = sample(rows[i : i + 1], [params], [index], [state])
+            if state is not None:
+                state.consume(token)
+            more.append(token)
+            if params.logprobs is not None:
+                logprobs += token_logprobs(rows[i : i + 1], [token], [params.logprobs or 0])
+        if more:
+            samples.more[chunk.req_id] = more
+            if logprobs:
+                samples.more_logprobs[chunk.req_id] = logprobs
 
     def _sample(
         self, logits: torch.Tensor, chunks: list[Chunk], samples: Samples

@@ -39,6 +39,14 @@ METRICS: tuple[Metric, ...] = (
     Metric("vllm:prompt_tokens_total", "counter", "Prompt tokens of admitted requests."),
     Metric("vllm:generation_tokens_total", "counter", "Tokens generated."),
     Metric("vllm:num_preemptions_total", "counter", "Requests preempted for more urgent ones."),
+    Metric("vllm:spec_decode_num_drafts_total", "counter", "Decode chunks that carried drafts."),
+    Metric("vllm:spec_decode_num_draft_tokens_total", "counter", "Draft tokens verified."),
+    Metric("vllm:spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted."),
+    Metric(
+        "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+        "counter",
+        "Draft tokens accepted, by position in their draft.",
+    ),
     Metric("vllm:request_success_total", "counter", "Finished requests by finished_reason."),
     Metric("vllm:time_to_first_token_seconds", "histogram", "Time to first token."),
     Metric("vllm:inter_token_latency_seconds", "histogram", "Time between successive tokens."),
@@ -111,6 +119,13 @@ def cell_counters(cell: dict[str, Any]) -> Counter[Key]:
     for code, n in serving["timeouts"].items():
         out[_key("pdserve:request_timeouts_total", deadline=_DEADLINES.get(code, code))] += n
     out[_key("vllm:num_preemptions_total")] += counts.get("preemptions", 0)
+    spec = stats.get("spec_decode") or {}
+    out[_key("vllm:spec_decode_num_drafts_total")] += spec.get("num_drafts", 0)
+    out[_key("vllm:spec_decode_num_draft_tokens_total")] += spec.get("num_draft_tokens", 0)
+    out[_key("vllm:spec_decode_num_accepted_tokens_total")] += spec.get("num_accepted_tokens", 0)
+    for position, n in enumerate(spec.get("accepted_per_position", [])):
+        name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+        out[_key(name, position=str(position))] += n
     out[_key("pdserve:kv_handoffs_total")] += counts.get("handoffs", 0)
     out[_key("pdserve:kv_handoff_bytes_total")] += counts.get("handoff_bytes", 0)
     out[_key("pdserve:recomputes_total")] += counts.get("recomputes", 0)

@@ -31,7 +31,7 @@ from scheduler.messages import KVHandoff, KVImport, StepResult
 from scheduler.outputs import OutputProcessor, RequestOutput
 from scheduler.plan import StepPlan
 from scheduler.request import FinishReason, Request, RequestStatus
-from scheduler.step_planner import QueueFullError, StepPlanner
+from scheduler.step_planner import QueueFullError, SpecStats, StepPlanner
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,7 @@ class Coordinator:
             num_blocks=num_blocks,
             block_size=config.block_size,
             prefix_caching=config.prefix_caching,
+            speculative=config.speculative,
         )
 
     # ---- requests
@@ -370,7 +371,14 @@ class Coordinator:
                 if req_id in self.records:
                     self.records[req_id].kv_handoff_s = handoff.export_s + seconds
         samples = result.samples
-        update = sched.update(plan, samples.tokens, samples.logprobs, samples.prompt_logprobs)
+        update = sched.update(
+            plan,
+            samples.tokens,
+            samples.logprobs,
+            samples.prompt_logprobs,
+            samples.more,
+            samples.more_logprobs,
+        )
         outputs = self.outputs.apply(sched, update)
         if plan.num_tokens:  # (not a step that only imported)
             self.metrics.on_step(
@@ -501,15 +509,17 @@ class Coordinator:
     def stats(self) -> dict[str, Any]:
         """Slots and queues per worker, live handoffs and counts: what a test or /stats reads."""
         workers = {w.name: w.stats() for w in self.workers}
+        planners = [w.step_planner for w in self.workers]
         counters = vars(self.counts) | {
-            "preemptions": sum(w.step_planner.num_preemptions for w in self.workers),
-            "recomputed_tokens": sum(w.step_planner.num_recomputed_tokens for w in self.workers),
+            "preemptions": sum(p.num_preemptions for p in planners),
+            "recomputed_tokens": sum(p.num_recomputed_tokens for p in planners),
         }
         return {
             "workers": workers,
             "live_handoffs": len(self.kv.handoffs),
             "streams": len(self.consumers),
             "counters": counters,
+            "spec_decode": SpecStats.summed([p.spec_stats for p in planners]),
             "kv_transfer": self.kv_transfers.stats(),
             "pools": {
                 "prefill": len(self.prefill),

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler.speculation import SpeculativeConfig
 from scheduler.step_planner import StepPlanner
 
 MODES_ON_RAY = ("colocated", "disaggregated")
@@ -36,6 +37,8 @@ class CellConfig:
     block_size: int = 16
     # full blocks stay named and are shared by later requests with the same prefix
     prefix_caching: bool = False
+    # decode chunks carry n-gram drafts the decode workers verify (scheduler/speculation.py)
+    speculative: SpeculativeConfig | None = None
     # send a prompt where its prefix is cached (weighed against queued work)
     cache_routing: bool = True
     # decode steps one worker call may carry, in time (scheduler/cell/bursts.py); 0: one
