@@ -43,6 +43,13 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SpeculativeConfig:
+        """The configuration of vLLM's `--speculative-config` JSON; ValueError with the reason
+        (an unsupported method first: its own keys, a draft model's say, would be unknown)."""
+        method = values.get("method", "ngram")
+        if method not in METHODS:
+            raise ValueError(
+                f"speculative method {method!r}: pdserve proposes with {', '.join(METHODS)}"
+            )
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(values) - known)
         if unknown:

@@ -577,13 +577,18 @@ class StepPlanner:
 
     def _verified(self, request: Request, chunk: Chunk, num_accepted: int) -> None:
         """A chunk's drafts were verified, `num_accepted` of them taken: count them, set the next
-        draft length (one past the run accepted, up to k), and give back the positions of the
-        rejected ones (their KV is past the request's length: the next tokens write over it) and
-        the blocks only they were in."""
+        draft length (halved when none was taken, one more when all were, up to k), and give back
+        the positions of the rejected ones (their KV is past the request's length: the next tokens
+        write over it) and the blocks only they were in."""
         config = self.speculative
         assert config is not None
         self.spec_stats.add(len(chunk.draft), num_accepted)
-        self.draft_lens[request.req_id] = min(num_accepted + 1, config.num_speculative_tokens)
+        k = len(chunk.draft)
+        if num_accepted == 0:  # proposals failing: fewer drafts (down to 1) for this request
+            k = max(1, k // 2)
+        elif num_accepted == k:  # all right: one more, up to num_speculative_tokens
+            k = min(k + 1, config.num_speculative_tokens)
+        self.draft_lens[request.req_id] = k
         request.num_computed = chunk.start_pos + 1 + num_accepted
         self.tables.shrink(request, request.num_computed + 1)
 

@@ -40,7 +40,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", default="16:256", help="N or MIN:MAX (uniform), tokens")
     parser.add_argument(
         "--workload",
-        choices=("random", "shared-prefix", "chat", "interference", "shifting"),
+        choices=("random", "shared-prefix", "chat", "interference", "shifting", "grounded"),
         default="random",
         help="random prompts; shared-prefix: --groups system prompts of --prefix-len tokens, "
         "each request one of them plus a suffix of --prompt-len; chat: --groups conversations "
@@ -49,7 +49,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--output-len; the first turns arrive at --rate); interference: --steady decoding streams "
         "while --num-requests long prompts (--prompt-len, --output-len) arrive at --rate; "
         "shifting: prompt-heavy, then output-heavy, then prompt-heavy thirds (the upper and "
-        "lower halves of the length ranges), arriving at --rate",
+        "lower halves of the length ranges), arriving at --rate; grounded: chats asking the "
+        "model to repeat, quote or summarize with quotes a passage of --prompt-len tokens of "
+        "English prose (answers that copy from their prompts: speculative decoding's n-gram "
+        "workload)",
     )
     parser.add_argument(
         "--steady", type=int, default=16, help="interference: steady streams, all started at once"

@@ -29,6 +29,7 @@ from deploy.bench.workload import (
     Workload,
     chat_workload,
     engine_requests,
+    grounded_workload,
     interference_workload,
     load_workload,
     make_workload,
@@ -273,6 +274,10 @@ def _prepare(
     elif args.workload == "chat":
         base = chat_workload(
             args.groups, args.turns, args.prompt_len, args.output_len, vocab, args.seed
+        )
+    elif args.workload == "grounded":
+        base = grounded_workload(
+            args.num_requests, tokenizer, args.prompt_len, args.output_len, args.seed
         )
     else:
         base = make_workload(

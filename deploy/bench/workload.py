@@ -285,6 +285,46 @@ def load_workload(
     return Workload(prompts, output_lens, [0.0] * len(prompts), urgent)
 
 
+# what a grounded request asks of its passage: answers that copy from their prompt
+GROUNDED_TASKS = (
+    "Repeat the following text exactly as it is written.",
+    "Quote the first paragraph of the following text word for word.",
+    "Copy the following text, keeping every line and every example as it is.",
+    "Summarize the following text, quoting its key sentences exactly.",
+)
+
+
+def grounded_workload(
+    num_requests: int, tokenizer: Any, passage_len: str, output_len: str, seed: int
+) -> Workload:
+    """Input-grounded chats: each asks the model to repeat, quote or summarize with quotes a
+    passage of English prose (of `passage_len` tokens, from the Python documentation's topics,
+    which ship with CPython), so answers copy from their prompts, as summarize-and-quote, code
+    edits and extraction do: the workload speculative decoding's n-gram proposals are for."""
+    from pydoc_data.topics import topics
+
+    from deploy.prompts import encode_prompt
+
+    rng = random.Random(f"grounded-{seed}")
+    p_lo, p_hi = parse_range(passage_len)
+    o_lo, o_hi = parse_range(output_len)
+    texts = [topics[name] for name in sorted(topics)]
+    prompts, output_lens = [], []
+    for _ in range(num_requests):
+        words = rng.choice(texts).split(" ")
+        want = rng.randint(p_lo, p_hi)
+        first = rng.randrange(max(1, len(words) - want))
+        passage = " ".join(words[first:])
+        ids = tokenizer(passage, add_special_tokens=False)["input_ids"][:want]
+        passage = tokenizer.decode(ids)
+        task = rng.choice(GROUNDED_TASKS)
+        prompts.append(
+            encode_prompt(tokenizer, messages=[{"role": "user", "content": f"{task}\n\n{passage}"}])
+        )
+        output_lens.append(rng.randint(o_lo, o_hi))
+    return Workload(prompts, output_lens, [0.0] * num_requests, [False] * num_requests)
+
+
 def engine_requests(work: Workload, priorities: bool) -> list[Request]:
     """The workload as greedy requests "0", "1", ... that make exactly their output lengths."""
     return [

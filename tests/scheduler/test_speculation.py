@@ -118,9 +118,27 @@ def test_a_rejected_draft_gives_back_its_positions_and_the_blocks_only_it_held()
     stats = sched.spec_stats.as_dict()
     assert stats["num_drafts"] == 1 and stats["num_draft_tokens"] == 4
     assert stats["num_accepted_tokens"] == 1 and stats["accepted_per_position"] == [1, 0, 0, 0]
-    # the next draft is one past the accepted run
-    (chunk,) = sched.plan().decode
-    assert len(chunk.draft) <= 2
+    # part of it taken: the next draft may be as long
+    assert sched.draft_lens["a"] == 4
+
+
+def test_drafts_shrink_while_none_is_taken_and_grow_back_when_all_are():
+    config = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1)
+    sched = StepPlanner(4, 128, 64, 64, speculative=config)  # any earlier token matches
+    sched.submit(repeating("a", max_tokens=60))
+    plan = decode_once(sched, "a")
+    lengths = []
+    for _ in range(3):  # every draft refused: at most 4, then 2, then 1 (the proposal may be
+        (chunk,) = plan.decode  # shorter: what follows its match)
+        assert chunk.draft
+        sched.update(plan, {"a": 7 if chunk.draft[0] != 7 else 8})
+        lengths.append(sched.draft_lens["a"])
+        plan = sched.plan()
+    assert lengths == [2, 1, 1]
+    (chunk,) = plan.decode
+    assert len(chunk.draft) == 1
+    sched.update(plan, {"a": chunk.draft[0]}, more={"a": [5]})  # all taken: one more
+    assert sched.draft_lens["a"] == 2
 
 
 def test_the_blocks_of_rejected_drafts_past_a_block_boundary_go_back():
