@@ -10,7 +10,7 @@ parallel loop, with scores in fp32 whatever the cache dtype (`csrc/decode_attent
 prompt chunks of a step likewise over their blocks where they lie, rather than gathered into a copy
 per chunk per layer for SDPA (`csrc/prompt_attention.cpp`); residual add + RMSNorm, rotary + KV
 cache write, and SiLU-mul as one pass each (`csrc/elementwise.cpp`); and a matmul over weights
-packed once into 64-column panels, fp32 on AVX-512 and bf16 on AVX512-BF16 without AMX
+packed once into 64-column panels, fp32 on AVX-512 and AVX2 and bf16 on AVX512-BF16 without AMX
 (`csrc/gemm.cpp`; with AMX, oneDNN's AMX tiles over a copy of the weight reordered once into
 oneDNN's layout, as vLLM's CPU backend does: 4-7x the packed kernel at 64-256 rows, and 1.3-2.6x
 torch's own bf16 matmul, which reorders the weight on every call; blocked by the number of rows, so
@@ -317,9 +317,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x [M, K], weight [N, K], bias)`, through the packed-weight kernel where this CPU
-    has one for x's dtype (AVX-512 for fp32, AVX512-BF16 for bf16), and in bf16 on a CPU with AMX
-    (while `LIBRARY_BF16_ON_AMX` holds) through oneDNN's AMX tiles over a copy of the weight in
-    oneDNN's blocked layout (`_onednn_linear`).
+    has one for x's dtype (AVX-512 or AVX2 for fp32, AVX512-BF16 for bf16), and in bf16 on a CPU
+    with AMX (while `LIBRARY_BF16_ON_AMX` holds) through oneDNN's AMX tiles over a copy of the
+    weight in oneDNN's blocked layout (`_onednn_linear`).
 
     Either copy (as much memory again as the weight) is made on first use and kept as an attribute
     of `weight`, tagged with the weight's version counter: writing into the weight (a state dict

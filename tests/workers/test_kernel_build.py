@@ -56,10 +56,13 @@ def test_a_compiler_error_names_the_real_file_and_line(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("isa", "flags"), [("avx2", ["-mno-avx512f"]), ("scalar", ["-mno-avx2"])])
-def test_the_quantized_matmuls_other_paths_give_the_same_bits(tmp_path, isa, flags):
-    """`quant_linear.cpp` built as for a CPU without AVX-512 (VPMADDUBSW on AVX2) or without AVX2
-    (plain loops) gives the bits this CPU's build gives, every format: the integer sums are exact
-    and the float steps the same fused multiply-adds in the same order."""
+def test_the_matmuls_other_paths_give_the_same_bits(tmp_path, isa, flags):
+    """`quant_linear.cpp` and `gemm.cpp` built as for a CPU without AVX-512 or without AVX2 give
+    the bits this CPU's build gives. Quantized, every format (VPMADDUBSW on AVX2, plain loops
+    without): the integer sums are exact and the float steps the same fused multiply-adds in the
+    same order. Packed fp32 (the same vector source at 8 lanes on AVX2): each output the same
+    fused multiply-adds in k order, for row counts that fill and split its tiles and columns that
+    end mid-panel; without AVX2 there is none (torch's matmul serves)."""
     from torch.utils.cpp_extension import load
 
     from tests.workers.quant_cases import packed
@@ -69,10 +72,11 @@ def test_the_quantized_matmuls_other_paths_give_the_same_bits(tmp_path, isa, fla
     if native is None or " avx2" not in Path("/proc/cpuinfo").read_text():
         pytest.skip("no C++ compiler here, or a CPU without AVX2")
     module = load(
-        name=f"pdserve_quant_linear_{isa}",
+        name=f"pdserve_matmuls_{isa}",
         sources=[
             str(kernels.CSRC / "quant_linear.cpp"),
-            str(Path(__file__).with_name("quant_linear_module.cpp")),
+            str(kernels.CSRC / "gemm.cpp"),
+            str(Path(__file__).with_name("isa_module.cpp")),
         ],
         extra_include_paths=[str(kernels.CSRC)],
         extra_cflags=[*kernels.CFLAGS, *flags],
@@ -87,3 +91,17 @@ def test_the_quantized_matmuls_other_paths_give_the_same_bits(tmp_path, isa, fla
         x = torch.randn(37, k)
         args = (x, w.qs, w.scales, w.mins, bias, number, 33)
         assert torch.equal(module.quant_linear(*args), native.quant_linear(*args)), fmt
+    assert module.packed_linear_available(False) == (isa == "avx2")
+    assert not module.packed_linear_available(True)  # bf16: AVX512-BF16 only
+    if isa == "scalar" or not native.packed_linear_available(False):
+        return
+    n, k = 100, 37  # a panel and a bit; K odd
+    weight = torch.randn(n, k)
+    panels = torch.nn.functional.pad(weight, (0, 0, 0, -n % 64)).view(-1, 64, k)
+    panels = panels.transpose(1, 2).contiguous()  # [P, K, 64], as kernels.linear packs it
+    for rows in (1, 2, 3, 4, 5, 7, 13, 64):
+        x = torch.randn(rows, k)
+        for b in (bias.new_zeros(0), torch.randn(n)):
+            b = b if len(b) else None
+            got = module.packed_linear(x, panels, b, n)
+            assert torch.equal(got, native.packed_linear(x, panels, b, n)), rows

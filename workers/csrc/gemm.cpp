@@ -1,12 +1,17 @@
-// The packed-weight matmul `x @ W.T + b`, fp32 on AVX-512 and bf16 on AVX512-BF16.
+// The packed-weight matmul `x @ W.T + b`, fp32 on AVX-512 and AVX2 (one source) and bf16 on
+// AVX512-BF16.
 //
 // The weight is packed once into panels of 64 output columns, `[ceil(N / 64), K, 64]`
-// (`kernels.linear` does it in torch and keeps the result beside the weight), so a 6 x 64 tile of
-// the output accumulates in 24 registers while its panel streams through in order: per k, 4 loads
-// and up to 6 broadcasts feed 24 FMAs. MKL's sgemm, called per step, is far from the FMA peak at
-// decode's few rows (most likely it re-packs the weight each call): measured on one thread against
-// F.linear, 1.4-3x faster at 4-32 rows and 1.1-1.2x at 64-256. Each output is the same K products
-// summed in k order, so fp32 results differ from MKL's only by summation order.
+// (`kernels.linear` does it in torch and keeps the result beside the weight). On AVX-512 a 6 x 64
+// tile of the output accumulates in 24 registers while its panel streams through in order: per k,
+// 4 loads and up to 6 broadcasts feed 24 FMAs. AVX2 has 16 registers of 8 lanes: a tile is 3 x 32
+// (12 accumulators), each panel two tiles wide. The fp32 tile is written once in GCC's vector
+// extensions (`vf`, 16 or 8 lanes), as the prompt-attention kernel is. MKL's sgemm, called per
+// step, is far from the FMA peak at decode's few rows (most likely it re-packs the weight each
+// call): measured on one thread against F.linear, 1.4-3x faster at 4-32 rows and 1.1-1.2x at
+// 64-256 (AVX-512). Each output is the same K products summed in k order by fused multiply-adds,
+// so the fp32 results are the same bits on AVX-512 and AVX2, and differ from MKL's only by
+// summation order.
 #include <ATen/Parallel.h>
 #include <torch/types.h>
 
@@ -15,36 +20,73 @@
 #include <cstring>
 #include <optional>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include "common.h"
 #include "kernels.h"
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define PDSERVE_GEMM_FP32 1
+namespace gemm {
 #if defined(__AVX512F__)
+constexpr int VL = 16, MAX_ROWS = 6;  // lanes; rows per tile: 24 accumulators of 32 registers
+#else
+constexpr int VL = 8, MAX_ROWS = 3;  // 12 accumulators of 16 registers
+#endif
+constexpr int NV = 4;               // vectors per tile row
+constexpr int WIDTH = NV * VL;      // columns per tile: 64 or 32
+typedef float vf __attribute__((vector_size(VL * 4)));
+
+static inline vf vload(const float* p) {
+    vf v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline vf fma(vf a, vf b, vf c) {  // a * b + c, one rounding
+#if defined(__AVX512F__)
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+    return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#endif
+}
+
+// out[i][0..num_cols) = x[i] . panel[:, c] + bias for MR rows and the WIDTH columns of a panel
+// from `panel` (its row stride 64) on
 template <int MR>
-static inline void gemm_tile(const float* x, int64_t K, const float* panel, const float* bias,
-                             float* out, int64_t ldo, int64_t num_cols) {
-    __m512 acc[MR][4];
+static inline void tile(const float* x, int64_t K, const float* panel, const float* bias,
+                        float* out, int64_t ldo, int64_t num_cols) {
+    vf acc[MR][NV];
     for (int i = 0; i < MR; ++i)
-        for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+        for (int j = 0; j < NV; ++j) acc[i][j] = vf{};
     for (int64_t k = 0; k < K; ++k) {
         const float* p = panel + k * 64;
-        const __m512 w0 = _mm512_loadu_ps(p), w1 = _mm512_loadu_ps(p + 16);
-        const __m512 w2 = _mm512_loadu_ps(p + 32), w3 = _mm512_loadu_ps(p + 48);
+        vf w[NV];
+        for (int j = 0; j < NV; ++j) w[j] = vload(p + VL * j);
         for (int i = 0; i < MR; ++i) {
-            const __m512 xb = _mm512_set1_ps(x[i * K + k]);
-            acc[i][0] = _mm512_fmadd_ps(xb, w0, acc[i][0]);
-            acc[i][1] = _mm512_fmadd_ps(xb, w1, acc[i][1]);
-            acc[i][2] = _mm512_fmadd_ps(xb, w2, acc[i][2]);
-            acc[i][3] = _mm512_fmadd_ps(xb, w3, acc[i][3]);
+            const vf xb = vf{} + x[i * K + k];
+            for (int j = 0; j < NV; ++j) acc[i][j] = fma(xb, w[j], acc[i][j]);
         }
     }
-    for (int j = 0; j < 4 && 16 * j < num_cols; ++j) {
-        const __mmask16 m = tail(16 * j, num_cols);
-        const __m512 b =
-            bias != nullptr ? _mm512_maskz_loadu_ps(m, bias + 16 * j) : _mm512_setzero_ps();
-        for (int i = 0; i < MR; ++i)
-            _mm512_mask_storeu_ps(out + i * ldo + 16 * j, m, _mm512_add_ps(acc[i][j], b));
+    for (int i = 0; i < MR; ++i) {
+        float sums[WIDTH];
+        std::memcpy(sums, acc[i], sizeof sums);
+        for (int64_t c = 0; c < std::min<int64_t>(WIDTH, num_cols); ++c)
+            out[i * ldo + c] = sums[c] + (bias != nullptr ? bias[c] : 0.f);
     }
 }
+
+// a panel's 64 columns as its tiles (one on AVX-512, two on AVX2)
+template <int MR>
+static inline void panel_tiles(const float* x, int64_t K, const float* panel, const float* bias,
+                               float* out, int64_t ldo, int64_t num_cols) {
+    for (int64_t c = 0; c < num_cols; c += WIDTH)
+        tile<MR>(x, K, panel + c, bias != nullptr ? bias + c : nullptr, out + c, ldo,
+                 num_cols - c);
+}
+}  // namespace gemm
 #endif
 
 #if defined(__AVX512BF16__)
@@ -100,14 +142,14 @@ bool amx_bf16() {
 bool packed_linear_available(bool bf16) {
 #if defined(__AVX512BF16__)
     return true;
-#elif defined(__AVX512F__)
+#elif defined(PDSERVE_GEMM_FP32)
     return !bf16;
 #else
     return false;
 #endif
 }
 
-// The tiles of one (panel, row block) work item, `rows` at a time (at most 6).
+// The tiles of one (panel, row block) work item, `rows` at a time.
 template <typename T, typename Tile>
 static void gemm_rows(const T* x, int64_t K, const T* panel, const T* bias, T* out, int64_t N,
                       int64_t first, int64_t last, int64_t rows, int64_t num_cols, Tile tile) {
@@ -123,6 +165,13 @@ static void gemm_rows(const T* x, int64_t K, const T* panel, const T* bias, T* o
         case 4: fn<4>(__VA_ARGS__); break;                                      \
         case 5: fn<5>(__VA_ARGS__); break;                                      \
         default: fn<6>(__VA_ARGS__); break;                                     \
+    }
+
+#define PDSERVE_TILE_SWITCH3(fn, r, ...)                                        \
+    switch (r) {                                                                \
+        case 1: fn<1>(__VA_ARGS__); break;                                      \
+        case 2: fn<2>(__VA_ARGS__); break;                                      \
+        default: fn<3>(__VA_ARGS__); break;                                     \
     }
 
 // x: [M, K] contiguous, fp32 or bf16; packed: the weight in 64-column panels, K * 64 values each
@@ -143,8 +192,13 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed,
                 "packed weight does not fit");
     auto out = torch::empty({M, N}, x.options());
     if (M == 0) return out;
-    const int64_t tiles = (M + 5) / 6,
-                  rows = (M + tiles - 1) / tiles; // rows per tile: even, at most 6
+#if defined(PDSERVE_GEMM_FP32) && !defined(__AVX512F__)
+    const int64_t max_rows = bf16 ? 6 : gemm::MAX_ROWS;
+#else
+    const int64_t max_rows = 6;
+#endif
+    const int64_t tiles = (M + max_rows - 1) / max_rows,
+                  rows = (M + tiles - 1) / tiles;  // rows per tile: even, at most max_rows
     const int64_t block = rows * 8, num_blocks = (M + block - 1) / block;
     at::parallel_for(0, P * num_blocks, 1, [&](int64_t begin, int64_t end) {
         for (int64_t item = begin; item < end; ++item) {
@@ -152,13 +206,18 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed,
             const int64_t last = std::min(M, first + block),
                           num_cols = std::min<int64_t>(64, N - p * 64);
             if (!bf16) {
-#if defined(__AVX512F__)
+#if defined(PDSERVE_GEMM_FP32)
                 const float* b = bias ? bias->data_ptr<float>() + p * 64 : nullptr;
-                gemm_rows(
-                    x.data_ptr<float>(), K, packed.data_ptr<float>() + p * K * 64, b,
-                    out.data_ptr<float>() + p * 64, N, first, last, rows, num_cols,
-                    [&](int64_t r, const float* xs, const float* pan, const float* bb, float* o,
-                        int64_t c) { PDSERVE_TILE_SWITCH(gemm_tile, r, xs, K, pan, bb, o, N, c) });
+                gemm_rows(x.data_ptr<float>(), K, packed.data_ptr<float>() + p * K * 64, b,
+                          out.data_ptr<float>() + p * 64, N, first, last, rows, num_cols,
+                          [&](int64_t r, const float* xs, const float* pan, const float* bb,
+                              float* o, int64_t c) {
+#if defined(__AVX512F__)
+                              PDSERVE_TILE_SWITCH(gemm::panel_tiles, r, xs, K, pan, bb, o, N, c)
+#else
+                              PDSERVE_TILE_SWITCH3(gemm::panel_tiles, r, xs, K, pan, bb, o, N, c)
+#endif
+                          });
 #endif
             } else {
 #if defined(__AVX512BF16__)

@@ -1,9 +1,0 @@
-// The quantized matmul alone as a Python module: tests build its other ISA paths with it.
-#include <torch/extension.h>
-
-#include "kernels.h"
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("quant_linear", torch::wrap_pybind_function(quant_linear), "quant_linear");
-    m.def("quant_linear_isa", torch::wrap_pybind_function(quant_linear_isa), "quant_linear_isa");
-}
