@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 from scheduler.block_pool import BLOCK_SIZE, BlockPool
 from scheduler.block_tables import BlockTables
+from scheduler.messages import Samples
 from scheduler.plan import Chunk, StepPlan, StepUpdate, WaitingEntry
 from scheduler.request import FinishReason, Request, RequestStatus, TokenLogprob
 from scheduler.speculation import NgramIndex, SpeculativeConfig
@@ -574,6 +575,17 @@ class StepPlanner:
                     finished.append(request)
                     break
         return StepUpdate(accepted, finished)
+
+    def take(self, plan: StepPlan, samples: Samples) -> StepUpdate:
+        """`update` with what a worker's step gave back, whole."""
+        return self.update(
+            plan,
+            samples.tokens,
+            samples.logprobs,
+            samples.prompt_logprobs,
+            samples.more,
+            samples.more_logprobs,
+        )
 
     def _verified(self, request: Request, chunk: Chunk, num_accepted: int) -> None:
         """A chunk's drafts were verified, `num_accepted` of them taken: count them, set the next

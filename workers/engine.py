@@ -71,14 +71,7 @@ class LocalEngine:
             plan = self.scheduler.plan()
         samples = self.runner.execute(plan)
         with self._lock:
-            update = self.scheduler.update(
-                plan,
-                samples.tokens,
-                samples.logprobs,
-                samples.prompt_logprobs,
-                samples.more,
-                samples.more_logprobs,
-            )
+            update = self.scheduler.take(plan, samples)
             outputs = self.outputs.apply(self.scheduler, update)
         self.num_steps += 1
         elapsed = time.perf_counter() - start

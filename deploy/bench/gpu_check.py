@@ -282,16 +282,10 @@ def check_greedy(checkpoint: Path, device: str) -> dict[str, Any]:
 def check_quantized(checkpoint: Path, device: str) -> dict[str, Any]:
     from workers.kv_cache import PagedKVCache
     from workers.loader import load_model
-    from workers.quantized import PackedWeight
 
     torch.backends.cuda.matmul.allow_tf32 = False
     packed = load_model(str(checkpoint), "float32", device, quantization="int8").model
-    reference = load_model(str(checkpoint), "float32", device).model
-    with torch.no_grad():
-        for name, module in packed.named_modules():
-            weight = getattr(module, "weight", None)
-            if isinstance(weight, PackedWeight):
-                reference.get_submodule(name).weight.copy_(weight.dequantize())
+    reference = _dequantized_twin(packed, str(checkpoint), "float32", device)
     spec = packed.spec
     errors = []
     for prompt in (_prompt(40, 1), _prompt(23, 2)):
@@ -320,20 +314,28 @@ def check_quantized(checkpoint: Path, device: str) -> dict[str, Any]:
     }
 
 
+def _dequantized_twin(model: Any, checkpoint: str, dtype: str, device: str) -> Any:
+    """The checkpoint's float model with each of `model`'s quantized matrices dequantized in."""
+    from workers.loader import load_model
+    from workers.quantized import QUANTIZED
+
+    reference = load_model(checkpoint, dtype, device).model
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, QUANTIZED):
+                reference.get_submodule(name).weight.copy_(weight.dequantize())
+    return reference
+
+
 def _fp8_logit_error(checkpoint: Path, device: str) -> float:
     """`--quantization fp8` in bf16 against a bf16 model of the same FP8 values dequantized: the
     relative logit error of the activations' FP8 rounding and the scaled matmul."""
     from workers.kv_cache import PagedKVCache
     from workers.loader import load_model
-    from workers.quantized import Fp8Weight
 
     fp8 = load_model(str(checkpoint), "bfloat16", device, quantization="fp8").model
-    reference = load_model(str(checkpoint), "bfloat16", device).model
-    with torch.no_grad():
-        for name, module in fp8.named_modules():
-            weight = getattr(module, "weight", None)
-            if isinstance(weight, Fp8Weight):
-                reference.get_submodule(name).weight.copy_(weight.dequantize())
+    reference = _dequantized_twin(fp8, str(checkpoint), "bfloat16", device)
     spec = fp8.spec
     out = []
     for model in (fp8, reference):

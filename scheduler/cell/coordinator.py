@@ -371,14 +371,7 @@ class Coordinator:
                 if req_id in self.records:
                     self.records[req_id].kv_handoff_s = handoff.export_s + seconds
         samples = result.samples
-        update = sched.update(
-            plan,
-            samples.tokens,
-            samples.logprobs,
-            samples.prompt_logprobs,
-            samples.more,
-            samples.more_logprobs,
-        )
+        update = sched.take(plan, samples)
         outputs = self.outputs.apply(sched, update)
         if plan.num_tokens:  # (not a step that only imported)
             self.metrics.on_step(
