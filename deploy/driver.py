@@ -68,6 +68,7 @@ class InProcessEngine(Engine):
     def __init__(self, config: EngineConfig, loaded: Any = None) -> None:
         import torch
 
+        from workers.drafter import Drafter, load_draft_model
         from workers.engine import LocalEngine
         from workers.kv_cache import PagedKVCache
         from workers.loader import load_model
@@ -84,6 +85,9 @@ class InProcessEngine(Engine):
         per_token = PagedKVCache.bytes_per_token(
             spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype, config.kv_cache_dtype
         )
+        draft = load_draft_model(config.speculative, loaded.model, config.dtype, config.device)
+        if draft is not None:  # its KV takes the same blocks in a cache of its own
+            per_token += Drafter.bytes_per_token(draft)
         num_blocks = config.num_blocks(self.capacity, config.slots, per_token)
         runner = ModelRunner(
             loaded.model,
@@ -91,6 +95,7 @@ class InProcessEngine(Engine):
             block_size=config.block_size,
             tokenizer=loaded.tokenizer,
             kv_cache_dtype=config.kv_cache_dtype,
+            drafter=None if draft is None else Drafter(draft, num_blocks, config.block_size),
         )
         scheduler = StepPlanner(
             config.slots,

@@ -12,6 +12,7 @@ import ray
 from deploy.config import EngineConfig
 from scheduler.cell.actor import CellActor
 from workers.actors import spawn_worker
+from workers.drafter import draft_kv_bytes_per_token
 from workers.loader import TokenizerInfo, kv_bytes_per_token, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,8 @@ def cell_actor_args(config: EngineConfig, info: TokenizerInfo | None = None) -> 
     info = info or load_tokenizer(config.model)
     capacity = config.context_len(info.max_context)
     per_token = kv_bytes_per_token(info, config.dtype, config.device, config.kv_cache_dtype)
+    # a draft model's KV takes the same blocks in a cache of its own
+    per_token += draft_kv_bytes_per_token(config.speculative, config.dtype, config.device)
     return (
         config.cell_config(capacity, per_token),
         functools.partial(spawn_worker, config),

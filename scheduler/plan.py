@@ -37,6 +37,9 @@ class Chunk:
     # speculative decoding: draft tokens appended to a decode chunk's token (token_ids[1:]); the
     # worker samples at every position and takes drafts while they equal its samples
     draft: tuple[int, ...] = ()
+    # drafts a draft model proposes (all PROPOSED): the request's tokens at the positions before
+    # start_pos that the worker's draft model has not seen yet, which it computes first
+    draft_context: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -171,6 +171,8 @@ class Request:
     num_admissions: int = 0
     # on a prefill worker: leading rows of its cache row already sent out (KV pieces)
     num_exported: int = 0
+    # positions whose KV the decode worker's draft model holds (speculation by a draft model)
+    num_drafted: int = 0
     num_cached: int | None = None  # prompt tokens its first admission loaded from the prefix cache
 
     arrival_s: float = field(default_factory=time.perf_counter)
@@ -259,6 +261,7 @@ class Request:
         self.block_table = []
         self.status = RequestStatus.WAITING
         self.num_exported = 0
+        self.num_drafted = 0
 
     def metrics(self) -> dict[str, float]:
         """Latencies in seconds: TTFT, TPOT (after the first token), end to end, and the phases

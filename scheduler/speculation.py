@@ -1,17 +1,23 @@
 """Speculative decoding's proposals: n-gram (prompt lookup) drafts of a request's next tokens, and
-the configuration that asks for them (`--speculative-config`, vLLM's form)."""
+the configuration that asks for them or for a draft model's (`--speculative-config`, vLLM's
+form)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
+# a draft token of a decode chunk that the worker's draft model proposes (`workers/drafter.py`)
+PROPOSED = -2
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """`num_speculative_tokens` (k): the most draft tokens a decode step verifies per request;
+    """`method`: `ngram` (drafts looked up in the request's own tokens, here in the planner) or
+    `draft_model` (drafts of `model`, a small model of the same vocabulary that the decode workers
+    run beside the served one, with `quantization` as `--quantization` takes it);
+    `num_speculative_tokens` (k): the most draft tokens a decode step verifies per request;
     `prompt_lookup_min`/`_max`: the n-gram lengths matched, longest first;
     `disable_by_batch_size`: no request speculates while this many or more decode at once (the
     step is compute-bound then: verifying drafts would cost the batch more than it gains)."""
@@ -21,11 +27,20 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     disable_by_batch_size: int | None = 16
+    model: str | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(
                 f"speculative method {self.method!r}: pdserve proposes with {', '.join(METHODS)}"
+            )
+        if self.method == "draft_model" and not self.model:
+            raise ValueError('speculative method "draft_model" needs the draft\'s "model"')
+        if self.method == "ngram" and (self.model or self.quantization):
+            raise ValueError(
+                'speculative method "ngram" proposes without a model: leave out "model" and '
+                '"quantization", or use "method": "draft_model"'
             )
         if self.num_speculative_tokens < 1:
             raise ValueError(
@@ -44,8 +59,9 @@ class SpeculativeConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SpeculativeConfig:
         """The configuration of vLLM's `--speculative-config` JSON; ValueError with the reason
-        (an unsupported method first: its own keys, a draft model's say, would be unknown)."""
-        method = values.get("method", "ngram")
+        (an unsupported method first: its own keys would be unknown). As vLLM, a `model` without
+        a `method` is a draft model's."""
+        method = values.get("method", "draft_model" if "model" in values else "ngram")
         if method not in METHODS:
             raise ValueError(
                 f"speculative method {method!r}: pdserve proposes with {', '.join(METHODS)}"
@@ -56,7 +72,11 @@ class SpeculativeConfig:
             raise ValueError(
                 f"unknown speculative_config keys {unknown}: use {', '.join(sorted(known))}"
             )
-        return cls(**values)
+        return cls(**(values | {"method": method}))
+
+    @property
+    def drafts_with_model(self) -> bool:
+        return self.method == "draft_model"
 
 
 @dataclass

@@ -12,7 +12,7 @@ from scheduler.block_tables import BlockTables
 from scheduler.messages import Samples
 from scheduler.plan import Chunk, StepPlan, StepUpdate, WaitingEntry
 from scheduler.request import FinishReason, Request, RequestStatus, TokenLogprob
-from scheduler.speculation import NgramIndex, SpeculativeConfig
+from scheduler.speculation import PROPOSED, NgramIndex, SpeculativeConfig
 from scheduler.worker_copy import WorkerCopy
 
 
@@ -31,11 +31,12 @@ class StepPlanner:
     soon as it is planned: a new request whose prompt starts with named blocks points its table at
     them instead of computing them (prompt blocks and generated ones alike).
 
-    With `speculative` (n-gram proposals), a decoding request whose last token is known carries
-    draft tokens in its decode chunk while fewer than `disable_by_batch_size` requests decode: the
-    worker verifies them in the step and `update()` takes the accepted run, then gives back the
-    positions (and blocks) of rejected drafts. A request with a token in flight is not planned
-    again until its result is in, so its next chunk can speculate."""
+    With `speculative`, a decoding request whose last token is known carries draft tokens in its
+    decode chunk (n-gram proposals, or placeholders the worker's draft model fills in) while fewer
+    than `disable_by_batch_size` requests decode: the worker verifies them in the step and
+    `update()` takes the accepted run, then gives back the positions (and blocks) of rejected
+    drafts. A request with a token in flight is not planned again until its result is in, so its
+    next chunk can speculate."""
 
     def __init__(
         self,
@@ -259,6 +260,9 @@ class StepPlanner:
                 if draft:
                     chunk.token_ids += draft
                     chunk.draft = tuple(draft)
+                    if draft[0] == PROPOSED:  # what the draft model has yet to see, it reads first
+                        start = request.num_drafted
+                        chunk.draft_context = tuple(request.token_ids(start, chunk.start_pos))
                 decode.append(chunk)
                 budget -= chunk.num_tokens
         prefill: list[Chunk] = []
@@ -337,26 +341,31 @@ class StepPlanner:
         return limit is None or len(self.running) < limit
 
     def _draft(self, request: Request, budget: int) -> list[int]:
-        """The n-gram proposal for a decoding request whose last token is known: at most its draft
-        length, the budget left after its own token, the outputs max_tokens leaves after the one
-        sampled, and the positions its context has left."""
+        """The drafts of a decoding request whose last token is known: at most its draft length,
+        the budget left after its own token, the outputs max_tokens leaves after the one sampled,
+        and the positions its context has left. The n-gram proposal, or as many PROPOSED tokens
+        for the worker's draft model to fill in."""
         config = self.speculative
         assert config is not None
         known = request.num_tokens
         if request.num_pending or request.num_computed != known - 1:
             return []
-        index = self.ngrams.get(request.req_id)
-        if index is None or len(index.tokens) > known:
-            index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
-            self.ngrams[request.req_id] = index
-        index.extend(request.token_ids(len(index.tokens), known))
         k = min(
             self.draft_lens.get(request.req_id, config.num_speculative_tokens),
             budget - 1,
             request.max_tokens - request.num_outputs_planned - 1,
             self.capacity - known,
         )
-        return index.propose(k) if k > 0 else []
+        if k <= 0:
+            return []
+        if config.drafts_with_model:
+            return [PROPOSED] * k
+        index = self.ngrams.get(request.req_id)
+        if index is None or len(index.tokens) > known:
+            index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
+            self.ngrams[request.req_id] = index
+        index.extend(request.token_ids(len(index.tokens), known))
+        return index.propose(k)
 
     def _prefill_order(self) -> list[Request]:
         """Running requests in the order their prompts get chunks: most urgent, then oldest, but of
@@ -602,6 +611,10 @@ class StepPlanner:
             k = min(k + 1, config.num_speculative_tokens)
         self.draft_lens[request.req_id] = k
         request.num_computed = chunk.start_pos + 1 + num_accepted
+        if chunk.draft[0] == PROPOSED:
+            # the draft model read the chunk's token and its drafts but the last: the accepted of
+            # those are the request's
+            request.num_drafted = chunk.start_pos + 1 + min(num_accepted, len(chunk.draft) - 1)
         self.tables.shrink(request, request.num_computed + 1)
 
     def finish(self, req_id: str, reason: FinishReason, error: str | None = None) -> Request | None:

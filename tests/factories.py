@@ -158,12 +158,14 @@ def local_engine(  # type: ignore[no-untyped-def]
     block_size: int = 16,
     prefix_caching: bool = False,
     tokenizer=None,
+    draft_model=None,
     **planner: Any,
 ):
     """The in-process engine on `model`: a planner of `num_slots` requests at once of up to
     `capacity` tokens over `num_blocks` KV blocks (default: every slot's whole context), and a
-    runner whose cache holds them."""
+    runner whose cache holds them (and a `draft_model`'s, for a draft model's speculation)."""
     from scheduler.step_planner import StepPlanner
+    from workers.drafter import Drafter
     from workers.engine import LocalEngine
     from workers.runner import ModelRunner
 
@@ -175,7 +177,9 @@ def local_engine(  # type: ignore[no-untyped-def]
         prefix_caching=prefix_caching,
         **planner,
     )
-    runner = ModelRunner(model, scheduler.blocks.num_blocks, block_size=block_size)
+    num_blocks = scheduler.blocks.num_blocks
+    drafter = None if draft_model is None else Drafter(draft_model, num_blocks, block_size)
+    runner = ModelRunner(model, num_blocks, block_size=block_size, drafter=drafter)
     return LocalEngine(runner, scheduler, tokenizer)
 
 

@@ -13,6 +13,8 @@ import torch
 
 from scheduler.cell.gc_pauses import freeze_startup_objects
 from scheduler.messages import KVImport, KVPiece, StepResult, WorkerRestarted, unpack_plans
+from scheduler.speculation import SpeculativeConfig
+from workers.drafter import Drafter, load_draft_model
 from workers.kv_transfer import (
     ImportReport,
     KVReceiver,
@@ -49,16 +51,21 @@ class Worker:
         kv_transport: str = "auto",
         kv_cache_dtype: str = "auto",
         quantization: str | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         torch.set_num_threads(max(1, num_threads))
         self.index = index
-        loaded = load_model(model, dtype, resolve_device(device), quantization)
+        device = resolve_device(device)
+        loaded = load_model(model, dtype, device, quantization)
+        # every worker loads a draft model: the pool planner may move any worker to decode
+        draft = load_draft_model(speculative, loaded.model, dtype, device)
         self.runner = ModelRunner(
             loaded.model,
             num_blocks,
             block_size=block_size,
             tokenizer=loaded.tokenizer,
             kv_cache_dtype=kv_cache_dtype,
+            drafter=None if draft is None else Drafter(draft, num_blocks, block_size),
         )
         self.kv_transport = kv_transport
         self.transports = usable_transports(self.runner.device, kv_transport)
@@ -209,5 +216,6 @@ def spawn_worker(
             config.kv_transport,
             config.kv_cache_dtype,
             config.quantization,
+            config.speculative,
         )
     )

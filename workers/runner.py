@@ -3,6 +3,7 @@ sampling."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -14,6 +15,8 @@ from scheduler.block_pool import BLOCK_SIZE
 from scheduler.messages import Samples
 from scheduler.plan import Chunk, StepPlan
 from scheduler.request import PENDING
+from scheduler.speculation import PROPOSED
+from workers.drafter import Drafter
 from workers.kernels import load_kernels
 from workers.kv_cache import PagedKVCache, check_fits
 from workers.model import BatchLayout, DecoderLM
@@ -26,7 +29,8 @@ log = logging.getLogger(__name__)
 
 class ModelRunner:
     """Owns a model and a paged KV cache of `num_blocks` blocks of `block_size` tokens (in the
-    model's dtype, or 8-bit as `kv_cache_dtype` says), and runs plans on them."""
+    model's dtype, or 8-bit as `kv_cache_dtype` says), and runs plans on them; with a `drafter`,
+    its draft model proposes the drafts the plans leave to it."""
 
     def __init__(
         self,
@@ -35,8 +39,10 @@ class ModelRunner:
         block_size: int = BLOCK_SIZE,
         tokenizer: Any = None,
         kv_cache_dtype: str = "auto",
+        drafter: Drafter | None = None,
     ) -> None:
         self.model = model.eval()
+        self.drafter = drafter  # proposes the drafts of chunks that carry PROPOSED tokens
         weight = model.model.embed_tokens.weight
         self.device = weight.device
         self.dtype = weight.dtype
@@ -65,7 +71,8 @@ class ModelRunner:
             device=self.device,
             kv_cache_dtype=kv_cache_dtype,
         )
-        self.last_forward_s = 0.0  # seconds inside the model in the last execute(), for profiling
+        # seconds inside the model (and the draft model) in the last execute(), for profiling
+        self.last_forward_s = 0.0
         # what the last execute() sampled: fed in for PENDING tokens
         self.last_sampled: dict[str, int] = {}
         grammars = (
@@ -107,7 +114,9 @@ class ModelRunner:
         decode = [
             (c, ids) for c in plan.decode if not c.draft and (ids := self._fed(c)) is not None
         ]
-        chunked = [c for c in plan.decode if c.draft] + plan.prefill
+        draft_start = time.perf_counter()
+        chunked = self._proposed([c for c in plan.decode if c.draft]) + plan.prefill
+        draft_s = time.perf_counter() - draft_start
         fed = decode + [(c, ids) for c in chunked if (ids := self._fed(c)) is not None]
         if not fed:  # (a step that only imports KV, or whose chunks' caches were lost here)
             self.last_sampled = {}
@@ -144,7 +153,7 @@ class ModelRunner:
             # [M, vocab]
             torch.tensor(logits_indices, dtype=torch.long, device=self.device),
         )
-        self.last_forward_s = time.perf_counter() - forward_start
+        self.last_forward_s = time.perf_counter() - forward_start + draft_s
         samples = Samples()
         if sampling:
             samples.tokens = self._sample(logits[: len(sampling)], sampling, samples)
@@ -164,6 +173,21 @@ class ModelRunner:
         for req_id, more in samples.more.items():
             self.last_sampled[req_id] = more[-1]
         return samples
+
+    def _proposed(self, chunks: list[Chunk]) -> list[Chunk]:
+        """The chunks with drafts, those whose drafts the draft model proposes filled in (copies:
+        the plan stays as the scheduler made it)."""
+        asked = [c for c in chunks if c.draft[0] == PROPOSED]
+        if not asked:
+            return chunks
+        if self.drafter is None:
+            raise RuntimeError("a plan asks for a draft model's drafts; this worker has none")
+        drafts = self.drafter.propose([(c, c.token_ids[0]) for c in asked])
+        filled = {
+            c.req_id: dataclasses.replace(c, token_ids=[c.token_ids[0], *d], draft=tuple(d))
+            for c, d in zip(asked, drafts, strict=True)
+        }
+        return [filled.get(c.req_id, c) for c in chunks]
 
     def _verify(self, chunk: Chunk, rows: torch.Tensor, samples: Samples) -> None:
         """A chunk's drafts against the model: while the token sampled at a position equals the

@@ -1,7 +1,9 @@
 """`--speculative-config` from the flag to every decode worker: colocated and disaggregated modes
 give speculation-off local mode's greedy tokens, with drafts verified on the decode workers and
-counted in the cell's stats and on /metrics; a bad configuration is refused before anything
-starts."""
+counted in the cell's stats and on /metrics; a draft model's drafts in local mode and on a decode
+worker that imports its prompts' KV; a bad configuration is refused before anything starts."""
+
+import json
 
 import pytest
 from pydantic import ValidationError
@@ -29,6 +31,13 @@ def test_the_flag_takes_vllms_json_and_a_bad_one_is_refused_with_the_reason():
         EngineConfig(speculative_config="{method: ngram}")
     with pytest.raises(ValidationError, match="proposes with ngram"):
         EngineConfig(speculative_config='{"method": "eagle", "model": "x"}')
+    draft = EngineConfig(speculative_config={"model": "d", "num_speculative_tokens": 2})
+    assert draft.speculative.method == "draft_model"  # as vLLM: a model means a draft model
+    assert draft.speculative.model == "d"
+    with pytest.raises(ValidationError, match="needs the draft's"):
+        EngineConfig(speculative_config={"method": "draft_model"})
+    with pytest.raises(ValidationError, match="proposes without a model"):
+        EngineConfig(speculative_config={"method": "ngram", "quantization": "int8"})
 
 
 @pytest.mark.slow
@@ -54,6 +63,27 @@ def test_greedy_tokens_equal_local_mode_without_speculation(
     assert spec["num_drafts"] > 0 and spec["num_draft_tokens"] >= spec["num_drafts"]
     counters = cell_counters({"stats": stats, "serving": _no_serving()})
     assert counters[("vllm:spec_decode_num_drafts_total", ())] == spec["num_drafts"]
+
+
+@pytest.mark.slow
+def test_a_draft_model_drafts_in_local_mode_and_after_a_handoff(ray_session, tiny_checkpoint):
+    """The served checkpoint drafting for itself: every greedy draft is right exactly when the
+    draft model's KV is, and on a decode worker it reads each handed-off prompt first (the prefill
+    worker never runs it)."""
+    with open_engine(EngineConfig(model=tiny_checkpoint, **BASE)) as engine:
+        local = {k: c.token_ids for k, c in engine.run(requests()).items()}
+    draft = json.dumps({"model": tiny_checkpoint, "num_speculative_tokens": 3})
+    config = EngineConfig(model=tiny_checkpoint, speculative_config=draft, **BASE)
+    with open_engine(config) as engine:
+        assert {k: c.token_ids for k, c in engine.run(requests()).items()} == local
+        spec = engine.engine.scheduler.spec_stats.as_dict()
+    assert spec["num_drafts"] > 0 and spec["acceptance_rate"] == 1.0
+    disaggregated = dict(mode="disaggregated", prefill_workers=1, decode_workers=1)
+    with RayEngine(config.model_copy(update=disaggregated)) as engine:
+        results = engine.run(requests())
+        spec = engine.stats()["spec_decode"]
+    assert {k: c.token_ids for k, c in results.items()} == local
+    assert spec["num_drafts"] > 0 and spec["acceptance_rate"] == 1.0
 
 
 def _no_serving() -> dict:

@@ -1,9 +1,11 @@
-"""Speculative decoding on a real (tiny) model in the in-process engine: the tokens, log-probs and
-finish reasons of speculation off, greedy and seeded, with penalties, stops and max_tokens inside
-accepted runs, preemption and prefix caching; drafts verified and accepted along the way, and no
-block a rejected draft touched left held or cached."""
+"""Speculative decoding on a real (tiny) model in the in-process engine, with n-gram proposals and
+with a draft model's: the tokens, log-probs and finish reasons of speculation off, greedy and
+seeded, with penalties, stops and max_tokens inside accepted runs, preemption, prefix caching and
+n > 1; drafts verified and accepted along the way, and no block a rejected draft touched left held
+or cached."""
 
 import pytest
+import torch
 
 from scheduler.block_pool import BLOCK_SIZE
 from scheduler.request import Request, SamplingParams
@@ -11,6 +13,7 @@ from scheduler.speculation import SpeculativeConfig
 from tests.factories import VOCAB, local_engine, make_requests, prompt_ids, tiny_model
 
 NGRAM = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+DRAFT = SpeculativeConfig(method="draft_model", model="(in the test)", num_speculative_tokens=4)
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +32,23 @@ def requests(sampling=None, stop=frozenset(), max_tokens=(60, 13, 90, 7, 45, 120
     return out
 
 
-def run(model, speculative, reqs, **engine):
+@pytest.fixture(scope="module")
+def drafts():
+    """Draft models of the test model's vocabulary: the model itself (every greedy draft right
+    while its KV is), the model with its weights perturbed (about half right) and a model of
+    another architecture (almost none right)."""
+    perturbed = tiny_model("llama")
+    noise = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in perturbed.parameters():
+            p.add_(torch.randn(p.shape, generator=noise) * 0.02 * p.float().std())
+    return {"itself": tiny_model("llama"), "perturbed": perturbed, "other": tiny_model("qwen2")}
+
+
+def run(model, speculative, reqs, draft=None, **engine):
     """The engine, each request's (tokens, finish reason), and its log-probs as numbers."""
     args = dict(num_slots=4, capacity=400, token_budget=64, prefill_chunk=32) | engine
-    eng = local_engine(model, speculative=speculative, **args)
+    eng = local_engine(model, speculative=speculative, draft_model=draft, **args)
     done = eng.run(reqs)
     tokens = {r: (tuple(q.output_ids), q.finish_reason) for r, q in done.items()}
     return eng, tokens, {r: logprob_values(q.logprobs) for r, q in done.items()}
@@ -127,3 +143,70 @@ def test_preemption_and_prefix_caching_keep_the_tokens(model):
     plain = local_engine(model, 4, 400)
     assert again == plain.run([Request("turn2", turn, 40, SamplingParams())])["turn2"].output_ids
     assert VOCAB > max(again)
+
+
+@pytest.mark.parametrize(
+    ("sampling", "draft"),
+    [
+        (None, "itself"),
+        (None, "perturbed"),
+        (None, "other"),
+        (SamplingParams(temperature=0.9, seed=11, logprobs=2), "perturbed"),
+        (SamplingParams(repetition_penalty=1.3, presence_penalty=0.5), "perturbed"),
+    ],
+    ids=["greedy-itself", "greedy-perturbed", "greedy-other", "seeded", "penalties"],
+)
+def test_draft_model_outputs_equal_speculation_off(model, drafts, sampling, draft):
+    """The draft model's greedy proposals are verified as n-gram ones are: the same tokens and
+    log-probs as decoding one at a time, however good the draft model is."""
+    _, off, off_logprobs = run(model, None, requests(sampling))
+    eng, on, on_logprobs = run(model, DRAFT, requests(sampling), drafts[draft])
+    assert on == off
+    assert_logprobs_close(on_logprobs, off_logprobs)
+    stats = eng.scheduler.spec_stats.as_dict()
+    assert stats["num_drafts"] > 0
+    if sampling is None:
+        rate = stats["acceptance_rate"]
+        assert {"itself": rate == 1.0, "perturbed": 0.3 < rate < 0.8, "other": rate < 0.1}[draft]
+    check_blocks_back(eng)
+
+
+def test_a_draft_models_kv_follows_preemption_prefix_hits_and_forks(model, drafts):
+    """The draft model keeps KV of its own in the request's blocks, for the positions it has read:
+    after a preemption (recompute), a prefix-cache hit (blocks computed by another request) and
+    a fork (a choice copying its sibling's prompt), it reads what it has not seen first. Drafting
+    with the model itself shows it: a draft is wrong only where the draft model's KV is."""
+    few = dict(capacity=200, num_blocks=14, prefix_caching=True)
+    eng, on, _ = run(model, DRAFT, requests(), drafts["itself"], **few)
+    assert on == run(model, None, requests(), **few)[1]
+    assert eng.scheduler.num_preemptions > 0 and eng.scheduler.blocks.hit_tokens > 0
+    assert eng.scheduler.spec_stats.as_dict()["acceptance_rate"] == 1.0
+    check_blocks_back(eng)
+
+    def choices(sampling):
+        prompt = prompt_ids(29, 21)
+        return [
+            Request(f"x-{i}", prompt, 30, sampling(i), fork_of="x-0" if i else None)
+            for i in range(3)
+        ]
+
+    greedy = choices(lambda i: SamplingParams())
+    eng, on, _ = run(model, DRAFT, greedy, drafts["itself"])
+    assert on == run(model, None, choices(lambda i: SamplingParams()))[1]
+    assert eng.scheduler.spec_stats.as_dict()["acceptance_rate"] == 1.0
+    seeded = choices(lambda i: SamplingParams(temperature=0.8, seed=7 + i))
+    _, on, _ = run(model, DRAFT, seeded, drafts["perturbed"])
+    assert on == run(model, None, choices(lambda i: SamplingParams(temperature=0.8, seed=7 + i)))[1]
+    assert len({tokens for tokens, _ in on.values()}) > 1  # the seeds differ
+
+
+def test_stops_and_max_tokens_inside_a_draft_models_accepted_runs(model, drafts):
+    """With every draft right, each stop and max_tokens falls inside an accepted run."""
+    _, off, _ = run(model, None, requests())
+    for stop in sorted(set(off["r0"][0][1:8]))[:3]:
+        stops = frozenset({stop})
+        on = run(model, DRAFT, requests(stop=stops), drafts["itself"])[1]
+        assert on == run(model, None, requests(stop=stops))[1]
+    lengths = (1, 2, 3, 5, 6, 9)
+    on = run(model, DRAFT, requests(max_tokens=lengths), drafts["itself"])[1]
+    assert on == run(model, None, requests(max_tokens=lengths))[1]
