@@ -210,3 +210,20 @@ def test_stops_and_max_tokens_inside_a_draft_models_accepted_runs(model, drafts)
     lengths = (1, 2, 3, 5, 6, 9)
     on = run(model, DRAFT, requests(max_tokens=lengths), drafts["itself"])[1]
     assert on == run(model, None, requests(max_tokens=lengths))[1]
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused_with_both_sizes(model):
+    from transformers import AutoModelForCausalLM
+
+    from tests.factories import tiny_hf_config
+    from workers.drafter import check_vocabulary
+    from workers.loader import from_hf_model
+
+    config = tiny_hf_config("llama")
+    config.vocab_size = VOCAB + 64
+    other = from_hf_model(AutoModelForCausalLM.from_config(config))
+    with pytest.raises(
+        ValueError, match=rf"vocabulary of {VOCAB + 64} tokens, the served model {VOCAB}"
+    ):
+        check_vocabulary(other, model, "other")
+    check_vocabulary(tiny_model("qwen2"), model, "qwen2")  # same ids: accepted

@@ -267,9 +267,13 @@ def test_lost_handoff_is_prefilled_again(ray_session, tiny_checkpoint, tmp_path)
         ray.get(handle.shutdown.remote())
 
 
-def test_killed_workers_lose_no_request(ray_session, tiny_checkpoint):
+@pytest.mark.parametrize("speculate", [False, True], ids=["plain", "draft-model"])
+def test_killed_workers_lose_no_request(ray_session, tiny_checkpoint, speculate):
     """Kill the prefill and the decode worker mid-run: every request completes with local mode's
-    tokens (recomputed from prompt + streamed tokens) or ends with an error; nothing hangs."""
+    tokens (recomputed from prompt + streamed tokens) or ends with an error; nothing hangs. With
+    speculation by a draft model (the checkpoint drafting for itself), the restarted decode
+    worker's draft model reads every recomputed request again: each of its drafts is right."""
+    draft = {"model": tiny_checkpoint, "num_speculative_tokens": 3} if speculate else None
     config = EngineConfig(
         model=tiny_checkpoint,
         mode="disaggregated",
@@ -278,12 +282,13 @@ def test_killed_workers_lose_no_request(ray_session, tiny_checkpoint):
         max_model_len=512,
         token_budget=8,
         prefill_chunk=4,
+        speculative_config=draft,
     )
 
     def workload():
         return make_requests(10, [5, 40, 12, 70, 9], [20, 250, 300, 240, 280])
 
-    expected = local_outputs(config, workload())
+    expected = local_outputs(config.model_copy(update={"speculative_config": None}), workload())
     engine = RayEngine(config)
     workers = ray.get(engine.handle.worker_handles.remote())
     kills = threading.Event()
@@ -315,6 +320,9 @@ def test_killed_workers_lose_no_request(ray_session, tiny_checkpoint):
             assert done.token_ids == expected[req_id], req_id
     assert stats["counters"]["worker_failures"] >= 1 and stats["counters"]["recomputes"] >= 1
     assert stats["live_handoffs"] == 0
+    if speculate:
+        spec = stats["spec_decode"]
+        assert spec["num_drafts"] > 0 and spec["acceptance_rate"] == 1.0
 
 
 async def restarted(worker, killed: str, timeout_s: float = 60.0):
