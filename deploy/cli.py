@@ -40,6 +40,8 @@ def _engine_fields(
             flags[f"--{name.replace('_', '-')}"] = (name, kind, None)
         elif kind is bool:
             flags[f"--{name.replace('_', '-')}"] = (name, _truth, None)
+        elif typing.get_origin(kind) is list:  # one or more values: --lora-modules a=x b=y
+            flags[f"--{name.replace('_', '-')}"] = (name, list, None)
     return flags
 
 
@@ -70,7 +72,8 @@ def add_engine_args(
         parser.add_argument(
             flag,
             dest=name,
-            type=kind,
+            type=str if kind is list else kind,
+            nargs="+" if kind is list else None,
             default=None,
             choices=choices,
             metavar="{true,false}" if kind is _truth else None,

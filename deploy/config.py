@@ -17,6 +17,7 @@ from pydantic import (
 
 from deploy.prompts import read_chat_template
 from scheduler.cell.state import MODES_ON_RAY, CellConfig
+from scheduler.request import LoraRef
 from scheduler.speculation import SpeculativeConfig
 from workers.catalog import ALIASES, DEFAULT_MODEL, MAX_DEFAULT_CONTEXT
 
@@ -83,7 +84,8 @@ class EngineConfig(BaseModel):
         None,
         description="Speculative decoding, as vLLM's flag: JSON such as "
         '\'{"method": "ngram", "num_speculative_tokens": 4}\' (also prompt_lookup_min, '
-        "prompt_lookup_max, disable_by_batch_size). Unset: off.",
+        'prompt_lookup_max, disable_by_batch_size), or \'{"method": "draft_model", "model": '
+        '"<draft>"}\' (also its "quantization"). Unset: off.',
     )
     prefill_chunk: int = Field(
         128, ge=1, description="Most prompt tokens of one request in one step."
@@ -102,6 +104,24 @@ class EngineConfig(BaseModel):
         "any float checkpoint at load, per output channel; fp8 (GPU only) to FP8 e4m3 per output "
         "channel. Unset: weights dequantized to dtype (a GPTQ, AWQ or compressed-tensors "
         "checkpoint is served packed as it is).",
+    )
+    lora_modules: list[str] | dict[str, str] | None = Field(
+        None,
+        description="LoRA adapters served beside the model (vLLM's --lora-modules): name=path "
+        "..., each a PEFT checkpoint (adapter_config.json, adapter_model.safetensors) every "
+        "worker can read; a request picks one by its `model`. A mapping in the Serve config.",
+    )
+    enable_lora: bool = Field(
+        False, description="Serve LoRA adapters (on whenever lora_modules names some)."
+    )
+    max_loras: int = Field(
+        4,
+        ge=1,
+        description="LoRA adapters one worker runs (and holds) at once: a request of another "
+        "waits for one of them to finish.",
+    )
+    max_lora_rank: int = Field(
+        16, ge=1, description="The highest LoRA rank served; an adapter above it is refused."
     )
     prefill_workers: int = Field(1, ge=1, description="Prefill worker actors (disaggregated mode).")
     decode_workers: int = Field(
@@ -250,6 +270,32 @@ class EngineConfig(BaseModel):
             )
         return self
 
+    @field_validator("lora_modules")
+    @classmethod
+    def _lora_modules(cls, value: list[str] | dict[str, str] | None) -> dict[str, str] | None:
+        if value is None or isinstance(value, dict):
+            return value
+        modules = {}
+        for item in value:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"lora_modules: {item!r} is not name=path")
+            if name in modules:
+                raise ValueError(f"lora_modules: {name!r} is named twice")
+            modules[name] = path
+        return modules
+
+    @property
+    def loras(self) -> dict[str, LoraRef]:
+        """The adapters of lora_modules, by name."""
+        modules = self.lora_modules or {}
+        assert isinstance(modules, dict)
+        return {name: LoraRef(name, path) for name, path in modules.items()}
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
+
     @field_validator("speculative_config")
     @classmethod
     def _speculative(cls, value: str | dict[str, Any] | None) -> dict[str, Any] | None:
@@ -367,6 +413,7 @@ class EngineConfig(BaseModel):
             block_size=self.block_size,
             prefix_caching=self.prefix_caching,
             speculative=self.speculative,
+            max_loras=self.max_loras if self.lora_enabled else None,
             cache_routing=self.cache_routing,
             max_burst_ms=self.max_burst_ms,
             kv_transfer_failure=self.kv_transfer_failure,

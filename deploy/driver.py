@@ -72,6 +72,7 @@ class InProcessEngine(Engine):
         from workers.engine import LocalEngine
         from workers.kv_cache import PagedKVCache
         from workers.loader import load_model
+        from workers.lora import ResidentLoras
         from workers.runner import ModelRunner
 
         loaded = loaded or load_model(
@@ -96,6 +97,11 @@ class InProcessEngine(Engine):
             tokenizer=loaded.tokenizer,
             kv_cache_dtype=config.kv_cache_dtype,
             drafter=None if draft is None else Drafter(draft, num_blocks, config.block_size),
+            loras=(
+                ResidentLoras(loaded.model, config.max_loras, config.max_lora_rank)
+                if config.lora_enabled
+                else None
+            ),
         )
         scheduler = StepPlanner(
             config.slots,
@@ -108,6 +114,7 @@ class InProcessEngine(Engine):
             block_size=config.block_size,
             prefix_caching=config.prefix_caching,
             speculative=config.speculative,
+            max_loras=config.max_loras if config.lora_enabled else None,
         )
         log.info(
             "local engine: %s, %d requests at once of up to %d tokens, %d KV blocks of %d "

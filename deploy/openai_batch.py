@@ -132,6 +132,7 @@ def run_openai_batch(
             engine.capacity,
             config.tool_call_parser,
             config.reasoning_parser,
+            loras=config.loras,
         )
         # plans and shapes; the engine runs
         server = OpenAIServer(None, model)  # type: ignore[arg-type]

@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
-from scheduler.request import MAX_LOGIT_BIAS, Request, SamplingParams
+from scheduler.request import MAX_LOGIT_BIAS, LoraRef, Request, SamplingParams
 
 
 class ParameterError(ValueError):
@@ -203,6 +203,7 @@ class GenerationParams(BaseModel):
         prompt_logprobs: int | None = None,
         structured: str | None = None,
         fork_of: str | None = None,
+        lora: LoraRef | None = None,
     ) -> Request:
         """The engine's Request: the model's EOS a stop token unless ignore_eos, `seed` standing
         in for the body's (a choice's own), a random seed if neither is given. Raises
@@ -245,4 +246,5 @@ class GenerationParams(BaseModel):
             priority=self.priority,
             fork_of=fork_of,
             timeout_s=self.timeout,
+            lora=lora,
         )

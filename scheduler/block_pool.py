@@ -21,14 +21,19 @@ BLOCK_SIZE = 16  # tokens per block unless configured (`--block-size`)
 
 
 def chain_hashes(
-    tokens: list[int], num_blocks: int, known: list[bytes], block_size: int = BLOCK_SIZE
+    tokens: list[int],
+    num_blocks: int,
+    known: list[bytes],
+    block_size: int = BLOCK_SIZE,
+    salt: bytes = b"",
 ) -> list[bytes]:
     """The names of the first `num_blocks` full blocks of `tokens`: block i's name hashes its tokens
-    and the name of block i-1, so equal names mean equal prefixes. Extends and returns `known` (a
-    prefix of the answer computed before)."""
+    and the name of block i-1 (block 0's, `salt`: a LoRA adapter's), so equal names mean equal
+    prefixes computed by the same weights. Extends and returns `known` (a prefix of the answer
+    computed before)."""
     while len(known) < num_blocks:
         i = len(known)
-        digest = hashlib.blake2b(known[-1] if known else b"", digest_size=16)
+        digest = hashlib.blake2b(known[-1] if known else salt, digest_size=16)
         block = tokens[i * block_size : (i + 1) * block_size]
         digest.update(b",".join(str(t).encode() for t in block))
         known.append(digest.digest())
@@ -42,7 +47,8 @@ def block_names(request: Request, block_size: int = BLOCK_SIZE) -> list[bytes]:
     known = request.block_names.setdefault(block_size, [])
     if len(known) < num_blocks:
         tokens = request.token_ids(0, num_blocks * block_size)
-        chain_hashes(tokens, num_blocks, known, block_size)
+        salt = b"" if request.lora is None else request.lora.salt
+        chain_hashes(tokens, num_blocks, known, block_size, salt)
     return known[:num_blocks]
 
 

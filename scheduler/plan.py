@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from scheduler.request import Request, SamplingParams
+from scheduler.request import LoraRef, Request, SamplingParams
 
 History = tuple[tuple[int, ...], tuple[int, ...]]  # a request's (prompt, output so far)
 
@@ -40,6 +40,8 @@ class Chunk:
     # drafts a draft model proposes (all PROPOSED): the request's tokens at the positions before
     # start_pos that the worker's draft model has not seen yet, which it computes first
     draft_context: tuple[int, ...] = ()
+    # the LoRA adapter its tokens run with (None: the base model)
+    lora: LoraRef | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -128,6 +128,20 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()  # (token id, log-prob), most likely first
 
 
+@dataclass(frozen=True)
+class LoraRef:
+    """A LoRA adapter a request runs with: its name (the OpenAI `model` it is asked by) and the
+    path of its PEFT checkpoint, which every worker that runs the request reads."""
+
+    name: str
+    path: str
+
+    @property
+    def salt(self) -> bytes:
+        """What block names of its requests start from: KV of two adapters is never shared."""
+        return f"lora:{self.name}:{self.path}".encode()
+
+
 @dataclass(eq=False)
 class Request:
     """One generation request and its progress.
@@ -153,6 +167,7 @@ class Request:
     timeout_s: float | None = None
     # placed again after its cell was lost (`continuation`): what it already got was counted there
     is_continuation: bool = False
+    lora: LoraRef | None = None  # the adapter it runs with; None: the base model
 
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
@@ -307,6 +322,7 @@ def continuation(
         max_queue_s=request.max_queue_s,
         timeout_s=request.timeout_s,
         is_continuation=True,
+        lora=request.lora,
         output_ids=list(output_ids),
         logprobs=list(logprobs),
         text_sent=text_sent,

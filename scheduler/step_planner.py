@@ -51,6 +51,7 @@ class StepPlanner:
         block_size: int = BLOCK_SIZE,
         prefix_caching: bool = False,
         speculative: SpeculativeConfig | None = None,
+        max_loras: int | None = None,
     ) -> None:
         limits = {
             "num_slots": (num_slots, 1),
@@ -104,6 +105,7 @@ class StepPlanner:
         self.prefix_caching = prefix_caching
         self.tables = BlockTables(self.blocks, prefix_caching)
         self.speculative = speculative
+        self.max_loras = max_loras  # LoRA adapters running at once, at most
         self.ngrams: dict[str, NgramIndex] = {}  # per speculating request: its n-gram index
         self.draft_lens: dict[str, int] = {}  # per request: the drafts its next chunk may carry
         self.spec_stats = SpecStats(speculative.num_speculative_tokens if speculative else 0)
@@ -187,6 +189,9 @@ class StepPlanner:
                 and self.tables.should_wait(request, self.running)
             ):
                 # its prefix is being computed here: copying it soon beats computing it again
+                index += 1
+                continue
+            if not self._adapter_fits(request):  # its adapter waits for one running to end
                 index += 1
                 continue
             reserved = self.reserved.get(request.req_id)
@@ -332,6 +337,14 @@ class StepPlanner:
             exports=exports,
         )
 
+    def _adapter_fits(self, request: Request) -> bool:
+        """`max_loras`: a request of a LoRA adapter no running request uses is admitted only while
+        fewer than `max_loras` adapters run (a worker holds that many at once)."""
+        if request.lora is None or self.max_loras is None:
+            return True
+        running = {r.lora for r in self.running if r.lora is not None}
+        return request.lora in running or len(running) < self.max_loras
+
     def _speculating(self) -> bool:
         """Whether this plan's decode chunks carry drafts: speculation is on and the batch small."""
         config = self.speculative
@@ -439,6 +452,7 @@ class StepPlanner:
             history=history,
             prompt_targets=targets,
             admission=request.num_admissions,
+            lora=request.lora,
         )
 
     # ---- making room when blocks run short: a reservation given back first, then the least

@@ -159,6 +159,8 @@ def local_engine(  # type: ignore[no-untyped-def]
     prefix_caching: bool = False,
     tokenizer=None,
     draft_model=None,
+    max_loras: int | None = None,
+    max_lora_rank: int = 16,
     **planner: Any,
 ):
     """The in-process engine on `model`: a planner of `num_slots` requests at once of up to
@@ -167,6 +169,7 @@ def local_engine(  # type: ignore[no-untyped-def]
     from scheduler.step_planner import StepPlanner
     from workers.drafter import Drafter
     from workers.engine import LocalEngine
+    from workers.lora import ResidentLoras
     from workers.runner import ModelRunner
 
     scheduler = StepPlanner(
@@ -175,11 +178,13 @@ def local_engine(  # type: ignore[no-untyped-def]
         num_blocks=num_blocks,
         block_size=block_size,
         prefix_caching=prefix_caching,
+        max_loras=max_loras,
         **planner,
     )
     num_blocks = scheduler.blocks.num_blocks
     drafter = None if draft_model is None else Drafter(draft_model, num_blocks, block_size)
-    runner = ModelRunner(model, num_blocks, block_size=block_size, drafter=drafter)
+    loras = None if max_loras is None else ResidentLoras(model, max_loras, max_lora_rank)
+    runner = ModelRunner(model, num_blocks, block_size=block_size, drafter=drafter, loras=loras)
     return LocalEngine(runner, scheduler, tokenizer)
 
 
@@ -394,3 +399,54 @@ def save_tiny_gguf(  # type: ignore[no-untyped-def]
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def save_lora_adapter(  # type: ignore[no-untyped-def]
+    path,
+    kind: str = "llama",
+    rank: int = 8,
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj"),
+    seed: int = 0,
+    **lora: Any,
+):
+    """A PEFT LoRA adapter of the tiny `kind` model written by PEFT itself to `path`, with random
+    A and B (PEFT starts B at zero: an adapter that changes nothing); returns the path."""
+    import copy
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=lora.pop("lora_alpha", 2 * rank), **lora)
+    config.target_modules = set(targets)
+    peft_model = get_peft_model(copy.deepcopy(tiny_hf_model(kind)), config)
+    noise = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(
+                    torch.randn(param.shape, generator=noise) * 0.5 / param.shape[-1] ** 0.5
+                )
+    peft_model.save_pretrained(str(path))
+    return path
+
+
+def peft_greedy(kind: str, adapter, prompt: list[int], max_tokens: int) -> list[int]:  # type: ignore[no-untyped-def]
+    """`transformers` + PEFT's greedy continuation of `prompt` with the adapter at `adapter` (the
+    base model's with None)."""
+    import copy
+
+    import torch
+    from peft import PeftModel
+
+    model = copy.deepcopy(tiny_hf_model(kind))
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, str(adapter)).eval()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.tensor([prompt]),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=VOCAB - 1,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()

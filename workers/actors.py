@@ -24,6 +24,7 @@ from workers.kv_transfer import (
     usable_transports,
 )
 from workers.loader import load_model, resolve_device
+from workers.lora import ResidentLoras
 from workers.runner import ModelRunner
 
 # a NIXL sender's staging pool: this share of the bytes of its KV cache
@@ -52,6 +53,8 @@ class Worker:
         kv_cache_dtype: str = "auto",
         quantization: str | None = None,
         speculative: SpeculativeConfig | None = None,
+        max_loras: int | None = None,
+        max_lora_rank: int = 16,
     ) -> None:
         torch.set_num_threads(max(1, num_threads))
         self.index = index
@@ -66,6 +69,9 @@ class Worker:
             tokenizer=loaded.tokenizer,
             kv_cache_dtype=kv_cache_dtype,
             drafter=None if draft is None else Drafter(draft, num_blocks, block_size),
+            loras=None
+            if max_loras is None
+            else ResidentLoras(loaded.model, max_loras, max_lora_rank),
         )
         self.kv_transport = kv_transport
         self.transports = usable_transports(self.runner.device, kv_transport)
@@ -217,5 +223,7 @@ def spawn_worker(
             config.kv_cache_dtype,
             config.quantization,
             config.speculative,
+            config.max_loras if config.lora_enabled else None,
+            config.max_lora_rank,
         )
     )

@@ -21,6 +21,7 @@ from workers.kernels import (
 )
 from workers.kv_cache import PagedKVCache
 from workers.kv_quant import dequantize
+from workers.lora import LoraBatch
 from workers.quantized import QUANTIZED
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite")
@@ -81,6 +82,8 @@ class BatchLayout:
     prefill_starts: torch.Tensor
     prefill_firsts: torch.Tensor
     prefill_counts: torch.Tensor
+    # the LoRA adapters of the batch's tokens (`workers/lora.py`); None: all the base model's
+    lora: LoraBatch | None = None
 
     @classmethod
     def pack(
@@ -242,7 +245,10 @@ class Attention(nn.Module):
         kv_heads = self.num_kv_heads
         dim = self.head_dim
         # [N, H+2KVH, D]
-        qkv = linear(x, self.qkv_weight, self.qkv_bias).view(n, heads + 2 * kv_heads, dim)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)  # [N, (H+2KVH) D]
+        if layout.lora is not None:
+            layout.lora.add(qkv, x, self.layer_idx, "qkv")
+        qkv = qkv.view(n, heads + 2 * kv_heads, dim)
         if hasattr(self, "q_norm"):
             qkv[:, :heads] = self.q_norm(qkv[:, :heads])  # [N, H, D]
             # [N, KVH, D]
@@ -270,7 +276,11 @@ class Attention(nn.Module):
             out[:b] = attn.reshape(b, heads, dim)
         if layout.prefill:
             self._prompts(q, layout, k_cache, v_cache, out, scales)
-        return linear(out.view(n, heads * dim), self.o_proj.weight, self.o_proj.bias)  # [N, hidden]
+        attended = out.view(n, heads * dim)  # [N, H D]
+        projected = linear(attended, self.o_proj.weight, self.o_proj.bias)  # [N, hidden]
+        if layout.lora is not None:
+            layout.lora.add(projected, attended, self.layer_idx, "o")
+        return projected
 
     def _prompts(
         self,
@@ -316,8 +326,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
@@ -327,9 +338,15 @@ class MLP(nn.Module):
         # [2 I, hidden]
         self.gate_up_weight = fuse_linears([self.gate_proj, self.up_proj], "weight")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # [N, hidden]
-        return linear(silu_mul(linear(x, self.gate_up_weight)), self.down_proj.weight)
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        gate_up = linear(x, self.gate_up_weight)  # [N, 2 I]
+        if lora is None:
+            return linear(silu_mul(gate_up), self.down_proj.weight)  # [N, hidden]
+        lora.add(gate_up, x, self.layer_idx, "gate_up")
+        h = silu_mul(gate_up)  # [N, I]
+        down = linear(h, self.down_proj.weight)  # [N, hidden]
+        lora.add(down, h, self.layer_idx, "down")
+        return down
 
 
 class DecoderLayer(nn.Module):
@@ -338,7 +355,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec, layer_idx)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.mlp = MLP(spec, layer_idx)
 
     def forward(self, x, delta, cos, sin, layout, cache):  # type: ignore[no-untyped-def]
         """`x + delta` (the previous layer's output, added here in place into `x`, the residual
@@ -349,7 +366,7 @@ class DecoderLayer(nn.Module):
         h = add_rms_norm(
             x, self.self_attn(h, cos, sin, layout, cache), self.post_attention_layernorm
         )
-        return x, self.mlp(h)  # [N, hidden] each
+        return x, self.mlp(h, layout.lora)  # [N, hidden] each
 
 
 class Backbone(nn.Module):

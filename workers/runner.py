@@ -19,6 +19,7 @@ from scheduler.speculation import PROPOSED
 from workers.drafter import Drafter
 from workers.kernels import load_kernels
 from workers.kv_cache import PagedKVCache, check_fits
+from workers.lora import ResidentLoras
 from workers.model import BatchLayout, DecoderLM
 from workers.quantized import weight_bytes
 from workers.request_state import RequestStates
@@ -30,7 +31,8 @@ log = logging.getLogger(__name__)
 class ModelRunner:
     """Owns a model and a paged KV cache of `num_blocks` blocks of `block_size` tokens (in the
     model's dtype, or 8-bit as `kv_cache_dtype` says), and runs plans on them; with a `drafter`,
-    its draft model proposes the drafts the plans leave to it."""
+    its draft model proposes the drafts the plans leave to it; with `loras`, chunks run with the
+    LoRA adapters they name."""
 
     def __init__(
         self,
@@ -40,9 +42,11 @@ class ModelRunner:
         tokenizer: Any = None,
         kv_cache_dtype: str = "auto",
         drafter: Drafter | None = None,
+        loras: ResidentLoras | None = None,
     ) -> None:
         self.model = model.eval()
         self.drafter = drafter  # proposes the drafts of chunks that carry PROPOSED tokens
+        self.loras = loras  # the LoRA adapters it holds, and reads when a chunk names another
         weight = model.model.embed_tokens.weight
         self.device = weight.device
         self.dtype = weight.dtype
@@ -145,6 +149,10 @@ class ModelRunner:
             logits_indices += range(start + 1, start + c.num_tokens)
         for c, start in echo:  # target i is predicted by the chunk's token i
             logits_indices += range(start, start + len(c.prompt_targets))
+        if any(c.lora for c in chunks):
+            if self.loras is None:
+                raise RuntimeError("a plan asks for a LoRA adapter; this worker serves none")
+            layout.lora = self.loras.batch([c.lora for c in chunks], [c.num_tokens for c in chunks])
         forward_start = time.perf_counter()
         logits = self.model(
             input_ids,

@@ -78,6 +78,7 @@ class OpenAIIngress:
             self.config.tool_call_parser,
             self.config.reasoning_parser,
             self.config.max_queue_time_s,
+            self.config.loras,
         )
         self.cells = cells
         self.app_name = serve.get_replica_context().app_name

@@ -13,7 +13,7 @@ import logging
 import random
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -46,7 +46,7 @@ from deploy.serving.schemas import (
 from deploy.serving.tools.tool_use import ToolUse
 from scheduler.cell.deadlines import QUEUE_TIMEOUT
 from scheduler.outputs import RequestOutput
-from scheduler.request import Request
+from scheduler.request import LoraRef, Request
 from scheduler.step_planner import QueueFullError
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,8 @@ class ServedModel:
     reasoning_parser: str | None = None
     # a request not given a slot this long after its arrival gets 503 (--max-queue-time-s)
     max_queue_s: float | None = None
+    # LoRA adapters served beside it, by name: a request's `model` picks one (--lora-modules)
+    loras: dict[str, LoraRef] = field(default_factory=dict)
 
 
 def _name(index: int, count: int) -> str:
@@ -105,16 +107,21 @@ class OpenAIServer:
         self.texts = TokenTexts(model.tokenizer)
 
     def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [self.model_card(self.model.name)]}
+        """The served model and each LoRA adapter, whose `parent` is the served model."""
+        names = [self.model.name, *self.model.loras]
+        return {"object": "list", "data": [self.model_card(name) for name in names]}
 
     def model_card(self, model: str) -> dict[str, Any]:
-        """`GET /v1/models/{model}`: the served model's card; 404 for another name."""
-        self._check_model(model)
+        """`GET /v1/models/{model}`: the served model's or an adapter's card; 404 for another
+        name."""
+        lora = self._adapter(model)
         return {
-            "id": self.model.name,
+            "id": model,
             "object": "model",
             "created": 0,
             "owned_by": "pdserve",
+            "root": self.model.name if lora is None else lora.path,
+            "parent": None if lora is None else self.model.name,
             "max_model_len": self.model.capacity,
         }
 
@@ -129,6 +136,7 @@ class OpenAIServer:
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
         response_format: dict[str, Any] | None = None,
+        lora: LoraRef | None = None,
     ) -> tuple[str, list[Request]]:
         """The response id and `n` Requests per prompt, prompt by prompt: choice p * n + i is choice
         i of prompt p. Choice i of a prompt samples as a single request of that prompt with seed + i
@@ -157,6 +165,7 @@ class OpenAIServer:
                         prompt_logprobs=prompt_logprobs,
                         structured=structured,
                         fork_of=first if i else None,
+                        lora=lora,
                     )
                     for i in range(n)
                 ]
@@ -183,7 +192,7 @@ class OpenAIServer:
     def completion_job(self, body: CompletionBody) -> Job:
         """A completion of each prompt: `prompt` is a text, a list of token ids, or a list of either
         (a batch: `n` choices per prompt, numbered prompt by prompt, as vLLM and OpenAI do)."""
-        self._check_model(body.model)
+        lora = self._adapter(body.model)
         batch = (
             body.prompt
             if isinstance(body.prompt, list)
@@ -212,6 +221,7 @@ class OpenAIServer:
             "cmpl",
             logprobs=body.logprobs,
             prompt_logprobs=body.logprobs if echo else None,
+            lora=lora,
         )
         echo_texts = (
             tuple(
@@ -233,7 +243,7 @@ class OpenAIServer:
         )
 
     def chat_job(self, body: ChatBody) -> Job:
-        self._check_model(body.model)
+        lora = self._adapter(body.model)
         tools = self._tool_use(body)
         ids = self._chat_ids(body.messages, body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -244,6 +254,7 @@ class OpenAIServer:
             "chatcmpl",
             logprobs=logprobs,
             response_format=tools and tools.response_format,
+            lora=lora,
         )
         return Job(
             resp_id,
@@ -337,14 +348,24 @@ class OpenAIServer:
 
     # ---- tokenizer endpoints
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model.name:
+        self._adapter(model)
+
+    def _adapter(self, model: str | None) -> LoraRef | None:
+        """The LoRA adapter a request's `model` names; None for the served model (or no name);
+        404 for a name served neither as the model nor as an adapter."""
+        if model is None or model == self.model.name:
+            return None
+        lora = self.model.loras.get(model)
+        if lora is None:
+            served = ", ".join(f"`{name}`" for name in [self.model.name, *self.model.loras])
             raise APIError(
                 404,
-                f"The model `{model}` does not exist; this server serves `{self.model.name}`.",
+                f"The model `{model}` does not exist; this server serves {served}.",
                 "invalid_request_error",
                 "model",
                 "model_not_found",
             )
+        return lora
 
     def tokenize(self, body: TokenizeBody) -> dict[str, Any]:
         """The ids a completion (`prompt`) or a chat request (`messages`) would be given."""

@@ -111,6 +111,7 @@ class Coordinator:
             block_size=config.block_size,
             prefix_caching=config.prefix_caching,
             speculative=config.speculative,
+            max_loras=config.max_loras,
         )
 
     # ---- requests

@@ -39,6 +39,8 @@ class CellConfig:
     prefix_caching: bool = False
     # decode chunks carry n-gram drafts the decode workers verify (scheduler/speculation.py)
     speculative: SpeculativeConfig | None = None
+    # LoRA adapters a worker runs at once (None: adapters are not served)
+    max_loras: int | None = None
     # send a prompt where its prefix is cached (weighed against queued work)
     cache_routing: bool = True
     # decode steps one worker call may carry, in time (scheduler/cell/bursts.py); 0: one

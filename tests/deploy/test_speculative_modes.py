@@ -12,6 +12,7 @@ from deploy.cli import build_parser, config_from_args
 from deploy.config import EngineConfig
 from deploy.driver import RayEngine, open_engine
 from deploy.serving.prometheus import cell_counters
+from scheduler.request import SamplingParams
 from tests.deploy.engine_configs import BASE, requests
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
@@ -53,10 +54,10 @@ def test_greedy_tokens_equal_local_mode_without_speculation(
     ray_session, tiny_checkpoint, overrides
 ):
     with open_engine(EngineConfig(model=tiny_checkpoint, **BASE)) as engine:
-        local = {k: c.token_ids for k, c in engine.run(requests()).items()}
+        local = {k: c.token_ids for k, c in engine.run(greedy_and_seeded()).items()}
     config = EngineConfig(model=tiny_checkpoint, speculative_config=NGRAM, **(BASE | overrides))
     with RayEngine(config) as engine:
-        results = engine.run(requests())
+        results = engine.run(greedy_and_seeded())
         stats = engine.stats()
     assert {k: c.token_ids for k, c in results.items()} == local
     spec = stats["spec_decode"]
@@ -84,6 +85,15 @@ def test_a_draft_model_drafts_in_local_mode_and_after_a_handoff(ray_session, tin
         spec = engine.stats()["spec_decode"]
     assert {k: c.token_ids for k, c in results.items()} == local
     assert spec["num_drafts"] > 0 and spec["acceptance_rate"] == 1.0
+
+
+def greedy_and_seeded() -> list:
+    """The modes' requests, greedy, and again seeded (a sample depends on its logits, the seed and
+    its output index alone, so it is the same in every mode, with or without drafts)."""
+    seeded = requests(SamplingParams(temperature=0.8, seed=21))
+    for request in seeded:
+        request.req_id = "seeded-" + request.req_id
+    return requests() + seeded
 
 
 def _no_serving() -> dict:

@@ -1,0 +1,138 @@
+"""LoRA adapters in the in-process engine on tiny models: each request's greedy tokens equal
+`transformers` + PEFT's for its adapter, in batches mixing adapters and the base model; at most
+`max_loras` adapters run at once; KV of two adapters never shares a block; an adapter that cannot
+be served is refused with the reason."""
+
+import pytest
+
+from scheduler.request import LoraRef, Request, SamplingParams
+from tests.factories import (
+    VOCAB,
+    local_engine,
+    peft_greedy,
+    prompt_ids,
+    save_lora_adapter,
+    tiny_model,
+)
+from workers.lora import LoraError, read_adapter
+
+pytest.importorskip("peft")
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    """Three adapters of the tiny llama: every module at rank 8; q and v at rank 4 with rsLoRA;
+    the MLP and o at rank 16."""
+    root = tmp_path_factory.mktemp("loras")
+    return {
+        "all": save_lora_adapter(root / "all", targets=ATTENTION + MLP, seed=1),
+        "qv": save_lora_adapter(
+            root / "qv", rank=4, targets=("q_proj", "v_proj"), use_rslora=True, seed=2
+        ),
+        "mlp": save_lora_adapter(root / "mlp", rank=16, targets=MLP + ("o_proj",), seed=3),
+    }
+
+
+def ref(adapters, name):
+    return None if name is None else LoraRef(name, str(adapters[name]))
+
+
+def mixed(adapters, names=(None, "all", "qv", "mlp"), lengths=(5, 23, 40), max_tokens=12):
+    """Every prompt under every adapter and the base model, interleaved."""
+    return [
+        Request(
+            f"{name}-{i}",
+            prompt_ids(length, seed=60 + i),
+            max_tokens,
+            SamplingParams(),
+            frozenset({VOCAB - 1}),
+            lora=ref(adapters, name),
+        )
+        for i, length in enumerate(lengths)
+        for name in names
+    ]
+
+
+def test_mixed_batches_give_each_adapters_peft_tokens(adapters):
+    eng = local_engine(tiny_model(), 8, 200, token_budget=48, prefill_chunk=16, max_loras=4)
+    done = eng.run(mixed(adapters))
+    outputs = {r: d.output_ids for r, d in done.items()}
+    for request in mixed(adapters):
+        name = request.lora.name if request.lora else None
+        expected = peft_greedy("llama", adapters.get(name), request.prompt_ids, 12)
+        assert outputs[request.req_id] == expected, request.req_id
+    # the adapters do change the tokens
+    assert len({tuple(outputs[f"{n}-1"]) for n in ("None", "all", "qv", "mlp")}) == 4
+    assert eng.runner.loras.num_loads == 3
+
+
+def test_max_loras_bounds_the_adapters_running_at_once(adapters):
+    """Two adapters at most: a request of a third waits for one to end; tokens unchanged."""
+    eng = local_engine(tiny_model(), 8, 200, token_budget=48, prefill_chunk=16, max_loras=2)
+    seen = []
+    plan = eng.scheduler.plan
+
+    def watched(*args, **kwargs):
+        step = plan(*args, **kwargs)
+        seen.append({r.lora for r in eng.scheduler.running if r.lora is not None})
+        return step
+
+    eng.scheduler.plan = watched
+    done = eng.run(mixed(adapters))
+    assert max(len(s) for s in seen) == 2 and len(set().union(*seen)) == 3
+    wide = local_engine(tiny_model(), 8, 200, token_budget=48, prefill_chunk=16, max_loras=4)
+    expected = wide.run(mixed(adapters))
+    assert {r: d.output_ids for r, d in done.items()} == {
+        r: d.output_ids for r, d in expected.items()
+    }
+
+
+def test_two_adapters_never_share_a_cached_block(adapters):
+    """The same prompt under the same adapter reuses its cached blocks; under another adapter, or
+    the base model, it computes its own."""
+    prompt = prompt_ids(48, seed=5)
+
+    def run(eng, name, req_id):
+        request = Request(req_id, prompt, 4, SamplingParams(), lora=ref(adapters, name))
+        return eng.run([request])[req_id].output_ids
+
+    eng = local_engine(tiny_model(), 4, 200, prefix_caching=True, max_loras=4)
+    first = run(eng, "all", "a")
+    hits = eng.scheduler.blocks.hit_tokens
+    assert run(eng, "all", "b") == first and eng.scheduler.blocks.hit_tokens > hits
+    for name in ("qv", None):
+        hits = eng.scheduler.blocks.hit_tokens
+        out = run(eng, name, f"other-{name}")
+        assert eng.scheduler.blocks.hit_tokens == hits
+        assert out == peft_greedy("llama", adapters.get(name), prompt, 4)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda p: p / "missing", "no adapter_config.json"),
+        (lambda p: save_lora_adapter(p / "wide", rank=32), "rank 32, above --max-lora-rank 16"),
+        (
+            lambda p: save_lora_adapter(p / "embed", targets=("embed_tokens", "q_proj")),
+            "not a decoder layer's LoRA weight",
+        ),
+        (
+            lambda p: save_lora_adapter(p / "dora", use_dora=True),
+            "DoRA adapters are not served",
+        ),
+    ],
+    ids=["missing", "rank", "embedding", "dora"],
+)
+def test_an_adapter_that_cannot_be_served_is_refused_with_the_reason(tmp_path, make, message):
+    path = make(tmp_path)
+    with pytest.raises(LoraError, match=message):
+        read_adapter(LoraRef("bad", str(path)), tiny_model(), max_rank=16)
+
+
+def test_an_adapter_of_another_model_is_refused_naming_the_shapes(tmp_path):
+    path = save_lora_adapter(tmp_path / "qwen3", kind="qwen3", targets=("q_proj",))
+    with pytest.raises(LoraError, match=r"q_proj of layer 0 has A \(8, 64\) and B \(128, 8\)"):
+        read_adapter(LoraRef("q3", str(path)), tiny_model(), max_rank=16)
