@@ -72,7 +72,7 @@ class InProcessEngine(Engine):
         from workers.engine import LocalEngine
         from workers.kv_cache import PagedKVCache
         from workers.loader import load_model
-        from workers.lora import ResidentLoras
+        from workers.lora import ResidentLoras, check_adapter
         from workers.runner import ModelRunner
 
         loaded = loaded or load_model(
@@ -103,6 +103,8 @@ class InProcessEngine(Engine):
                 else None
             ),
         )
+        for ref in config.loras.values():  # an adapter that cannot be served fails now
+            check_adapter(ref, loaded.model, config.max_lora_rank)
         scheduler = StepPlanner(
             config.slots,
             self.capacity,

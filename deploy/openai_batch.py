@@ -25,6 +25,7 @@ from tqdm import tqdm
 from deploy.batch import read_jsonl, write_atomically
 from deploy.config import ReplyConfig
 from deploy.driver import open_engine
+from deploy.serving.loras import LoraNames
 from deploy.serving.openai_api import OpenAIServer, ServedModel
 from deploy.serving.replies import Job, Replier, merge_streams
 from deploy.serving.responses.reply import ResponseReplier
@@ -132,7 +133,7 @@ def run_openai_batch(
             engine.capacity,
             config.tool_call_parser,
             config.reasoning_parser,
-            loras=config.loras,
+            loras=LoraNames(config.loras),
         )
         # plans and shapes; the engine runs
         server = OpenAIServer(None, model)  # type: ignore[arg-type]

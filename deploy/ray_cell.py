@@ -14,6 +14,7 @@ from scheduler.cell.actor import CellActor
 from workers.actors import spawn_worker
 from workers.drafter import draft_kv_bytes_per_token
 from workers.loader import TokenizerInfo, kv_bytes_per_token, load_tokenizer
+from workers.lora import check_adapter
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ def cell_actor_args(config: EngineConfig, info: TokenizerInfo | None = None) -> 
     per_token = kv_bytes_per_token(info, config.dtype, config.device, config.kv_cache_dtype)
     # a draft model's KV takes the same blocks in a cache of its own
     per_token += draft_kv_bytes_per_token(config.speculative, config.dtype, config.device)
+    for ref in config.loras.values():  # one that cannot be served fails here, not in a step
+        check_adapter(ref, info.config, config.max_lora_rank)
     return (
         config.cell_config(capacity, per_token),
         functools.partial(spawn_worker, config),

@@ -244,6 +244,7 @@ class TokenizerInfo:
     max_context: int
     kv_values_per_token: int = 0
     kv_head_dim: int = 1
+    config: Any = None  # the checkpoint's Hugging Face config (LoRA adapters are checked on it)
 
 
 def kv_head_dim(config: Any) -> int:
@@ -284,6 +285,7 @@ def load_tokenizer(name: str = DEFAULT_MODEL) -> TokenizerInfo:
         model_context(config),
         kv_values_per_token(config),
         kv_head_dim(config),
+        config,
     )
 
 

@@ -77,16 +77,46 @@ class LoraBatch:
                 out.index_add_(0, rows, (x[rows] @ a.T) @ b.T)  # [rows, out]
 
 
-def projection_shapes(model: Any) -> dict[str, tuple[int, list[int]]]:
+def projection_shapes(
+    hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int
+) -> dict[str, tuple[int, list[int]]]:
     """Per fused projection: its input width and its modules' output widths."""
-    spec = model.spec
-    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    q, kv = heads * head_dim, kv_heads * head_dim
     return {
-        "qkv": (spec.hidden_size, [q, kv, kv]),
-        "o": (q, [spec.hidden_size]),
-        "gate_up": (spec.hidden_size, [spec.intermediate_size] * 2),
-        "down": (spec.intermediate_size, [spec.hidden_size]),
+        "qkv": (hidden, [q, kv, kv]),
+        "o": (q, [hidden]),
+        "gate_up": (hidden, [intermediate] * 2),
+        "down": (intermediate, [hidden]),
     }
+
+
+def model_shapes(model: Any) -> tuple[dict[str, tuple[int, list[int]]], int]:
+    """A DecoderLM's projection shapes and layer count."""
+    spec = model.spec
+    shapes = projection_shapes(
+        spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
+    )
+    return shapes, spec.num_layers
+
+
+def config_shapes(config: Any) -> tuple[dict[str, tuple[int, list[int]]], int]:
+    """A Hugging Face config's projection shapes and layer count."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    shapes = projection_shapes(
+        config.hidden_size, heads, kv_heads, head_dim, config.intermediate_size
+    )
+    return shapes, config.num_hidden_layers
+
+
+def check_adapter(ref: LoraRef, base: Any, max_rank: int) -> int:
+    """Whether the PEFT checkpoint at `ref.path` can be served on `base` (a DecoderLM, or a Hugging
+    Face config), reading its config and its tensors' shapes only: its rank, or LoraError with
+    the reason. What a server checks before it takes the adapter's name."""
+    shapes, num_layers = model_shapes(base) if hasattr(base, "spec") else config_shapes(base)
+    _adapter_config(ref)
+    return _check_shapes(ref, _tensor_shapes(ref), shapes, num_layers, max_rank)
 
 
 def read_adapter(ref: LoraRef, model: Any, max_rank: int) -> LoraAdapter:
@@ -94,51 +124,25 @@ def read_adapter(ref: LoraRef, model: Any, max_rank: int) -> LoraAdapter:
     `adapter_model.bin`) at `ref.path`, for `model`, on its device and in its dtype. LoraError with
     the reason for what cannot be served: a missing file, another PEFT type, a rank above
     `max_rank`, a module other than q/k/v/o/gate/up/down, shapes that are not the model's."""
-    path = Path(ref.path)
-    config_file = path / "adapter_config.json"
-    if not config_file.is_file():
-        raise LoraError(f"LoRA adapter {ref.name!r}: no adapter_config.json in {ref.path}")
-    config = json.loads(config_file.read_text())
-    tensors = _tensors(ref, path)
-    kind = config.get("peft_type", "LORA")
-    if kind != "LORA":
-        raise LoraError(f"LoRA adapter {ref.name!r} is a {kind} adapter: only LoRA is served")
-    for key, what in _REFUSED.items():
-        if config.get(key):
-            raise LoraError(f"LoRA adapter {ref.name!r}: {what} are not served")
-    if config.get("bias", "none") != "none":
-        raise LoraError(f"LoRA adapter {ref.name!r}: trained biases (bias={config['bias']!r})")
-    alpha = float(config.get("lora_alpha", config.get("r", 8)))
-    rslora = bool(config.get("use_rslora", False))
+    alpha, rslora = _adapter_config(ref)
+    tensors = _tensors(ref)
+    shapes, num_layers = model_shapes(model)
+    rank = _check_shapes(
+        ref, {k: tuple(t.shape) for k, t in tensors.items()}, shapes, num_layers, max_rank
+    )
     weight = model.model.embed_tokens.weight
     dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
-    shapes = projection_shapes(model)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         layer, module, part = _parse_key(ref, key)
         pairs.setdefault((layer, module), {})[part] = tensor
-    num_layers = model.spec.num_layers
     updates: list[dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]]] = [
         {} for _ in range(num_layers)
     ]
-    rank = 0
     for (layer, module), pair in sorted(pairs.items()):
-        if set(pair) != {"A", "B"} or layer >= num_layers:
-            raise LoraError(f"LoRA adapter {ref.name!r}: layer {layer} {module} is incomplete")
         a, b = pair["A"], pair["B"]
         site, index = MODULES[module]
-        width, outs = shapes[site]
         r = a.shape[0]
-        if a.shape != (r, width) or b.shape != (outs[index], r):
-            raise LoraError(
-                f"LoRA adapter {ref.name!r}: {module} of layer {layer} has A {tuple(a.shape)} and "
-                f"B {tuple(b.shape)}, the model needs A [r, {width}] and B [{outs[index]}, r]"
-            )
-        if r > max_rank:
-            raise LoraError(
-                f"LoRA adapter {ref.name!r} has rank {r}, above --max-lora-rank {max_rank}"
-            )
-        rank = max(rank, r)
         scaling = alpha / (r**0.5 if rslora else r)
         updates[layer].setdefault(site, []).append((index, a.float(), b.float() * scaling))
     layers = [
@@ -148,7 +152,74 @@ def read_adapter(ref: LoraRef, model: Any, max_rank: int) -> LoraAdapter:
     return LoraAdapter(ref, rank, layers)
 
 
-def _tensors(ref: LoraRef, path: Path) -> dict[str, torch.Tensor]:
+def _adapter_config(ref: LoraRef) -> tuple[float, bool]:
+    """The adapter's lora_alpha and use_rslora, its config checked."""
+    config_file = Path(ref.path) / "adapter_config.json"
+    if not config_file.is_file():
+        raise LoraError(f"LoRA adapter {ref.name!r}: no adapter_config.json in {ref.path}")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise LoraError(f"LoRA adapter {ref.name!r}: adapter_config.json unreadable: {e}") from e
+    kind = config.get("peft_type", "LORA")
+    if kind != "LORA":
+        raise LoraError(f"LoRA adapter {ref.name!r} is a {kind} adapter: only LoRA is served")
+    for key, what in _REFUSED.items():
+        if config.get(key):
+            raise LoraError(f"LoRA adapter {ref.name!r}: {what} are not served")
+    if config.get("bias", "none") != "none":
+        raise LoraError(f"LoRA adapter {ref.name!r}: trained biases (bias={config['bias']!r})")
+    return float(config.get("lora_alpha", config.get("r", 8))), bool(config.get("use_rslora"))
+
+
+def _check_shapes(
+    ref: LoraRef,
+    tensor_shapes: dict[str, tuple[int, ...]],
+    shapes: dict[str, tuple[int, list[int]]],
+    num_layers: int,
+    max_rank: int,
+) -> int:
+    """The adapter's rank, each of its tensors checked against the model's projections."""
+    pairs: dict[tuple[int, str], dict[str, tuple[int, ...]]] = {}
+    for key, shape in tensor_shapes.items():
+        layer, module, part = _parse_key(ref, key)
+        pairs.setdefault((layer, module), {})[part] = shape
+    if not pairs:
+        raise LoraError(f"LoRA adapter {ref.name!r} has no LoRA weights")
+    rank = 0
+    for (layer, module), pair in sorted(pairs.items()):
+        if set(pair) != {"A", "B"} or layer >= num_layers:
+            raise LoraError(f"LoRA adapter {ref.name!r}: layer {layer} {module} is incomplete")
+        a, b = pair["A"], pair["B"]
+        site, index = MODULES[module]
+        width, outs = shapes[site]
+        r = a[0]
+        if a != (r, width) or b != (outs[index], r):
+            raise LoraError(
+                f"LoRA adapter {ref.name!r}: {module} of layer {layer} has A {a} and B {b}, the "
+                f"model needs A [r, {width}] and B [{outs[index]}, r]"
+            )
+        if r > max_rank:
+            raise LoraError(
+                f"LoRA adapter {ref.name!r} has rank {r}, above --max-lora-rank {max_rank}"
+            )
+        rank = max(rank, r)
+    return rank
+
+
+def _tensor_shapes(ref: LoraRef) -> dict[str, tuple[int, ...]]:
+    """The adapter's tensors' shapes, from the safetensors header alone where there is one."""
+    path = Path(ref.path) / "adapter_model.safetensors"
+    if not path.is_file():
+        return {k: tuple(t.shape) for k, t in _tensors(ref).items()}
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118
+
+
+def _tensors(ref: LoraRef) -> dict[str, torch.Tensor]:
+    path = Path(ref.path)
     safetensors_file = path / "adapter_model.safetensors"
     if safetensors_file.is_file():
         from safetensors.torch import load_file

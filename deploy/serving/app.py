@@ -20,6 +20,7 @@ from deploy.engine_client import EngineClient
 from deploy.prompts import use_chat_template
 from deploy.serving.cells import Cell, ServeCells, can_serve, cell_stats, combine_stats
 from deploy.serving.drain import Drain
+from deploy.serving.loras import LoraNames
 from deploy.serving.openai_api import OpenAIServer, ServedModel, error_response
 from deploy.serving.prometheus import CellTotals, render
 from deploy.serving.responses.request import ResponsesBody
@@ -28,7 +29,9 @@ from deploy.serving.schemas import (
     ChatBody,
     CompletionBody,
     DetokenizeBody,
+    LoadLoraBody,
     TokenizeBody,
+    UnloadLoraBody,
     validation_error,
 )
 from scheduler.cell.gc_pauses import freeze_startup_objects
@@ -78,7 +81,13 @@ class OpenAIIngress:
             self.config.tool_call_parser,
             self.config.reasoning_parser,
             self.config.max_queue_time_s,
-            self.config.loras,
+            LoraNames(
+                self.config.loras,
+                store=serve.get_replica_context().app_name,
+                base_config=info.config,
+                max_rank=self.config.max_lora_rank,
+                enabled=self.config.lora_enabled,
+            ),
         )
         self.cells = cells
         self.app_name = serve.get_replica_context().app_name
@@ -163,6 +172,16 @@ class OpenAIIngress:
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API, on the chat path (not stored: no previous_response_id)."""
         return await self.server.respond(await self._body(request, ResponsesBody))
+
+    @ingress_app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's: serve a PEFT adapter by a new name from now on, on every replica."""
+        return PlainTextResponse(self.server.load_lora(await self._body(request, LoadLoraBody)))
+
+    @ingress_app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        body = await self._body(request, UnloadLoraBody)
+        return PlainTextResponse(self.server.unload_lora(body))
 
     @ingress_app.post("/tokenize")
     async def tokenize(self, request: Request) -> Response:

@@ -28,6 +28,7 @@ from deploy.params import (
 )
 from deploy.prompts import encode_prompt
 from deploy.serving.logprobs import TokenTexts
+from deploy.serving.loras import LoraNames
 from deploy.serving.replies import Job, Replier, Started, aclose, failed, merge_streams
 from deploy.serving.responses.reply import ResponseReplier
 from deploy.serving.responses.request import ResponsesBody, chat_fields, renamed
@@ -38,8 +39,10 @@ from deploy.serving.schemas import (
     ChatTemplateOptions,
     CompletionBody,
     DetokenizeBody,
+    LoadLoraBody,
     NamedToolChoice,
     TokenizeBody,
+    UnloadLoraBody,
     _SamplingBody,
     validation_error,
 )
@@ -48,6 +51,7 @@ from scheduler.cell.deadlines import QUEUE_TIMEOUT
 from scheduler.outputs import RequestOutput
 from scheduler.request import LoraRef, Request
 from scheduler.step_planner import QueueFullError
+from workers.lora import LoraError
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +74,9 @@ class ServedModel:
     reasoning_parser: str | None = None
     # a request not given a slot this long after its arrival gets 503 (--max-queue-time-s)
     max_queue_s: float | None = None
-    # LoRA adapters served beside it, by name: a request's `model` picks one (--lora-modules)
-    loras: dict[str, LoraRef] = field(default_factory=dict)
+    # LoRA adapters served beside it, by name: a request's `model` picks one (--lora-modules,
+    # and those loaded at run time)
+    loras: LoraNames = field(default_factory=LoraNames)
 
 
 def _name(index: int, count: int) -> str:
@@ -108,7 +113,7 @@ class OpenAIServer:
 
     def models(self) -> dict[str, Any]:
         """The served model and each LoRA adapter, whose `parent` is the served model."""
-        names = [self.model.name, *self.model.loras]
+        names = [self.model.name, *self.model.loras.all()]
         return {"object": "list", "data": [self.model_card(name) for name in names]}
 
     def model_card(self, model: str) -> dict[str, Any]:
@@ -346,6 +351,32 @@ class OpenAIServer:
                 400, f"The messages do not fit the model's chat template: {e}", param="messages"
             ) from None
 
+    # ---- LoRA adapters at run time
+    def load_lora(self, body: LoadLoraBody) -> str:
+        """vLLM's `/v1/load_lora_adapter`: 400 with the reason if it cannot be served."""
+        if body.lora_name == self.model.name:
+            raise APIError(
+                400, f"{body.lora_name!r} is the served model's name.", param="lora_name"
+            )
+        try:
+            self.model.loras.load(body.lora_name, body.lora_path)
+        except LoraError as e:
+            raise APIError(400, str(e), param="lora_path") from None
+        return f"Success: LoRA adapter '{body.lora_name}' added successfully."
+
+    def unload_lora(self, body: UnloadLoraBody) -> str:
+        """vLLM's `/v1/unload_lora_adapter`: requests running with it finish; 404 if no adapter
+        has the name."""
+        if not self.model.loras.unload(body.lora_name):
+            raise APIError(
+                404,
+                f"The LoRA adapter '{body.lora_name}' cannot be found.",
+                "not_found_error",
+                "lora_name",
+                "lora_not_found",
+            )
+        return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
+
     # ---- tokenizer endpoints
     def _check_model(self, model: str | None) -> None:
         self._adapter(model)
@@ -357,7 +388,7 @@ class OpenAIServer:
             return None
         lora = self.model.loras.get(model)
         if lora is None:
-            served = ", ".join(f"`{name}`" for name in [self.model.name, *self.model.loras])
+            served = ", ".join(f"`{name}`" for name in [self.model.name, *self.model.loras.all()])
             raise APIError(
                 404,
                 f"The model `{model}` does not exist; this server serves {served}.",

@@ -387,6 +387,25 @@ class DetokenizeBody(BaseModel):
     tokens: list[int]
 
 
+class LoadLoraBody(BaseModel):
+    """vLLM's `POST /v1/load_lora_adapter`: a PEFT checkpoint every worker can read, and the
+    `model` name requests will give it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraBody(BaseModel):
+    """vLLM's `POST /v1/unload_lora_adapter` (its `lora_int_id` accepted and unused)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
+
+
 class UnsupportedParameter(ParameterError):
     """A request parameter pdserve refuses."""
 

@@ -3,6 +3,8 @@ colocated and disaggregated modes give local mode's tokens (which are `transform
 batches mixing adapters and the base model, the prefill worker computing each prompt's KV with its
 adapter; the Serve app lists the adapters in /v1/models and answers with each one's tokens."""
 
+import json
+
 import httpx
 import pytest
 from pydantic import ValidationError
@@ -76,31 +78,69 @@ def test_every_mode_gives_each_adapters_tokens(ray_session, tiny_checkpoint, ada
 
 
 @pytest.mark.slow
-def test_the_serve_app_lists_the_adapters_and_answers_with_each(
-    ray_session, tiny_checkpoint, adapters
+def test_the_serve_app_lists_loads_and_unloads_adapters(
+    ray_session, tiny_checkpoint, adapters, tmp_path
 ):
+    """/v1/models lists each adapter with the served model as its parent; a completion with an
+    adapter's name gives its tokens; an adapter loaded at run time is served at once, one that
+    cannot be served is refused with the reason; an unloaded one is refused for new requests while
+    a stream already running with it finishes with its tokens."""
     args = dict(mode="colocated", slots=2, max_model_len=256, token_budget=32, prefill_chunk=16)
+    auth = {"Authorization": "Bearer key"}
     prompt = prompt_ids(12, seed=3)
-    with served_app(tiny_checkpoint, "loras", lora_modules=adapters, **args) as url:
-        models = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
-        assert [(m["id"], m["parent"]) for m in models] == [
-            ("tiny", None),
-            ("alpha", "tiny"),
-            ("beta", "tiny"),
-        ]
+
+    def complete(url, model, max_tokens=6):
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        return httpx.post(f"{url}/v1/completions", json=body, headers=auth, timeout=120)
+
+    def expected(path, max_tokens=6):
+        return _decode(tiny_checkpoint, peft_greedy("llama", path, prompt, max_tokens))
+
+    served = dict(lora_modules={"alpha": adapters["alpha"]}, api_key="key", **args)
+    with served_app(tiny_checkpoint, "loras", **served) as url:
+        models = httpx.get(f"{url}/v1/models", headers=auth, timeout=30).json()["data"]
+        assert [(m["id"], m["parent"]) for m in models] == [("tiny", None), ("alpha", "tiny")]
         assert models[1]["root"] == adapters["alpha"]
-        for model in ("tiny", "alpha", "beta"):
-            body = {"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0}
-            reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        for model, path in (("tiny", None), ("alpha", adapters["alpha"])):
+            reply = complete(url, model)
             assert reply.status_code == 200, reply.text
-            path = adapters.get(model)
-            tokens = peft_greedy("llama", path, prompt, 6)
-            assert reply.json()["choices"][0]["text"] == _decode(tiny_checkpoint, tokens)
-        missing = httpx.post(
-            f"{url}/v1/completions", json={"model": "gamma", "prompt": "hi"}, timeout=30
-        )
-        assert missing.status_code == 404
-        assert "`tiny`, `alpha`, `beta`" in missing.json()["error"]["message"]
+            assert reply.json()["choices"][0]["text"] == expected(path)
+        missing = complete(url, "beta")
+        assert missing.status_code == 404 and "`tiny`, `alpha`" in missing.text
+
+        def load(name, path):
+            body = {"lora_name": name, "lora_path": path}
+            return httpx.post(f"{url}/v1/load_lora_adapter", json=body, headers=auth, timeout=30)
+
+        assert httpx.post(f"{url}/v1/load_lora_adapter", json={}, timeout=30).status_code == 401
+        assert load("beta", adapters["beta"]).status_code == 200
+        assert complete(url, "beta").json()["choices"][0]["text"] == expected(adapters["beta"])
+        again = load("beta", adapters["beta"])
+        assert again.status_code == 400 and "already been loaded" in again.text
+        wide = save_lora_adapter(tmp_path / "wide", rank=32)
+        refused = load("wide", str(wide))
+        assert refused.status_code == 400 and "above --max-lora-rank 16" in refused.text
+        assert load("gone", str(tmp_path / "nothing")).status_code == 400
+
+        body = {"model": "alpha", "prompt": prompt, "max_tokens": 40, "temperature": 0}
+        body |= {"stream": True}
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json=body, headers=auth, timeout=120
+        ) as stream:
+            lines = stream.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            unload = {"lora_name": "alpha"}
+            gone = httpx.post(
+                f"{url}/v1/unload_lora_adapter", json=unload, headers=auth, timeout=30
+            )
+            assert gone.status_code == 200
+            rest = [line for line in lines if line.startswith("data: ")]
+        chunks = [json.loads(line[6:]) for line in [first, *rest] if line != "data: [DONE]"]
+        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        assert text == expected(adapters["alpha"], 40)
+        assert complete(url, "alpha").status_code == 404
+        again = httpx.post(f"{url}/v1/unload_lora_adapter", json=unload, headers=auth, timeout=30)
+        assert again.status_code == 404
 
 
 def _decode(checkpoint: str, tokens: list[int]) -> str:
