@@ -272,12 +272,20 @@ def combine_stats(cells: dict[str, dict[str, Any]]) -> dict[str, Any]:
             total = transfers.setdefault(transport, {})
             for key, value in line.items():
                 total[key] = total.get(key, 0) + value
+    lora: dict[str, Any] = {"running": {}, "waiting": {}, "requests": {}}
+    for stats in cells.values():
+        line = stats.get("lora") or {}
+        lora["max_loras"] = line.get("max_loras")
+        for which in ("running", "waiting", "requests"):
+            for name, n in (line.get(which) or {}).items():
+                lora[which][name] = lora[which].get(name, 0) + n
     first = next(iter(cells.values()), {})
     return {
         "num_cells": len(cells),
         "workers": workers,
         "counters": counters,
         "kv_transfer": transfers,
+        "lora": lora,
         "live_handoffs": sum(s["live_handoffs"] for s in cells.values()),
         "streams": sum(s["streams"] for s in cells.values()),
         "max_waiting": first.get("max_waiting"),

@@ -11,6 +11,7 @@ predecessor's last counts.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -54,6 +55,11 @@ METRICS: tuple[Metric, ...] = (
     Metric("vllm:request_queue_time_seconds", "histogram", "Arrival to first slot (WAITING)."),
     Metric("vllm:request_prefill_time_seconds", "histogram", "First slot to first token."),
     Metric("vllm:request_decode_time_seconds", "histogram", "First token to finish."),
+    Metric(
+        "vllm:lora_requests_info",
+        "gauge",
+        "LoRA adapters of the running and waiting requests (labels); the value is the time.",
+    ),
     Metric("pdserve:num_requests_running", "gauge", "Requests in a batch, per pool."),
     Metric("pdserve:num_requests_waiting", "gauge", "Requests waiting for a slot, per pool."),
     Metric("pdserve:kv_cache_usage_perc", "gauge", "KV blocks in use over all, per pool."),
@@ -169,8 +175,14 @@ def cell_gauges(cells: Iterable[dict[str, Any]]) -> Counter[Key]:
     blocks: Counter[str] = Counter()
     used: Counter[str] = Counter()
     num_cells = 0
+    adapters: dict[str, set[Any]] = {"max_lora": set(), "running": set(), "waiting": set()}
     for cell in cells:
         num_cells += 1
+        lora = cell["stats"].get("lora") or {}
+        if lora.get("max_loras"):
+            adapters["max_lora"].add(lora["max_loras"])
+            adapters["running"].update(lora.get("running") or {})
+            adapters["waiting"].update(lora.get("waiting") or {})
         for pool, line in _workers(cell["stats"]):
             out[_key("pdserve:num_requests_running", pool=pool)] += line.get("running", 0)
             out[_key("pdserve:num_requests_waiting", pool=pool)] += line.get("waiting", 0)
@@ -186,6 +198,13 @@ def cell_gauges(cells: Iterable[dict[str, Any]]) -> Counter[Key]:
         )
     out[_key("vllm:kv_cache_usage_perc")] = sum(used.values()) / max(sum(blocks.values()), 1)
     out[_key("pdserve:cells")] = num_cells
+    if adapters["max_lora"]:  # as vLLM: one sample, its labels the adapters, its value the time
+        labels = {
+            "max_lora": str(max(adapters["max_lora"])),
+            "running_lora_adapters": ",".join(sorted(adapters["running"])),
+            "waiting_lora_adapters": ",".join(sorted(adapters["waiting"])),
+        }
+        out[_key("vllm:lora_requests_info", **labels)] = time.time()
     return out
 
 
@@ -251,6 +270,7 @@ def _labelled(metric: Metric) -> bool:
     """Metrics whose samples carry a label of their own (no unlabelled zero is shown for them)."""
     return metric.name in {
         "vllm:request_success_total",
+        "vllm:lora_requests_info",
         "pdserve:request_timeouts_total",
         "pdserve:kv_transfer_bytes_total",
         "pdserve:kv_transfer_seconds_total",

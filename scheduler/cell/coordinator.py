@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -94,6 +95,7 @@ class Coordinator:
         self.consumers: dict[str, str] = {}  # req_id -> who receives its outputs
         self.outbox: dict[str, list[RequestOutput]] = {}  # consumer -> outputs not yet taken
         self.counts = CellCounts()
+        self.lora_requests: Counter[str] = Counter()  # requests admitted, per LoRA adapter
         self.roles = RoleChanges(self)
         self.pools = PoolPlans(config, len(self.workers))
 
@@ -125,6 +127,8 @@ class Coordinator:
         if self.config.max_waiting is not None and num_waiting >= self.config.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_waiting} requests)")
         self.consumers[request.req_id] = consumer
+        if request.lora is not None and not request.is_continuation:
+            self.lora_requests[request.lora.name] += 1
         self.outputs.add(request)
         self.records[request.req_id] = RequestRecord()
         self.pools.on_arrival(request)
@@ -525,6 +529,22 @@ class Coordinator:
                 "last_window": self.pools.last_window,
             },
             "max_waiting": self.config.max_waiting,
+            "lora": self._lora_stats(planners),
+        }
+
+    def _lora_stats(self, planners: list[StepPlanner]) -> dict[str, Any]:
+        """LoRA adapters: the most a worker runs at once (None: not served), requests running
+        and waiting per adapter, and requests admitted per adapter."""
+        running: Counter[str] = Counter()
+        waiting: Counter[str] = Counter()
+        for planner in planners:
+            running.update(r.lora.name for r in planner.running if r.lora is not None)
+            waiting.update(e.request.lora.name for e in planner.waiting if e.request.lora)
+        return {
+            "max_loras": self.config.max_loras,
+            "running": dict(running),
+            "waiting": dict(waiting),
+            "requests": dict(self.lora_requests),
         }
 
 

@@ -146,3 +146,20 @@ def test_every_finished_reason_shows_at_zero_from_start_up():
     got = samples(render(CellTotals().update({"a": cell_answer(3)}), "tiny"))
     assert got["vllm:request_success_total", (("finished_reason", "stop"),)] == 3
     assert got["vllm:request_success_total", (("finished_reason", "error"),)] == 0
+
+
+def test_lora_adapters_running_and_waiting_show_in_vllms_info_gauge():
+    """One `vllm:lora_requests_info` sample naming the adapters of every cell's running and
+    waiting requests (vLLM's labels); none where adapters are not served."""
+    a, b = cell_answer(1), cell_answer(1)
+    a["stats"]["lora"] = {"max_loras": 2, "running": {"x": 2, "y": 1}, "waiting": {"z": 1}}
+    b["stats"]["lora"] = {"max_loras": 2, "running": {"w": 1}, "waiting": {}}
+    got = samples(render(CellTotals().update({"a": a, "b": b}), "tiny"))
+    (labels,) = [labels for name, labels in got if name == "vllm:lora_requests_info"]
+    assert dict(labels) == {
+        "max_lora": "2",
+        "running_lora_adapters": "w,x,y",
+        "waiting_lora_adapters": "z",
+    }
+    plain = samples(render(CellTotals().update({"a": cell_answer(1)}), "tiny"))
+    assert not [name for name, _ in plain if name == "vllm:lora_requests_info"]
