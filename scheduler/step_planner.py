@@ -5,13 +5,14 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 
 from scheduler.block_pool import BLOCK_SIZE, BlockPool
 from scheduler.block_tables import BlockTables
 from scheduler.messages import Samples
 from scheduler.plan import Chunk, StepPlan, StepUpdate, WaitingEntry
-from scheduler.request import FinishReason, Request, RequestStatus, TokenLogprob
+from scheduler.request import FinishReason, LoraRef, Request, RequestStatus, TokenLogprob
 from scheduler.speculation import PROPOSED, NgramIndex, SpeculativeConfig
 from scheduler.worker_copy import WorkerCopy
 
@@ -106,6 +107,10 @@ class StepPlanner:
         self.tables = BlockTables(self.blocks, prefix_caching)
         self.speculative = speculative
         self.max_loras = max_loras  # LoRA adapters running at once, at most
+        # the adapters the worker holds, least recently used first, as it keeps them (its plans
+        # name them in this order): what routing prefers a worker for
+        self.adapters: OrderedDict[LoraRef, None] = OrderedDict()
+        self.num_adapter_loads = 0  # adapters the worker read for a step (not held then)
         self.ngrams: dict[str, NgramIndex] = {}  # per speculating request: its n-gram index
         self.draft_lens: dict[str, int] = {}  # per request: the drafts its next chunk may carry
         self.spec_stats = SpecStats(speculative.num_speculative_tokens if speculative else 0)
@@ -305,6 +310,9 @@ class StepPlanner:
                 if length:
                     prefill.append(self._chunk(request, length))
                     budget -= length
+        for chunk in decode + prefill:
+            if chunk.lora is not None:
+                self._use_adapter(chunk.lora)
         exports = []
         # planned is as good as computed: the next plan may follow at once
         for chunk in decode + prefill:
@@ -336,6 +344,18 @@ class StepPlanner:
             copies=copies,
             exports=exports,
         )
+
+    def _use_adapter(self, lora: LoraRef) -> None:
+        if lora not in self.adapters:
+            self.num_adapter_loads += 1
+        self.adapters[lora] = None
+        self.adapters.move_to_end(lora)
+        while self.max_loras is not None and len(self.adapters) > self.max_loras:
+            self.adapters.popitem(last=False)
+
+    def holds(self, lora: LoraRef) -> bool:
+        """Whether the worker holds a LoRA adapter, or will for a request queued here."""
+        return lora in self.adapters or any(r.lora == lora for r in self.requests.values())
 
     def _adapter_fits(self, request: Request) -> bool:
         """`max_loras`: a request of a LoRA adapter no running request uses is admitted only while

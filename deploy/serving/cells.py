@@ -272,11 +272,11 @@ def combine_stats(cells: dict[str, dict[str, Any]]) -> dict[str, Any]:
             total = transfers.setdefault(transport, {})
             for key, value in line.items():
                 total[key] = total.get(key, 0) + value
-    lora: dict[str, Any] = {"running": {}, "waiting": {}, "requests": {}}
+    lora: dict[str, Any] = {"running": {}, "waiting": {}, "requests": {}, "loads": {}}
     for stats in cells.values():
         line = stats.get("lora") or {}
         lora["max_loras"] = line.get("max_loras")
-        for which in ("running", "waiting", "requests"):
+        for which in ("running", "waiting", "requests", "loads"):
             for name, n in (line.get(which) or {}).items():
                 lora[which][name] = lora[which].get(name, 0) + n
     first = next(iter(cells.values()), {})

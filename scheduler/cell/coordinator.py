@@ -88,7 +88,8 @@ class Coordinator:
                     tokens // config.capacity,
                     config.capacity,
                 )
-        self.kv = HandoffBook()  # KV pieces and handoffs in flight: the only refs held to them
+        # KV pieces and handoffs in flight: the only refs held to them
+        self.kv = HandoffBook(adapter_routing=config.cache_routing)
         self.kv_transfers = TransferTotals()
         self.forks = WaitingForks()
         self.records: dict[str, RequestRecord] = {}
@@ -213,15 +214,20 @@ class Coordinator:
 
     def _pick_for_prompt(self, request: Request, pool: list[WorkerState]) -> WorkerState | None:
         """With cache routing, the live worker of least `routing_cost` (queued work and the prompt's
-        uncached tokens), then the least loaded; else (or without prefix caches) the least
-        loaded."""
+        uncached tokens, and a prompt chunk more per `adapter_miss` where it lacks the request's
+        LoRA adapter), then the least loaded; without prefix caches, the least loaded preferring
+        one with the adapter; without cache routing, the least loaded."""
         live = [w for w in pool if w.accepts]
-        if not self.config.cache_routing or len(live) < 2 or not self.config.prefix_caching:
+        if not self.config.cache_routing or len(live) < 2:
             return WorkerState.least_loaded(pool)
+        if not self.config.prefix_caching:  # the least loaded, preferring one with its adapter
+            return WorkerState.least_loaded(pool, lora=request.lora)
+        chunk = self.config.prefill_chunk  # a missing adapter costs a prompt chunk per request
         return min(
             live,
             key=lambda w: (
-                routing_cost(request, w.step_planner.blocks, w.step_planner.requests.values()),
+                routing_cost(request, w.step_planner.blocks, w.step_planner.requests.values())
+                + w.adapter_miss(request.lora) * chunk,
                 w.load(),
             ),
         )
@@ -405,7 +411,7 @@ class Coordinator:
             self.kv.drop(handoff.req_id)
             self._send_forks_on(handoff.req_id)
             return  # finished on its first token, or aborted: the refs are dropped here
-        target, handoff = self.kv.hand_over(handoff, self.decode)
+        target, handoff = self.kv.hand_over(handoff, self.decode, request)
         if target is None:
             self._fail(request, "no live decode worker", unavailable=True)
             return
@@ -534,7 +540,8 @@ class Coordinator:
 
     def _lora_stats(self, planners: list[StepPlanner]) -> dict[str, Any]:
         """LoRA adapters: the most a worker runs at once (None: not served), requests running
-        and waiting per adapter, and requests admitted per adapter."""
+        and waiting per adapter, requests admitted per adapter, and per pool the adapters its
+        workers read (not holding them) since the cell started."""
         running: Counter[str] = Counter()
         waiting: Counter[str] = Counter()
         for planner in planners:
@@ -545,6 +552,10 @@ class Coordinator:
             "running": dict(running),
             "waiting": dict(waiting),
             "requests": dict(self.lora_requests),
+            "loads": {
+                pool: sum(w.step_planner.num_adapter_loads for w in workers)
+                for pool, workers in (("prefill", self.prefill), ("decode", self.decode))
+            },
         }
 
 

@@ -20,11 +20,13 @@ from scheduler.block_pool import block_names
 from scheduler.cell.state import WorkerState, WorkerStatus
 from scheduler.messages import KVHandoff, KVImport, KVPiece
 from scheduler.plan import StepPlan
-from scheduler.request import Request
+from scheduler.request import LoraRef, Request
 
 
 class HandoffBook:
-    def __init__(self) -> None:
+    def __init__(self, adapter_routing: bool = True) -> None:
+        # a decode worker that holds a prompt's LoRA adapter is preferred (cache routing)
+        self.adapter_routing = adapter_routing
         # prompts on prefill workers: the KV pieces sent so far
         self.pieces: dict[str, list[KVPiece]] = {}
         self.handoffs: dict[str, KVHandoff] = {}  # handed off, not yet imported
@@ -32,6 +34,8 @@ class HandoffBook:
         self.importing: dict[str, KVHandoff] = {}
         # prompts on prefill workers: the decode worker they go to
         self.bound: dict[str, WorkerState] = {}
+        # of those, the LoRA adapter of each that has one (routing prefers a worker they go to)
+        self.bound_adapters: dict[str, LoraRef] = {}
         # decode worker (its actor's name) -> pieces to pull to its node
         self.prefetches: dict[str, list[KVPiece]] = {}
         # prompts with a reserved slot: pieces sent to be imported into it
@@ -45,7 +49,7 @@ class HandoffBook:
         (for the prompt and its first output; those of its leading blocks the worker has cached are
         taken as they are)."""
         self.pieces.setdefault(piece.req_id, []).append(piece)
-        target = self.target(piece.req_id, decode)
+        target = self.target(piece.req_id, decode, request.lora if self.adapter_routing else None)
         if target is not None and target.status is WorkerStatus.UP:
             names = block_names(request, target.step_planner.blocks.block_size)
             target.step_planner.reserve(piece.req_id, request.num_tokens + 1, names)
@@ -59,20 +63,31 @@ class HandoffBook:
             target if target is not None and piece.req_id in target.step_planner.reserved else None
         )
 
-    def target(self, req_id: str, decode: list[WorkerState]) -> WorkerState | None:
+    def target(
+        self, req_id: str, decode: list[WorkerState], lora: LoraRef | None = None
+    ) -> WorkerState | None:
         """The decode worker a prompt's KV goes to: the one it was bound to while it answers, else
-        the least loaded, counting the prompts already bound to each (it is bound to it from now
-        on); None when no decode worker is left."""
+        the least loaded, counting the prompts already bound to each and preferring one that holds
+        its LoRA adapter `lora` (it is bound to it from now on); None when no decode worker is
+        left."""
         bound = self.bound.get(req_id)
         if bound is None or not bound.accepts:
             self.unbind(req_id)
+            adapters: dict[str, set[LoraRef]] = {}  # of the prompts bound to each worker
+            for other, lora_of in self.bound_adapters.items():
+                adapters.setdefault(self.bound[other].name, set()).add(lora_of)
             bound = WorkerState.least_loaded(
-                decode, coming=Counter(w.name for w in self.bound.values())
+                decode,
+                coming=Counter(w.name for w in self.bound.values()),
+                lora=lora,
+                coming_adapters=adapters,
             )
             if bound is None:
                 self.bound.pop(req_id, None)
             else:
                 self.bound[req_id] = bound
+                if lora is not None:
+                    self.bound_adapters[req_id] = lora
         return bound
 
     def unbind(self, req_id: str) -> None:
@@ -80,6 +95,7 @@ class HandoffBook:
         void."""
         if (bound := self.bound.pop(req_id, None)) is not None:
             bound.step_planner.unreserve(req_id)
+        self.bound_adapters.pop(req_id, None)
         self.sent.pop(req_id, None)
 
     def worker_lost(self, worker: WorkerState) -> None:
@@ -132,13 +148,15 @@ class HandoffBook:
         return imports
 
     def hand_over(
-        self, handoff: KVHandoff, decode: list[WorkerState]
+        self, handoff: KVHandoff, decode: list[WorkerState], request: Request
     ) -> tuple[WorkerState | None, KVHandoff]:
         """Where a finished prompt's KV goes now (`target`), and its handoff with the pieces already
         in the slot reserved there; its binding ends here (the slot stays reserved until the prompt
         takes it)."""
-        target = self.target(handoff.req_id, decode)
+        lora = request.lora if self.adapter_routing else None
+        target = self.target(handoff.req_id, decode, lora)
         self.bound.pop(handoff.req_id, None)
+        self.bound_adapters.pop(handoff.req_id, None)
         sent = self.sent.pop(handoff.req_id, 0)
         return target, dataclasses.replace(
             handoff,

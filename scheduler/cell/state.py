@@ -4,10 +4,11 @@ prefill pool starts."""
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler.request import LoraRef
 from scheduler.speculation import SpeculativeConfig
 from scheduler.step_planner import StepPlanner
 
@@ -138,21 +139,40 @@ class WorkerState:
             len(self.step_planner.running),
         )
 
+    def adapter_miss(self, lora: LoraRef | None, coming: Collection[LoraRef] = ()) -> int:
+        """What routing a request of `lora` here costs in requests queued: a worker that neither
+        holds the adapter nor has a request of it queued (or `coming`, on its way) must read it
+        first, and may evict another that its requests will need: half its slots, and one (the
+        preference gives way to a worker that much less loaded)."""
+        if lora is None or lora in coming or self.step_planner.holds(lora):
+            return 0
+        return self.step_planner.num_slots // 2 + 1
+
     @staticmethod
     def least_loaded(
         pool: list[WorkerState],
         exclude: WorkerState | None = None,
         coming: Mapping[str, int] | None = None,
+        lora: LoraRef | None = None,
+        coming_adapters: Mapping[str, Collection[LoraRef]] | None = None,
     ) -> WorkerState | None:
         """The least loaded worker that is up; else one being restarted (its queue waits); else
-        None. `coming`: requests on their way to a worker (by name), counted as queued there."""
+        None. `coming`: requests on their way to a worker (by name), counted as queued there.
+        `lora`: a worker that lacks the request's LoRA adapter (held, queued, or among its
+        `coming_adapters`) counts `adapter_miss` more."""
         candidates = [w for w in pool if w.accepts and w is not exclude] or [
             w for w in pool if w.status is WorkerStatus.RESTARTING and w is not exclude
         ]
         coming = coming or {}
+        adapters = coming_adapters or {}
         return min(
             candidates,
-            key=lambda w: (w.load()[0] + coming.get(w.name, 0), w.load()[1]),
+            key=lambda w: (
+                w.load()[0]
+                + coming.get(w.name, 0)
+                + w.adapter_miss(lora, adapters.get(w.name, ())),
+                w.load()[1],
+            ),
             default=None,
         )
 
