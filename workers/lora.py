@@ -42,39 +42,85 @@ class LoraError(ValueError):
 
 @dataclass
 class LoraAdapter:
-    """One adapter's updates: per layer, per fused projection (`qkv`, `o`, `gate_up`, `down`),
-    A `[r, in]` and B `[out, r]` with the scaling folded in, so that the projection's output
-    gains `(x @ A.T) @ B.T`. Where a projection fuses several modules, A stacks theirs and B is
-    block diagonal (a module without an update has zero rows in B)."""
+    """One adapter as read: per (layer, module), A `[r, in]` and B `[out, r]` with the scaling
+    folded into B (fp32, on the host), so that the module's output gains `(x @ A.T) @ B.T`."""
 
     ref: LoraRef
     rank: int  # the largest r of its modules
-    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+    modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+class LoraSlots:
+    """Every resident adapter's weights in slot-indexed buffers, per layer and fused projection:
+    A `[slots, R, in]` and B `[slots, R, out]`, R being the projection's modules times the highest
+    rank. A module's A rows sit in its own band of R (zero past the adapter's rank) and its B in
+    the same band, at its own output columns: the fused projection's B is block diagonal. A step
+    multiplies every slot's tokens with one batched matmul per factor, whatever mix of adapters it
+    runs (punica's SGMV as two `bmm`)."""
+
+    def __init__(self, model: Any, num_slots: int, max_rank: int) -> None:
+        shapes, self.num_layers = model_shapes(model)
+        weight = model.model.embed_tokens.weight
+        dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
+        self.num_slots = num_slots
+        self.max_rank = max_rank
+        self.shapes = shapes
+        self.a: list[dict[str, torch.Tensor]] = []
+        self.b: list[dict[str, torch.Tensor]] = []
+        for _ in range(self.num_layers):
+            self.a.append({})
+            self.b.append({})
+            for site, (width, outs) in shapes.items():
+                bands = len(outs) * max_rank
+                self.a[-1][site] = torch.zeros(
+                    num_slots, bands, width, dtype=dtype, device=weight.device
+                )
+                self.b[-1][site] = torch.zeros(
+                    num_slots, bands, sum(outs), dtype=dtype, device=weight.device
+                )
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in self.layers for p in s.values() for t in p)
+        return sum(t.numel() * t.element_size() for d in self.a + self.b for t in d.values())
+
+    def write(self, slot: int, adapter: LoraAdapter) -> None:
+        """Put an adapter's weights in a slot (what was there is zeroed first)."""
+        for layer in range(self.num_layers):
+            for site in self.shapes:
+                self.a[layer][site][slot].zero_()
+                self.b[layer][site][slot].zero_()
+        for (layer, module), (a, b) in adapter.modules.items():
+            site, index = MODULES[module]
+            outs = self.shapes[site][1]
+            band = index * self.max_rank
+            first = sum(outs[:index])
+            r = a.shape[0]
+            self.a[layer][site][slot, band : band + r] = a
+            self.b[layer][site][slot, band : band + r, first : first + outs[index]] = b.T
 
 
 @dataclass
 class LoraBatch:
-    """The adapters of a step's tokens: each adapter with the flat indices of its tokens (None: all
-    of them). Tokens of the base model are in no group."""
+    """A step's tokens by adapter slot: the flat indices of the tokens that run with an adapter
+    (`rows`), and where each sits in a `[slots, per_slot]` grid (`cells`: slot * per_slot + its
+    place among its slot's tokens). Tokens of the base model are in no slot."""
 
-    groups: list[tuple[LoraAdapter, torch.Tensor | None]]
+    slots: LoraSlots
+    rows: torch.Tensor  # [T]
+    cells: torch.Tensor  # [T]
+    per_slot: int
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, site: str) -> None:
-        """Add each group's update of projection `site` of `layer` to its rows of `out [N, out]`,
-        the projection of `x [N, in]`."""
-        for adapter, rows in self.groups:
-            pair = adapter.layers[layer].get(site)
-            if pair is None:
-                continue
-            a, b = pair
-            if rows is None:
-                out += (x @ a.T) @ b.T  # [N, out]
-            else:
-                out.index_add_(0, rows, (x[rows] @ a.T) @ b.T)  # [rows, out]
+        """Add each token's adapter update of projection `site` of `layer` to its row of
+        `out [N, out]`, the projection of `x [N, in]`."""
+        a = self.slots.a[layer][site]  # [S, R, in]
+        b = self.slots.b[layer][site]  # [S, R, out]
+        num_slots = a.shape[0]
+        grid = x.new_zeros(num_slots * self.per_slot, x.shape[1])  # [S * M, in]
+        grid[self.cells] = x[self.rows]
+        low = torch.bmm(grid.view(num_slots, self.per_slot, -1), a.transpose(1, 2))  # [S, M, R]
+        update = torch.bmm(low, b).view(num_slots * self.per_slot, -1)  # [S * M, out]
+        out.index_add_(0, self.rows, update[self.cells])
 
 
 def projection_shapes(
@@ -130,26 +176,16 @@ def read_adapter(ref: LoraRef, model: Any, max_rank: int) -> LoraAdapter:
     rank = _check_shapes(
         ref, {k: tuple(t.shape) for k, t in tensors.items()}, shapes, num_layers, max_rank
     )
-    weight = model.model.embed_tokens.weight
-    dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         layer, module, part = _parse_key(ref, key)
         pairs.setdefault((layer, module), {})[part] = tensor
-    updates: list[dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]]] = [
-        {} for _ in range(num_layers)
-    ]
+    modules = {}
     for (layer, module), pair in sorted(pairs.items()):
-        a, b = pair["A"], pair["B"]
-        site, index = MODULES[module]
-        r = a.shape[0]
-        scaling = alpha / (r**0.5 if rslora else r)
-        updates[layer].setdefault(site, []).append((index, a.float(), b.float() * scaling))
-    layers = [
-        {site: _fuse(parts, shapes[site][1], dtype, weight.device) for site, parts in u.items()}
-        for u in updates
-    ]
-    return LoraAdapter(ref, rank, layers)
+        a, b = pair["A"].float(), pair["B"].float()
+        scaling = alpha / (a.shape[0] ** 0.5 if rslora else a.shape[0])
+        modules[layer, module] = (a, b * scaling)
+    return LoraAdapter(ref, rank, modules)
 
 
 def _adapter_config(ref: LoraRef) -> tuple[float, bool]:
@@ -255,69 +291,76 @@ def _parse_key(ref: LoraRef, key: str) -> tuple[int, str, str]:
     return layer, module, kind[-1]
 
 
-def _fuse(
-    parts: list[tuple[int, torch.Tensor, torch.Tensor]],
-    outs: list[int],
-    dtype: torch.dtype,
-    device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One fused projection's A (its modules' stacked) and block-diagonal B."""
-    parts = sorted(parts, key=lambda p: p[0])
-    a = torch.cat([p[1] for p in parts])  # [sum r, in]
-    b = torch.zeros(sum(outs), a.shape[0])  # [sum out, sum r]
-    row_of = [sum(outs[:i]) for i in range(len(outs))]
-    col = 0
-    for index, _, part_b in parts:
-        r = part_b.shape[1]
-        b[row_of[index] : row_of[index] + outs[index], col : col + r] = part_b
-        col += r
-    return a.to(device, dtype).contiguous(), b.to(device, dtype).contiguous()
-
-
 class ResidentLoras:
-    """The adapters a worker holds, least recently used first: up to `max_loras` (the scheduler
-    never runs more at once on one worker); a step's adapter not held is read from its path."""
+    """The adapters a worker holds, least recently used first, one per slot of its LoraSlots: up
+    to `max_loras` (the scheduler never runs more at once on one worker); a step's adapter not
+    held is read from its path into the slot of the least recently used."""
 
     def __init__(self, model: Any, max_loras: int, max_rank: int) -> None:
         self.model = model
         self.max_loras = max_loras
         self.max_rank = max_rank
-        self.adapters: OrderedDict[LoraRef, LoraAdapter] = OrderedDict()
+        self.slots: LoraSlots | None = None  # made with the first adapter
+        self.held: OrderedDict[LoraRef, int] = OrderedDict()  # adapter -> its slot
         self.num_loads = 0
 
-    def get(self, ref: LoraRef) -> LoraAdapter:
-        adapter = self.adapters.get(ref)
-        if adapter is not None:
-            self.adapters.move_to_end(ref)
-            return adapter
+    def get(self, ref: LoraRef) -> int:
+        """The slot of an adapter, read into one first if it is not held."""
+        slot = self.held.get(ref)
+        if slot is not None:
+            self.held.move_to_end(ref)
+            return slot
         adapter = read_adapter(ref, self.model, self.max_rank)
+        if self.slots is None:
+            self.slots = LoraSlots(self.model, self.max_loras, self.max_rank)
+            log.info(
+                "LoRA slots: %d adapters of rank up to %d, %.1f MiB",
+                self.max_loras,
+                self.max_rank,
+                self.slots.nbytes / 2**20,
+            )
+        if len(self.held) < self.max_loras:
+            slot = len(self.held)
+        else:
+            _, slot = self.held.popitem(last=False)
+        self.slots.write(slot, adapter)
+        self.held[ref] = slot
         self.num_loads += 1
-        while len(self.adapters) >= self.max_loras:
-            self.adapters.popitem(last=False)
-        self.adapters[ref] = adapter
-        log.info(
-            "LoRA adapter %s loaded from %s: rank %d, %.1f MiB",
-            ref.name,
-            ref.path,
-            adapter.rank,
-            adapter.nbytes / 2**20,
-        )
-        return adapter
+        log.info("LoRA adapter %s read from %s: rank %d", ref.name, ref.path, adapter.rank)
+        return slot
 
     def batch(self, refs: list[LoraRef | None], counts: list[int]) -> LoraBatch | None:
-        """The step's LoraBatch: `refs[i]` is the adapter of the next `counts[i]` flat tokens."""
+        """The step's LoraBatch: `refs[i]` is the adapter of the next `counts[i]` flat tokens.
+        Its adapters are made resident first (a step never names more than `max_loras`)."""
         if not any(refs):
             return None
-        rows: dict[LoraRef, list[int]] = {}
+        distinct = list(dict.fromkeys(r for r in refs if r is not None))
+        if len(distinct) > self.max_loras:
+            raise RuntimeError(
+                f"a step of {len(distinct)} LoRA adapters on a worker that holds {self.max_loras}"
+            )
+        # each read evicts the least recently used: never one this step read before it
+        slot_of = {ref: self.get(ref) for ref in distinct}
+        rows: list[int] = []
+        slots: list[int] = []
         start = 0
         for ref, count in zip(refs, counts, strict=True):
             if ref is not None:
-                rows.setdefault(ref, []).extend(range(start, start + count))
+                rows.extend(range(start, start + count))
+                slots.extend([slot_of[ref]] * count)
             start += count
+        filled = [0] * self.max_loras
+        places = []  # each token's place among its slot's tokens
+        for slot in slots:
+            places.append(filled[slot])
+            filled[slot] += 1
+        per_slot = max(filled)
+        cells = [slot * per_slot + place for slot, place in zip(slots, places, strict=True)]
         device = self.model.model.embed_tokens.weight.device
-        groups = []
-        for ref, indices in rows.items():
-            every = len(indices) == start
-            index = None if every else torch.tensor(indices, dtype=torch.long, device=device)
-            groups.append((self.get(ref), index))
-        return LoraBatch(groups)
+        assert self.slots is not None
+        return LoraBatch(
+            self.slots,
+            torch.tensor(rows, dtype=torch.long, device=device),
+            torch.tensor(cells, dtype=torch.long, device=device),
+            per_slot,
+        )

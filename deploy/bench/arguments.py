@@ -92,6 +92,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="run each configuration with the prefix cache off and on, side by side",
     )
     parser.add_argument(
+        "--spread-loras",
+        action="store_true",
+        help="requests spread evenly over the served model and every LoRA adapter "
+        "(--lora-modules; with --url, those the endpoint lists)",
+    )
+    parser.add_argument(
         "--compare-cache-routing",
         action="store_true",
         help="run each configuration routing prompts by cache and by load only",

@@ -138,6 +138,7 @@ def run_http(
     sequential: bool = False,
     after: list[int | None] | None = None,
     token_ids: bool = False,
+    models: list[str | None] | None = None,
 ) -> tuple[dict[str, Completion], float]:
     """Send every request at its arrival offset, or when the request it follows (`after`, by index)
     ends, concurrently (`sequential`: one at a time, each when the one before has finished, the
@@ -145,7 +146,8 @@ def run_http(
     the first request sent to the last one ended (the client's own set-up, such as its TLS context,
     is not timed). A body is built when its request is sent, from `prompts[i]` as it is then
     (`on_finish` may have written it: a chat's next turn). With `token_ids` the endpoint is asked
-    for the generated ids (vLLM's `return_token_ids`); otherwise a completion's ids are zeros."""
+    for the generated ids (vLLM's `return_token_ids`); otherwise a completion's ids are zeros.
+    `models`: per request, the `model` it asks for (None: `model`)."""
     url = url.rstrip("/")
 
     async def everything() -> tuple[list[Completion], float]:
@@ -154,7 +156,7 @@ def run_http(
 
             async def send(i: int) -> Completion:
                 body = {
-                    "model": model,
+                    "model": (models[i] if models else None) or model,
                     "prompt": prompts[i],
                     "max_tokens": output_lens[i],
                     "temperature": 0.0,

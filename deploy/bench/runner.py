@@ -37,6 +37,7 @@ from deploy.bench.workload import (
     parse_list,
     shared_prefix_workload,
     shifting_workload,
+    spread_models,
     warmup_request,
 )
 from deploy.config import MODES, EngineConfig
@@ -57,7 +58,7 @@ def run_engine(
     """The workload through one engine mode, at its arrival times or one request at a time
     (`sequential`: the low-load case), after a warm-up request. Returns completions, wall seconds
     and mode-specific figures (the local profile, or the Ray step timeline)."""
-    requests = engine_requests(work, priorities)
+    requests = engine_requests(work, priorities, config.loras)
     batches = [[r] for r in requests] if sequential else [requests]
     arrivals = None if sequential else {str(i): t for i, t in enumerate(work.arrival_s)}
     after = {str(i): str(before) for i, before in enumerate(work.after) if before is not None}
@@ -288,6 +289,11 @@ def _prepare(
             args.seed,
             urgent_fraction=args.urgent_fraction,
         )
+    if args.spread_loras:
+        names = list(config.loras) if not args.url else _adapters(args.url, args.api_key)
+        if not names:
+            raise ValueError("--spread-loras: no LoRA adapter is served (--lora-modules)")
+        base = spread_models(base, names)
     head: dict[str, Any] = {
         "model": config.model,
         "workload": args.workload,
@@ -315,6 +321,16 @@ def _prepare(
         if warm.error:
             raise EndpointError(f"{args.url}: the warm-up request failed: {warm.error}")
     return loaded, head, base
+
+
+def _adapters(url: str, api_key: str | None) -> list[str]:
+    """The LoRA adapters an endpoint lists (the models with a parent)."""
+    import httpx
+
+    from deploy.bench.http_client import auth_headers
+
+    listed = httpx.get(f"{url.rstrip('/')}/models", headers=auth_headers(api_key), timeout=30)
+    return [m["id"] for m in listed.json().get("data", []) if m.get("parent")]
 
 
 def _run_one(
@@ -361,6 +377,7 @@ def _run_one(
                 args.sequential,
                 list(work.after),
                 token_ids=work.conversation,  # a chat's next turn needs the reply's ids
+                models=list(work.models) or None,
             )
         else:
             cache_tokens = config.prefix_cache_tokens if run.prefix_cache else 0

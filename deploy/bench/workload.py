@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from scheduler.outputs import Completion
-from scheduler.request import Request, SamplingParams
+from scheduler.request import LoraRef, Request, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,8 @@ class Workload:
     # prompt and a stand-in reply of that turn's output length, which `next_turns` replaces with
     # the model's reply when that turn ends
     conversation: bool = False
+    # per request, the `model` it asks for: a LoRA adapter's name, or None (the served model)
+    models: tuple[str | None, ...] = ()
 
     def at_rate(self, rate: float, seed: int) -> Workload:
         """Poisson arrivals at `rate` (all at once when 0); in an interference workload only the
@@ -325,14 +327,41 @@ def grounded_workload(
     return Workload(prompts, output_lens, [0.0] * num_requests, [False] * num_requests)
 
 
-def engine_requests(work: Workload, priorities: bool) -> list[Request]:
-    """The workload as greedy requests "0", "1", ... that make exactly their output lengths."""
+def engine_requests(
+    work: Workload, priorities: bool, loras: dict[str, LoraRef] | None = None
+) -> list[Request]:
+    """The workload as greedy requests "0", "1", ... that make exactly their output lengths, each
+    with the LoRA adapter (of `loras`) its `models` entry names."""
+    models = work.models or (None,) * len(work.prompts)
     return [
-        Request(req_id=str(i), prompt_ids=p, max_tokens=n, sampling=SamplingParams(), priority=prio)
-        for i, (p, n, prio) in enumerate(
-            zip(work.prompts, work.output_lens, work.priorities(priorities), strict=True)
+        Request(
+            req_id=str(i),
+            prompt_ids=p,
+            max_tokens=n,
+            sampling=SamplingParams(),
+            priority=prio,
+            lora=None if model is None else (loras or {})[model],
+        )
+        for i, (p, n, prio, model) in enumerate(
+            zip(work.prompts, work.output_lens, work.priorities(priorities), models, strict=True)
         )
     ]
+
+
+def spread_models(work: Workload, names: list[str]) -> Workload:
+    """Each request asks for the served model or one of the adapters `names`, in turn (a chat's
+    later turns for their first turn's): requests spread evenly over them."""
+    choices: list[str | None] = [None, *names]
+    models: list[str | None] = []
+    first_turns = 0
+    for i in range(len(work.prompts)):
+        before = work.after[i] if work.after else None
+        if before is not None:
+            models.append(models[before])
+        else:
+            models.append(choices[first_turns % len(choices)])
+            first_turns += 1
+    return replace(work, models=tuple(models))
 
 
 def warmup_request(work: Workload) -> Request:

@@ -52,3 +52,19 @@ def test_a_chats_later_turns_report_their_ttft_and_the_tokens_they_computed_beyo
     # turn 3: 76 tokens, none cached, 21 new: 55 more
     assert out["later_turn_extra_computed_max"] == 55
     assert out["later_turn_extra_computed_mean"] == pytest.approx((11 + 55) / 2)
+
+
+def test_spread_loras_cycles_the_served_model_and_each_adapter_and_a_chat_keeps_its_own():
+    from deploy.bench.workload import chat_workload, engine_requests, make_workload, spread_models
+    from scheduler.request import LoraRef
+
+    loras = {"a": LoraRef("a", "/a"), "b": LoraRef("b", "/b")}
+    work = spread_models(make_workload(7, "8", "4", 100, seed=0), ["a", "b"])
+    assert work.models == (None, "a", "b", None, "a", "b", None)
+    requests = engine_requests(work, False, loras)
+    assert [r.lora for r in requests[:3]] == [None, loras["a"], loras["b"]]
+    chat = spread_models(chat_workload(3, 2, "20", "8", 384, seed=0), ["a", "b"])
+    for i, before in enumerate(chat.after):  # a later turn asks for its conversation's model
+        if before is not None:
+            assert chat.models[i] == chat.models[before]
+    assert set(chat.models) == {None, "a", "b"}
