@@ -31,15 +31,7 @@ class Drafter:
         weight = model.model.embed_tokens.weight
         self.device = weight.device
         spec = model.spec
-        self.cache = PagedKVCache(
-            spec.num_layers,
-            num_blocks,
-            spec.num_kv_heads,
-            block_size,
-            spec.head_dim,
-            dtype=weight.dtype,
-            device=self.device,
-        )
+        self.cache = PagedKVCache.for_model(model, num_blocks, block_size)
         self.num_forwards = 0  # draft-model forwards run, for profiling
         log.info(
             "draft model: %d layers, %.1f MiB of KV in %d blocks",

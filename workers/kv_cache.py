@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,6 +53,25 @@ class PagedKVCache:
             self.v_scale = _pool(shape[:-1], SCALE_DTYPE, device)
         self.num_blocks = num_blocks
         self.block_size = block_size
+
+    @classmethod
+    def for_model(
+        cls, model: Any, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto"
+    ) -> PagedKVCache:
+        """A cache of `num_blocks` blocks for a DecoderLM: its layers and KV heads, on its device,
+        in its dtype (a packed model's: its activations') or 8-bit."""
+        spec = model.spec
+        weight = model.model.embed_tokens.weight
+        return cls(
+            spec.num_layers,
+            num_blocks,
+            spec.num_kv_heads,
+            block_size,
+            spec.head_dim,
+            dtype=weight.dtype,
+            device=weight.device,
+            kv_cache_dtype=kv_cache_dtype,
+        )
 
     @staticmethod
     def bytes_per_token(

@@ -65,16 +65,7 @@ class ModelRunner:
             else sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 2)
         )
         check_fits(num_blocks, block_size, per_token, self.device, packed)
-        self.cache = PagedKVCache(
-            spec.num_layers,
-            num_blocks,
-            spec.num_kv_heads,
-            block_size,
-            spec.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-            kv_cache_dtype=kv_cache_dtype,
-        )
+        self.cache = PagedKVCache.for_model(model, num_blocks, block_size, kv_cache_dtype)
         # seconds inside the model (and the draft model) in the last execute(), for profiling
         self.last_forward_s = 0.0
         # what the last execute() sampled: fed in for PENDING tokens

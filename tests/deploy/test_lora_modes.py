@@ -26,6 +26,11 @@ def adapters(tmp_path_factory):
     return {
         "alpha": str(save_lora_adapter(root / "alpha", targets=everything, seed=11)),
         "beta": str(save_lora_adapter(root / "beta", rank=4, seed=12)),
+        "gamma": str(
+            save_lora_adapter(
+                root / "gamma", targets=("gate_proj", "up_proj", "down_proj"), seed=13
+            )
+        ),
     }
 
 
@@ -35,7 +40,8 @@ def test_the_flags_take_vllms_form_and_a_bad_one_is_refused(adapters):
         + ["--lora-modules", f"alpha={adapters['alpha']}", f"beta={adapters['beta']}"]
     )
     config = config_from_args(args)
-    assert config.loras == {name: LoraRef(name, path) for name, path in adapters.items()}
+    named = {"alpha", "beta"}
+    assert config.loras == {n: LoraRef(n, p) for n, p in adapters.items() if n in named}
     assert config.lora_enabled and config.max_loras == 2
     assert EngineConfig(lora_modules={"a": "/p"}).loras == {"a": LoraRef("a", "/p")}
     assert not EngineConfig().lora_enabled and EngineConfig(enable_lora=True).lora_enabled
@@ -46,7 +52,8 @@ def test_the_flags_take_vllms_form_and_a_bad_one_is_refused(adapters):
 
 
 def mixed(adapters) -> list[Request]:
-    names = [None, "alpha", "beta"]
+    """Three adapters and the base model, in turn."""
+    names = [None, "alpha", "beta", "gamma"]
     return [
         Request(
             f"r{i}",
@@ -54,18 +61,19 @@ def mixed(adapters) -> list[Request]:
             10,
             SamplingParams(),
             frozenset({VOCAB - 1}),
-            lora=None if names[i % 3] is None else LoraRef(names[i % 3], adapters[names[i % 3]]),
+            lora=None if names[i % 4] is None else LoraRef(names[i % 4], adapters[names[i % 4]]),
         )
-        for i, length in enumerate([5, 31, 12, 47, 9, 20, 3, 60, 15])
+        for i, length in enumerate([5, 31, 12, 47, 9, 20, 3, 60, 15, 26, 8, 40])
     ]
 
 
 @pytest.mark.slow
 def test_every_mode_gives_each_adapters_tokens(ray_session, tiny_checkpoint, adapters):
     config = EngineConfig(model=tiny_checkpoint, lora_modules=adapters, max_loras=2, **BASE)
+    # (two adapters at a time on each worker: the third waits, then takes a slot)
     with open_engine(config) as engine:
         local = {k: c.token_ids for k, c in engine.run(mixed(adapters)).items()}
-    for request in mixed(adapters)[:3]:
+    for request in mixed(adapters)[:4]:
         path = request.lora.path if request.lora else None
         assert local[request.req_id] == peft_greedy("llama", path, request.prompt_ids, 10)
     for overrides in (
@@ -97,6 +105,7 @@ def test_the_serve_app_lists_loads_and_unloads_adapters(
         return _decode(tiny_checkpoint, peft_greedy("llama", path, prompt, max_tokens))
 
     served = dict(lora_modules={"alpha": adapters["alpha"]}, api_key="key", **args)
+    # (beta is loaded at run time below)
     with served_app(tiny_checkpoint, "loras", **served) as url:
         models = httpx.get(f"{url}/v1/models", headers=auth, timeout=30).json()["data"]
         assert [(m["id"], m["parent"]) for m in models] == [("tiny", None), ("alpha", "tiny")]
