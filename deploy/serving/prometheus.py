@@ -87,6 +87,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("pdserve:request_timeouts_total", "counter", "Requests ended by a deadline."),
 )
 _BY_NAME = {m.name: m for m in METRICS}
+# shown only where their feature is on (as vLLM's): LoRA adapters served
+OPTIONAL = frozenset({"vllm:lora_requests_info"})
 # labelled counters whose every label value is known from start-up: each shows at 0 until it
 # counts, as vLLM's do, so Prometheus' rate() sees a series' first increment
 _KNOWN_LABELS: dict[str, tuple[tuple[str, str], ...]] = {

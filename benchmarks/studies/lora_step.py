@@ -1,0 +1,66 @@
+"""A decode step's LoRA work alone on the embedded model's shapes (docs/BENCHMARKS.md, LoRA
+adapters): `LoraBatch.add` for every projection of 30 layers, 18 tokens spread over the slots, with
+8 slots of rank 16, 8 of rank 8 and 1 of rank 16 (random weights). Milliseconds per step, the
+mean of 20 steps after a warm-up, and the slot buffers' size:
+
+    .venv/bin/python -m benchmarks.studies.lora_step [THREADS]
+"""
+
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+
+from workers.lora import LoraBatch, LoraSlots
+
+SPEC = dict(
+    hidden_size=576,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    intermediate_size=1536,
+    num_layers=30,
+)
+TOKENS = 18
+
+
+def step_ms(num_slots: int, rank: int) -> tuple[float, float]:
+    """Milliseconds of one decode step's LoRA work, and the slots' MiB."""
+    weight = torch.zeros(1)
+    model = SimpleNamespace(
+        spec=SimpleNamespace(**SPEC),
+        model=SimpleNamespace(embed_tokens=SimpleNamespace(weight=weight)),
+    )
+    slots = LoraSlots(model, num_slots, rank)
+    for buffers in slots.a + slots.b:
+        for buffer in buffers.values():
+            buffer.normal_()
+    per_slot = -(-TOKENS // num_slots)
+    rows = torch.arange(TOKENS)
+    cells = (rows % num_slots) * per_slot + rows // num_slots
+    batch = LoraBatch(slots, rows, cells, per_slot)
+    total = 0.0
+    for site, (width, outs) in slots.shapes.items():
+        x = torch.randn(TOKENS, width)
+        out = torch.randn(TOKENS, sum(outs))
+        for _ in range(3):
+            batch.add(out, x, 0, site)
+        start = time.perf_counter()
+        for _ in range(20):
+            for layer in range(SPEC["num_layers"]):
+                batch.add(out, x, layer, site)
+        total += (time.perf_counter() - start) / 20
+    return total * 1000, slots.nbytes / 2**20
+
+
+def main() -> None:
+    torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else torch.get_num_threads())
+    for num_slots, rank in ((8, 16), (8, 8), (1, 16)):
+        ms, mib = step_ms(num_slots, rank)
+        slots = f"{num_slots} slot{'s' if num_slots > 1 else ''}"
+        print(f"{slots} of rank {rank}: {ms:.1f} ms a step, slot buffers {mib:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()
