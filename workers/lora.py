@@ -99,28 +99,40 @@ class LoraSlots:
             self.b[layer][site][slot, band : band + r, first : first + outs[index]] = b.T
 
 
+# a slot with more of a step's tokens than this (a prompt chunk) multiplies on its own: the grid
+# of the batched matmul is as tall as its fullest slot, and would multiply every slot that tall
+OWN_MATMUL_TOKENS = 16
+
+
 @dataclass
 class LoraBatch:
-    """A step's tokens by adapter slot: the flat indices of the tokens that run with an adapter
-    (`rows`), and where each sits in a `[slots, per_slot]` grid (`cells`: slot * per_slot + its
-    place among its slot's tokens). Tokens of the base model are in no slot."""
+    """A step's tokens by adapter slot. The slots with few tokens (decode rows) multiply together:
+    the flat indices of their tokens (`rows`) and where each sits in a `[slots, per_slot]` grid
+    (`cells`: slot * per_slot + its place among its slot's tokens). A slot with many (a prompt
+    chunk) multiplies alone: (slot, its tokens' flat indices) in `own`. Tokens of the base model
+    are in no slot."""
 
     slots: LoraSlots
     rows: torch.Tensor  # [T]
     cells: torch.Tensor  # [T]
     per_slot: int
+    own: list[tuple[int, torch.Tensor]]
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, site: str) -> None:
         """Add each token's adapter update of projection `site` of `layer` to its row of
         `out [N, out]`, the projection of `x [N, in]`."""
         a = self.slots.a[layer][site]  # [S, R, in]
         b = self.slots.b[layer][site]  # [S, R, out]
-        num_slots = a.shape[0]
-        grid = x.new_zeros(num_slots * self.per_slot, x.shape[1])  # [S * M, in]
-        grid[self.cells] = x[self.rows]
-        low = torch.bmm(grid.view(num_slots, self.per_slot, -1), a.transpose(1, 2))  # [S, M, R]
-        update = torch.bmm(low, b).view(num_slots * self.per_slot, -1)  # [S * M, out]
-        out.index_add_(0, self.rows, update[self.cells])
+        if self.per_slot:
+            num_slots = a.shape[0]
+            grid = x.new_zeros(num_slots * self.per_slot, x.shape[1])  # [S * M, in]
+            grid[self.cells] = x[self.rows]
+            # [S, M, R]
+            low = torch.bmm(grid.view(num_slots, self.per_slot, -1), a.transpose(1, 2))
+            update = torch.bmm(low, b).view(num_slots * self.per_slot, -1)  # [S * M, out]
+            out.index_add_(0, self.rows, update[self.cells])
+        for slot, rows in self.own:
+            out.index_add_(0, rows, (x[rows] @ a[slot].T) @ b[slot])  # [rows, out]
 
 
 def projection_shapes(
@@ -349,18 +361,25 @@ class ResidentLoras:
                 rows.extend(range(start, start + count))
                 slots.extend([slot_of[ref]] * count)
             start += count
+        device = self.model.model.embed_tokens.weight.device
+        counts_of = [slots.count(slot) for slot in range(self.max_loras)]
+        alone = {slot for slot, n in enumerate(counts_of) if n > OWN_MATMUL_TOKENS}
+        own = [
+            (slot, torch.tensor([r for r, s in zip(rows, slots, strict=True) if s == slot]))
+            for slot in sorted(alone)
+        ]
+        grouped = [(r, s) for r, s in zip(rows, slots, strict=True) if s not in alone]
         filled = [0] * self.max_loras
-        places = []  # each token's place among its slot's tokens
-        for slot in slots:
-            places.append(filled[slot])
+        cells = []  # each token's cell: its slot's row of the grid, then its place among its own
+        for _, slot in grouped:
+            cells.append((slot, filled[slot]))
             filled[slot] += 1
         per_slot = max(filled)
-        cells = [slot * per_slot + place for slot, place in zip(slots, places, strict=True)]
-        device = self.model.model.embed_tokens.weight.device
         assert self.slots is not None
         return LoraBatch(
             self.slots,
-            torch.tensor(rows, dtype=torch.long, device=device),
-            torch.tensor(cells, dtype=torch.long, device=device),
+            torch.tensor([r for r, _ in grouped], dtype=torch.long, device=device),
+            torch.tensor([s * per_slot + p for s, p in cells], dtype=torch.long, device=device),
             per_slot,
+            [(slot, index.to(device)) for slot, index in own],
         )

@@ -39,7 +39,7 @@ def step_ms(num_slots: int, rank: int) -> tuple[float, float]:
     per_slot = -(-TOKENS // num_slots)
     rows = torch.arange(TOKENS)
     cells = (rows % num_slots) * per_slot + rows // num_slots
-    batch = LoraBatch(slots, rows, cells, per_slot)
+    batch = LoraBatch(slots, rows, cells, per_slot, [])
     total = 0.0
     for site, (width, outs) in slots.shapes.items():
         x = torch.randn(TOKENS, width)

@@ -56,8 +56,13 @@ def mixed(adapters, names=(None, "all", "qv", "mlp"), lengths=(5, 23, 40), max_t
     ]
 
 
-def test_mixed_batches_give_each_adapters_peft_tokens(adapters):
-    eng = local_engine(tiny_model(), 8, 200, token_budget=48, prefill_chunk=16, max_loras=4)
+@pytest.mark.parametrize(
+    ("budget", "chunk"), [(48, 16), (160, 64)], ids=["decode-rows-batched", "chunks-alone"]
+)
+def test_mixed_batches_give_each_adapters_peft_tokens(adapters, budget, chunk):
+    """Small steps multiply every slot's tokens in one batched matmul; with long prompt chunks a
+    slot of many tokens multiplies alone (`OWN_MATMUL_TOKENS`): both give PEFT's tokens."""
+    eng = local_engine(tiny_model(), 8, 200, token_budget=budget, prefill_chunk=chunk, max_loras=4)
     done = eng.run(mixed(adapters))
     outputs = {r: d.output_ids for r, d in done.items()}
     for request in mixed(adapters):
