@@ -158,14 +158,12 @@ def model_shapes(model: Any) -> tuple[dict[str, tuple[int, list[int]]], int]:
 
 
 def config_shapes(config: Any) -> tuple[dict[str, tuple[int, list[int]]], int]:
-    """A Hugging Face config's projection shapes and layer count (its head size as the KV cache
-    reads it)."""
-    from workers.loader import kv_head_dim  # (the loader imports the model, which imports this)
-
+    """A Hugging Face config's projection shapes and layer count."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     shapes = projection_shapes(
-        config.hidden_size, heads, kv_heads, kv_head_dim(config), config.intermediate_size
+        config.hidden_size, heads, kv_heads, head_dim, config.intermediate_size
     )
     return shapes, config.num_hidden_layers
 
