@@ -9,7 +9,8 @@ about as much as the multiply. So: a ragged attention kernel over every (row, KV
 parallel loop, with scores in fp32 whatever the cache dtype (`csrc/decode_attention.cpp`); the
 prompt chunks of a step likewise over their blocks where they lie, rather than gathered into a copy
 per chunk per layer for SDPA (`csrc/prompt_attention.cpp`); residual add + RMSNorm, rotary + KV
-cache write, and SiLU-mul as one pass each (`csrc/elementwise.cpp`); and a matmul over weights
+cache write, and SiLU-mul as one pass each (`csrc/elementwise.cpp`); a step's LoRA updates of a
+projection, whatever mix of adapters, in one call (`csrc/lora.cpp`); and a matmul over weights
 packed once into 64-column panels, fp32 on AVX-512 and AVX2 and bf16 on AVX512-BF16 without AMX
 (`csrc/gemm.cpp`; with AMX, oneDNN's AMX tiles over a copy of the weight reordered once into
 oneDNN's layout, as vLLM's CPU backend does: 4-7x the packed kernel at 64-256 rows, and 1.3-2.6x
@@ -313,6 +314,27 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)  # [N, I] each
         return F.silu(gate) * up  # [N, I]
     return module.silu_mul(gate_up)  # [N, I]
+
+
+def lora_add(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    slot_of: torch.Tensor,
+    ranks: torch.Tensor,
+    firsts: torch.Tensor,
+) -> bool:
+    """Add to `out [N, O]`, a fused projection of `x [N, I]`, each token's LoRA update in one call
+    (`csrc/lora.cpp`): token n of slot `slot_of[n]` (-1: the base model's) gains, for each module
+    m of the projection (columns `firsts[m]..firsts[m + 1]`), `B[s, :r, cols].T @ (A[s, m R : m R
+    + r] @ x[n])` with `r = ranks[s, m]`; `a [S, M R, I]`, `b [S, R, O]`. False where the kernel
+    does not apply: `LoraBatch.add` does the work with torch ops then."""
+    module = _module_for(x)
+    if module is None or not out.is_contiguous():
+        return False
+    module.lora_add(out, x.contiguous(), a, b, slot_of, ranks, firsts)
+    return True
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -3,6 +3,7 @@ projections, a step's tokens grouped by adapter, and the adapters a worker keeps
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 from collections import OrderedDict
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 
 from scheduler.request import LoraRef
+from workers import kernels
 
 log = logging.getLogger(__name__)
 
@@ -52,32 +54,40 @@ class LoraAdapter:
 
 class LoraSlots:
     """Every resident adapter's weights in slot-indexed buffers, per layer and fused projection:
-    A `[slots, R, in]` and B `[slots, R, out]`, R being the projection's modules times the highest
-    rank. A module's A rows sit in its own band of R (zero past the adapter's rank) and its B in
-    the same band, at its own output columns: the fused projection's B is block diagonal. A step
-    multiplies every slot's tokens with one batched matmul per factor, whatever mix of adapters it
-    runs (punica's SGMV as two `bmm`)."""
+    A `[slots, M R, in]` (M the projection's modules, R the highest rank; module m's A rows in
+    band m R .. m R + r, zero past its rank r) and B `[slots, R, out]` (module m's B, transposed,
+    at its own output columns: the modules' B side by side, not block diagonal), and each
+    (slot, module)'s rank `[slots, M]` (0: a module the adapter does not adapt). A step multiplies
+    every slot's tokens in one call whatever mix of adapters it runs (`kernels.lora_add`; punica's
+    SGMV), or with batched matmuls where that kernel does not apply."""
 
     def __init__(self, model: Any, num_slots: int, max_rank: int) -> None:
         shapes, self.num_layers = model_shapes(model)
         weight = model.model.embed_tokens.weight
         dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
+        device = weight.device
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.shapes = shapes
+        # per fused projection, its modules' first output columns and the end: [M + 1]
+        self.firsts = {
+            site: torch.tensor([0, *itertools.accumulate(outs)], dtype=torch.long)
+            for site, (_, outs) in shapes.items()
+        }
         self.a: list[dict[str, torch.Tensor]] = []
         self.b: list[dict[str, torch.Tensor]] = []
+        self.ranks: list[dict[str, torch.Tensor]] = []
         for _ in range(self.num_layers):
             self.a.append({})
             self.b.append({})
+            self.ranks.append({})
             for site, (width, outs) in shapes.items():
                 bands = len(outs) * max_rank
-                self.a[-1][site] = torch.zeros(
-                    num_slots, bands, width, dtype=dtype, device=weight.device
-                )
+                self.a[-1][site] = torch.zeros(num_slots, bands, width, dtype=dtype, device=device)
                 self.b[-1][site] = torch.zeros(
-                    num_slots, bands, sum(outs), dtype=dtype, device=weight.device
+                    num_slots, max_rank, sum(outs), dtype=dtype, device=device
                 )
+                self.ranks[-1][site] = torch.zeros(num_slots, len(outs), dtype=torch.long)
 
     @property
     def nbytes(self) -> int:
@@ -89,50 +99,99 @@ class LoraSlots:
             for site in self.shapes:
                 self.a[layer][site][slot].zero_()
                 self.b[layer][site][slot].zero_()
+                self.ranks[layer][site][slot].zero_()
         for (layer, module), (a, b) in adapter.modules.items():
             site, index = MODULES[module]
-            outs = self.shapes[site][1]
             band = index * self.max_rank
-            first = sum(outs[:index])
+            first, end = self.firsts[site][index : index + 2].tolist()
             r = a.shape[0]
             self.a[layer][site][slot, band : band + r] = a
-            self.b[layer][site][slot, band : band + r, first : first + outs[index]] = b.T
+            self.b[layer][site][slot, :r, first:end] = b.T
+            self.ranks[layer][site][slot, index] = r
 
 
-# a slot with more of a step's tokens than this (a prompt chunk) multiplies on its own: the grid
-# of the batched matmul is as tall as its fullest slot, and would multiply every slot that tall
+# a slot with more of a step's tokens than this (a prompt chunk) multiplies on its own where the
+# torch ops do the work: the grid of the batched matmul is as tall as its fullest slot, and would
+# multiply every slot that tall
 OWN_MATMUL_TOKENS = 16
 
 
 @dataclass
 class LoraBatch:
-    """A step's tokens by adapter slot. The slots with few tokens (decode rows) multiply together:
-    the flat indices of their tokens (`rows`) and where each sits in a `[slots, per_slot]` grid
-    (`cells`: slot * per_slot + its place among its slot's tokens). A slot with many (a prompt
-    chunk) multiplies alone: (slot, its tokens' flat indices) in `own`. Tokens of the base model
-    are in no slot."""
+    """A step's tokens by adapter slot: each token's slot (`slot_of`, -1 for the base model's),
+    for the kernel; and for the torch ops where it does not apply, the slots with few tokens
+    (decode rows) multiply together: the flat indices of their tokens (`rows`) and where each sits
+    in a `[slots, per_slot]` grid (`cells`: slot * per_slot + its place among its slot's tokens),
+    while a slot with many (a prompt chunk) multiplies alone: (slot, its tokens' flat indices) in
+    `own`."""
 
     slots: LoraSlots
+    slot_of: torch.Tensor  # [N] int64, on the host
     rows: torch.Tensor  # [T]
     cells: torch.Tensor  # [T]
     per_slot: int
     own: list[tuple[int, torch.Tensor]]
 
+    @classmethod
+    def of(cls, slots: LoraSlots, token_slots: list[int]) -> LoraBatch:
+        """The batch of a step whose flat token n runs the adapter in slot `token_slots[n]` (-1:
+        the base model)."""
+        device = slots.a[0]["qkv"].device
+        rows = [n for n, slot in enumerate(token_slots) if slot >= 0]
+        counts = [token_slots.count(slot) for slot in range(slots.num_slots)]
+        alone = {slot for slot, n in enumerate(counts) if n > OWN_MATMUL_TOKENS}
+        own = [
+            (slot, torch.tensor([n for n in rows if token_slots[n] == slot], device=device))
+            for slot in sorted(alone)
+        ]
+        grouped = [n for n in rows if token_slots[n] not in alone]
+        filled = [0] * slots.num_slots
+        cells = []  # each token's cell: its slot's row of the grid, then its place among its own
+        for n in grouped:
+            cells.append((token_slots[n], filled[token_slots[n]]))
+            filled[token_slots[n]] += 1
+        per_slot = max(filled)
+        return cls(
+            slots,
+            torch.tensor(token_slots, dtype=torch.long),
+            torch.tensor(grouped, dtype=torch.long, device=device),
+            torch.tensor([s * per_slot + p for s, p in cells], dtype=torch.long, device=device),
+            per_slot,
+            own,
+        )
+
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, site: str) -> None:
         """Add each token's adapter update of projection `site` of `layer` to its row of
         `out [N, out]`, the projection of `x [N, in]`."""
-        a = self.slots.a[layer][site]  # [S, R, in]
+        a = self.slots.a[layer][site]  # [S, M R, in]
         b = self.slots.b[layer][site]  # [S, R, out]
+        ranks = self.slots.ranks[layer][site]  # [S, M]
+        firsts = self.slots.firsts[site]  # [M + 1]
+        if kernels.lora_add(out, x, a, b, self.slot_of, ranks, firsts):
+            return
         if self.per_slot:
             num_slots = a.shape[0]
-            grid = x.new_zeros(num_slots * self.per_slot, x.shape[1])  # [S * M, in]
+            grid = x.new_zeros(num_slots * self.per_slot, x.shape[1])  # [S * P, in]
             grid[self.cells] = x[self.rows]
-            # [S, M, R]
+            # [S, P, M R]
             low = torch.bmm(grid.view(num_slots, self.per_slot, -1), a.transpose(1, 2))
-            update = torch.bmm(low, b).view(num_slots * self.per_slot, -1)  # [S * M, out]
+            update = _up(low, b, firsts).view(num_slots * self.per_slot, -1)  # [S * P, out]
             out.index_add_(0, self.rows, update[self.cells])
         for slot, rows in self.own:
-            out.index_add_(0, rows, (x[rows] @ a[slot].T) @ b[slot])  # [rows, out]
+            low = (x[rows] @ a[slot].T).unsqueeze(0)  # [1, rows, M R]
+            out.index_add_(0, rows, _up(low, b[slot : slot + 1], firsts)[0])  # [rows, out]
+
+
+def _up(low: torch.Tensor, b: torch.Tensor, firsts: torch.Tensor) -> torch.Tensor:
+    """`low [S, P, M R]` through each module's B (`b [S, R, out]`, module m's at its columns, its
+    band m of low): `[S, P, out]`."""
+    rank = b.shape[1]
+    update = low.new_empty(low.shape[0], low.shape[1], b.shape[2])  # [S, P, out]
+    bounds = firsts.tolist()
+    for m, (first, end) in enumerate(itertools.pairwise(bounds)):
+        band = low[:, :, m * rank : (m + 1) * rank]  # [S, P, R]
+        update[:, :, first:end] = torch.bmm(band, b[:, :, first:end])
+    return update
 
 
 def projection_shapes(
@@ -353,33 +412,8 @@ class ResidentLoras:
             )
         # each read evicts the least recently used: never one this step read before it
         slot_of = {ref: self.get(ref) for ref in distinct}
-        rows: list[int] = []
-        slots: list[int] = []
-        start = 0
+        token_slots: list[int] = []
         for ref, count in zip(refs, counts, strict=True):
-            if ref is not None:
-                rows.extend(range(start, start + count))
-                slots.extend([slot_of[ref]] * count)
-            start += count
-        device = self.model.model.embed_tokens.weight.device
-        counts_of = [slots.count(slot) for slot in range(self.max_loras)]
-        alone = {slot for slot, n in enumerate(counts_of) if n > OWN_MATMUL_TOKENS}
-        own = [
-            (slot, torch.tensor([r for r, s in zip(rows, slots, strict=True) if s == slot]))
-            for slot in sorted(alone)
-        ]
-        grouped = [(r, s) for r, s in zip(rows, slots, strict=True) if s not in alone]
-        filled = [0] * self.max_loras
-        cells = []  # each token's cell: its slot's row of the grid, then its place among its own
-        for _, slot in grouped:
-            cells.append((slot, filled[slot]))
-            filled[slot] += 1
-        per_slot = max(filled)
+            token_slots.extend([-1 if ref is None else slot_of[ref]] * count)
         assert self.slots is not None
-        return LoraBatch(
-            self.slots,
-            torch.tensor([r for r, _ in grouped], dtype=torch.long, device=device),
-            torch.tensor([s * per_slot + p for s, p in cells], dtype=torch.long, device=device),
-            per_slot,
-            [(slot, index.to(device)) for slot, index in own],
-        )
+        return LoraBatch.of(self.slots, token_slots)

@@ -1,7 +1,8 @@
 """A decode step's LoRA work alone on the embedded model's shapes (docs/BENCHMARKS.md, LoRA
 adapters): `LoraBatch.add` for every projection of 30 layers, 18 tokens spread over the slots, with
 8 slots of rank 16, 8 of rank 8 and 1 of rank 16 (random weights). Milliseconds per step, the
-mean of 20 steps after a warm-up, and the slot buffers' size:
+mean of 20 steps after a warm-up, and the slot buffers' size; through the kernel
+(`csrc/lora.cpp`), and through the torch ops with `PDSERVE_KERNELS=0`:
 
     .venv/bin/python -m benchmarks.studies.lora_step [THREADS]
 """
@@ -36,10 +37,10 @@ def step_ms(num_slots: int, rank: int) -> tuple[float, float]:
     for buffers in slots.a + slots.b:
         for buffer in buffers.values():
             buffer.normal_()
-    per_slot = -(-TOKENS // num_slots)
-    rows = torch.arange(TOKENS)
-    cells = (rows % num_slots) * per_slot + rows // num_slots
-    batch = LoraBatch(slots, rows, cells, per_slot, [])
+    for ranks in slots.ranks:
+        for buffer in ranks.values():
+            buffer.fill_(rank)
+    batch = LoraBatch.of(slots, [n % num_slots for n in range(TOKENS)])
     total = 0.0
     for site, (width, outs) in slots.shapes.items():
         x = torch.randn(TOKENS, width)

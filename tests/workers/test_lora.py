@@ -3,7 +3,10 @@
 `max_loras` adapters run at once; KV of two adapters never shares a block; an adapter that cannot
 be served is refused with the reason."""
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from scheduler.request import LoraRef, Request, SamplingParams
 from tests.factories import (
@@ -14,7 +17,16 @@ from tests.factories import (
     save_lora_adapter,
     tiny_model,
 )
-from workers.lora import LoraError, read_adapter
+from workers import kernels
+from workers.lora import (
+    MODULES,
+    LoraAdapter,
+    LoraBatch,
+    LoraError,
+    LoraSlots,
+    projection_shapes,
+    read_adapter,
+)
 
 pytest.importorskip("peft")
 
@@ -56,12 +68,80 @@ def mixed(adapters, names=(None, "all", "qv", "mlp"), lengths=(5, 23, 40), max_t
     ]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_token_gains_its_own_adapters_update(dtype, monkeypatch):
+    """`LoraBatch.add`, through the kernel and through the torch ops, against each token's update
+    computed alone: tokens of three slots and of the base model interleaved, one slot with a
+    prompt chunk's many tokens, adapters of ranks below the slots' width and of some modules only,
+    and a slot whose adapter was replaced (its old weights must not leak)."""
+    if kernels.load_kernels() is None:
+        pytest.skip("no CPU kernels here")
+    spec = SimpleNamespace(
+        hidden_size=48, num_heads=3, num_kv_heads=1, head_dim=16, intermediate_size=80, num_layers=2
+    )
+    weight = torch.zeros(1, dtype=dtype)
+    model = SimpleNamespace(
+        spec=spec, model=SimpleNamespace(embed_tokens=SimpleNamespace(weight=weight))
+    )
+    shapes = projection_shapes(48, 3, 1, 16, 80)
+    generator = torch.Generator().manual_seed(0)
+
+    def adapter(rank, modules):
+        weights = {}
+        for layer in range(2):
+            for module in modules:
+                site, index = MODULES[module]
+                width, outs = shapes[site]
+                a = (torch.randn(rank, width, generator=generator) / 4).to(dtype).float()
+                b = (torch.randn(outs[index], rank, generator=generator) / 4).to(dtype).float()
+                weights[layer, module] = (a, b)
+        return LoraAdapter(LoraRef(f"r{rank}", "/nowhere"), rank, weights)
+
+    slots = LoraSlots(model, 4, 8)
+    every = tuple(MODULES)
+    held = [adapter(8, every), adapter(3, ("q_proj", "v_proj", "down_proj")), adapter(8, every)]
+    slots.write(0, adapter(8, every))  # replaced below
+    for slot, each in enumerate(held):
+        slots.write(slot, each)
+    token_slots = [0, -1, 1, 2, 2, -1, 1, 0] + [1] * 20 + [-1, 0]
+    batch = LoraBatch.of(slots, token_slots)
+    assert batch.own and batch.per_slot  # both torch paths run
+    for site, (width, outs) in shapes.items():
+        x = torch.randn(len(token_slots), width, generator=generator).to(dtype)  # [N, in]
+        base = torch.randn(len(token_slots), sum(outs), generator=generator).to(dtype)
+        expected = base.float().clone()
+        for n, slot in enumerate(token_slots):
+            if slot < 0:
+                continue
+            first = 0
+            for module, (module_site, _) in MODULES.items():
+                if module_site != site:
+                    continue
+                width_out = outs[MODULES[module][1]]
+                if (1, module) in held[slot].modules:
+                    a, b = held[slot].modules[1, module]
+                    expected[n, first : first + width_out] += b @ (a @ x[n].float())
+                first += width_out
+        for kernel in (True, False):
+            if not kernel:
+                monkeypatch.setattr(kernels, "load_kernels", lambda: None)
+            out = base.clone()
+            batch.add(out, x, 1, site)
+            tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch-ops"])
 @pytest.mark.parametrize(
     ("budget", "chunk"), [(48, 16), (160, 64)], ids=["decode-rows-batched", "chunks-alone"]
 )
-def test_mixed_batches_give_each_adapters_peft_tokens(adapters, budget, chunk):
-    """Small steps multiply every slot's tokens in one batched matmul; with long prompt chunks a
-    slot of many tokens multiplies alone (`OWN_MATMUL_TOKENS`): both give PEFT's tokens."""
+def test_mixed_batches_give_each_adapters_peft_tokens(adapters, budget, chunk, kernel, monkeypatch):
+    """The kernel (`csrc/lora.cpp`), and the torch ops where it does not apply: with small steps
+    these multiply every slot's tokens in one batched matmul, with long prompt chunks a slot of
+    many tokens alone (`OWN_MATMUL_TOKENS`): each way gives PEFT's tokens."""
+    if not kernel:
+        monkeypatch.setattr(kernels, "load_kernels", lambda: None)
     eng = local_engine(tiny_model(), 8, 200, token_budget=budget, prefill_chunk=chunk, max_loras=4)
     done = eng.run(mixed(adapters))
     outputs = {r: d.output_ids for r, d in done.items()}

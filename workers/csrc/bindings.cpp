@@ -24,4 +24,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "rope_and_cache_kv8");
     m.def("quant_linear", torch::wrap_pybind_function(quant_linear), "quant_linear");
     m.def("quant_linear_isa", torch::wrap_pybind_function(quant_linear_isa), "quant_linear_isa");
+    m.def("lora_add", torch::wrap_pybind_function(lora_add), "lora_add");
 }

@@ -48,3 +48,7 @@ std::string quant_linear_isa();
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor scales,
                            std::optional<torch::Tensor> mins, std::optional<torch::Tensor> bias,
                            int64_t format, int64_t N);
+
+// lora.cpp
+void lora_add(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor b,
+              torch::Tensor slot_of, torch::Tensor ranks, torch::Tensor firsts);
