@@ -123,6 +123,12 @@ class EngineConfig(BaseModel):
     max_lora_rank: int = Field(
         16, ge=1, description="The highest LoRA rank served; an adapter above it is refused."
     )
+    lora_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="The dtype workers hold LoRA adapters in: auto (the model's); bfloat16 halves "
+        "an fp32 model's adapter bytes, which a step mixing many adapters reads (lossless for "
+        "adapters saved in bf16; the updates are computed in fp32 either way).",
+    )
     prefill_workers: int = Field(1, ge=1, description="Prefill worker actors (disaggregated mode).")
     decode_workers: int = Field(
         1, ge=1, description="Decode worker actors (disaggregated and colocated)."

@@ -98,7 +98,9 @@ class InProcessEngine(Engine):
             kv_cache_dtype=config.kv_cache_dtype,
             drafter=None if draft is None else Drafter(draft, num_blocks, config.block_size),
             loras=(
-                ResidentLoras(loaded.model, config.max_loras, config.max_lora_rank)
+                ResidentLoras(
+                    loaded.model, config.max_loras, config.max_lora_rank, config.lora_dtype
+                )
                 if config.lora_enabled
                 else None
             ),

@@ -161,6 +161,7 @@ def local_engine(  # type: ignore[no-untyped-def]
     draft_model=None,
     max_loras: int | None = None,
     max_lora_rank: int = 16,
+    lora_dtype: str = "auto",
     **planner: Any,
 ):
     """The in-process engine on `model`: a planner of `num_slots` requests at once of up to
@@ -183,7 +184,9 @@ def local_engine(  # type: ignore[no-untyped-def]
     )
     num_blocks = scheduler.blocks.num_blocks
     drafter = None if draft_model is None else Drafter(draft_model, num_blocks, block_size)
-    loras = None if max_loras is None else ResidentLoras(model, max_loras, max_lora_rank)
+    loras = (
+        None if max_loras is None else ResidentLoras(model, max_loras, max_lora_rank, lora_dtype)
+    )
     runner = ModelRunner(model, num_blocks, block_size=block_size, drafter=drafter, loras=loras)
     return LocalEngine(runner, scheduler, tokenizer)
 
@@ -407,10 +410,12 @@ def save_lora_adapter(  # type: ignore[no-untyped-def]
     rank: int = 8,
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj"),
     seed: int = 0,
+    bf16_values: bool = False,
     **lora: Any,
 ):
     """A PEFT LoRA adapter of the tiny `kind` model written by PEFT itself to `path`, with random
-    A and B (PEFT starts B at zero: an adapter that changes nothing); returns the path."""
+    A and B (PEFT starts B at zero: an adapter that changes nothing), rounded to bf16 values with
+    `bf16_values` (as an adapter trained in bf16); returns the path."""
     import copy
 
     import torch
@@ -423,9 +428,8 @@ def save_lora_adapter(  # type: ignore[no-untyped-def]
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_" in name:
-                param.copy_(
-                    torch.randn(param.shape, generator=noise) * 0.5 / param.shape[-1] ** 0.5
-                )
+                value = torch.randn(param.shape, generator=noise) * 0.5 / param.shape[-1] ** 0.5
+                param.copy_(value.bfloat16().float() if bf16_values else value)
     peft_model.save_pretrained(str(path))
     return path
 

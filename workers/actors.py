@@ -55,6 +55,7 @@ class Worker:
         speculative: SpeculativeConfig | None = None,
         max_loras: int | None = None,
         max_lora_rank: int = 16,
+        lora_dtype: str = "auto",
     ) -> None:
         torch.set_num_threads(max(1, num_threads))
         self.index = index
@@ -71,7 +72,7 @@ class Worker:
             drafter=None if draft is None else Drafter(draft, num_blocks, block_size),
             loras=None
             if max_loras is None
-            else ResidentLoras(loaded.model, max_loras, max_lora_rank),
+            else ResidentLoras(loaded.model, max_loras, max_lora_rank, lora_dtype),
         )
         self.kv_transport = kv_transport
         self.transports = usable_transports(self.runner.device, kv_transport)
@@ -225,5 +226,6 @@ def spawn_worker(
             config.speculative,
             config.max_loras if config.lora_enabled else None,
             config.max_lora_rank,
+            config.lora_dtype,
         )
     )

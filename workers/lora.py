@@ -61,10 +61,13 @@ class LoraSlots:
     every slot's tokens in one call whatever mix of adapters it runs (`kernels.lora_add`; punica's
     SGMV), or with batched matmuls where that kernel does not apply."""
 
-    def __init__(self, model: Any, num_slots: int, max_rank: int) -> None:
+    def __init__(
+        self, model: Any, num_slots: int, max_rank: int, dtype: torch.dtype | None = None
+    ) -> None:
         shapes, self.num_layers = model_shapes(model)
         weight = model.model.embed_tokens.weight
-        dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
+        if dtype is None:  # the model's
+            dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
         device = weight.device
         self.num_slots = num_slots
         self.max_rank = max_rank
@@ -169,6 +172,7 @@ class LoraBatch:
         firsts = self.slots.firsts[site]  # [M + 1]
         if kernels.lora_add(out, x, a, b, self.slot_of, ranks, firsts):
             return
+        a, b = a.to(x.dtype), b.to(x.dtype)  # slots in another dtype than the activations
         if self.per_slot:
             num_slots = a.shape[0]
             grid = x.new_zeros(num_slots * self.per_slot, x.shape[1])  # [S * P, in]
@@ -367,10 +371,12 @@ class ResidentLoras:
     to `max_loras` (the scheduler never runs more at once on one worker); a step's adapter not
     held is read from its path into the slot of the least recently used."""
 
-    def __init__(self, model: Any, max_loras: int, max_rank: int) -> None:
+    def __init__(self, model: Any, max_loras: int, max_rank: int, dtype: str = "auto") -> None:
         self.model = model
         self.max_loras = max_loras
         self.max_rank = max_rank
+        # the slots' (`--lora-dtype`; None: the model's)
+        self.dtype = None if dtype == "auto" else getattr(torch, dtype)
         self.slots: LoraSlots | None = None  # made with the first adapter
         self.held: OrderedDict[LoraRef, int] = OrderedDict()  # adapter -> its slot
         self.num_loads = 0
@@ -383,11 +389,12 @@ class ResidentLoras:
             return slot
         adapter = read_adapter(ref, self.model, self.max_rank)
         if self.slots is None:
-            self.slots = LoraSlots(self.model, self.max_loras, self.max_rank)
+            self.slots = LoraSlots(self.model, self.max_loras, self.max_rank, self.dtype)
             log.info(
-                "LoRA slots: %d adapters of rank up to %d, %.1f MiB",
+                "LoRA slots: %d adapters of rank up to %d in %s, %.1f MiB",
                 self.max_loras,
                 self.max_rank,
+                self.slots.a[0]["qkv"].dtype,
                 self.slots.nbytes / 2**20,
             )
         if len(self.held) < self.max_loras:

@@ -1,8 +1,9 @@
 """A decode step's LoRA work alone on the embedded model's shapes (docs/BENCHMARKS.md, LoRA
 adapters): `LoraBatch.add` for every projection of 30 layers, 18 tokens spread over the slots, with
-8 slots of rank 16, 8 of rank 8 and 1 of rank 16 (random weights). Milliseconds per step, the
-mean of 20 steps after a warm-up, and the slot buffers' size; through the kernel
-(`csrc/lora.cpp`), and through the torch ops with `PDSERVE_KERNELS=0`:
+8 slots of rank 16 (fp32, and bf16 as `--lora-dtype bfloat16` holds them), 8 of rank 8 and 1 of
+rank 16 (random weights). Milliseconds per step, the mean of 20 steps after a warm-up, and the
+slot buffers' size; through the kernel (`csrc/lora.cpp`), and through the torch ops with
+`PDSERVE_KERNELS=0`:
 
     .venv/bin/python -m benchmarks.studies.lora_step [THREADS]
 """
@@ -26,14 +27,14 @@ SPEC = dict(
 TOKENS = 18
 
 
-def step_ms(num_slots: int, rank: int) -> tuple[float, float]:
+def step_ms(num_slots: int, rank: int, dtype: torch.dtype) -> tuple[float, float]:
     """Milliseconds of one decode step's LoRA work, and the slots' MiB."""
     weight = torch.zeros(1)
     model = SimpleNamespace(
         spec=SimpleNamespace(**SPEC),
         model=SimpleNamespace(embed_tokens=SimpleNamespace(weight=weight)),
     )
-    slots = LoraSlots(model, num_slots, rank)
+    slots = LoraSlots(model, num_slots, rank, dtype)
     for buffers in slots.a + slots.b:
         for buffer in buffers.values():
             buffer.normal_()
@@ -57,10 +58,18 @@ def step_ms(num_slots: int, rank: int) -> tuple[float, float]:
 
 def main() -> None:
     torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else torch.get_num_threads())
-    for num_slots, rank in ((8, 16), (8, 8), (1, 16)):
-        ms, mib = step_ms(num_slots, rank)
+    for num_slots, rank, dtype in (
+        (8, 16, torch.float32),
+        (8, 16, torch.bfloat16),
+        (8, 8, torch.float32),
+        (1, 16, torch.float32),
+    ):
+        ms, mib = step_ms(num_slots, rank, dtype)
         slots = f"{num_slots} slot{'s' if num_slots > 1 else ''}"
-        print(f"{slots} of rank {rank}: {ms:.1f} ms a step, slot buffers {mib:.0f} MiB")
+        print(
+            f"{slots} of rank {rank} in {str(dtype)[6:]}: {ms:.1f} ms a step, "
+            f"slot buffers {mib:.0f} MiB"
+        )
 
 
 if __name__ == "__main__":

@@ -68,12 +68,20 @@ def mixed(adapters, names=(None, "all", "qv", "mlp"), lengths=(5, 23, 40), max_t
     ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_each_token_gains_its_own_adapters_update(dtype, monkeypatch):
+@pytest.mark.parametrize(
+    ("dtype", "slot_dtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.bfloat16),  # --lora-dtype bfloat16 on an fp32 model
+    ],
+)
+def test_each_token_gains_its_own_adapters_update(dtype, slot_dtype, monkeypatch):
     """`LoraBatch.add`, through the kernel and through the torch ops, against each token's update
     computed alone: tokens of three slots and of the base model interleaved, one slot with a
     prompt chunk's many tokens, adapters of ranks below the slots' width and of some modules only,
-    and a slot whose adapter was replaced (its old weights must not leak)."""
+    and a slot whose adapter was replaced (its old weights must not leak). Adapters of bf16
+    values lose nothing in bf16 slots: fp32 activations then match to fp32's tolerance."""
     if kernels.load_kernels() is None:
         pytest.skip("no CPU kernels here")
     spec = SimpleNamespace(
@@ -92,12 +100,12 @@ def test_each_token_gains_its_own_adapters_update(dtype, monkeypatch):
             for module in modules:
                 site, index = MODULES[module]
                 width, outs = shapes[site]
-                a = (torch.randn(rank, width, generator=generator) / 4).to(dtype).float()
-                b = (torch.randn(outs[index], rank, generator=generator) / 4).to(dtype).float()
+                a = (torch.randn(rank, width, generator=generator) / 4).to(slot_dtype).float()
+                b = (torch.randn(outs[index], rank, generator=generator) / 4).to(slot_dtype).float()
                 weights[layer, module] = (a, b)
         return LoraAdapter(LoraRef(f"r{rank}", "/nowhere"), rank, weights)
 
-    slots = LoraSlots(model, 4, 8)
+    slots = LoraSlots(model, 4, 8, slot_dtype)
     every = tuple(MODULES)
     held = [adapter(8, every), adapter(3, ("q_proj", "v_proj", "down_proj")), adapter(8, every)]
     slots.write(0, adapter(8, every))  # replaced below
@@ -152,6 +160,27 @@ def test_mixed_batches_give_each_adapters_peft_tokens(adapters, budget, chunk, k
     # the adapters do change the tokens
     assert len({tuple(outputs[f"{n}-1"]) for n in ("None", "all", "qv", "mlp")}) == 4
     assert eng.runner.loras.num_loads == 3
+
+
+def test_bf16_slots_lose_nothing_of_adapters_trained_in_bf16(tmp_path):
+    """`--lora-dtype bfloat16` on an fp32 model halves the adapters' bytes; adapters whose weights
+    are bf16 values (trained in bf16) give PEFT's tokens as fp32 slots do."""
+    adapters = {
+        name: save_lora_adapter(
+            tmp_path / name, targets=ATTENTION + MLP, seed=seed, bf16_values=True
+        )
+        for name, seed in (("x", 4), ("y", 5))
+    }
+    eng = local_engine(
+        tiny_model(), 8, 200, token_budget=48, prefill_chunk=16, max_loras=2, lora_dtype="bfloat16"
+    )
+    requests = mixed(adapters, names=(None, "x", "y"), lengths=(5, 23))
+    done = eng.run(requests)
+    for request in requests:
+        name = request.lora.name if request.lora else None
+        expected = peft_greedy("llama", adapters.get(name), request.prompt_ids, 12)
+        assert done[request.req_id].output_ids == expected, request.req_id
+    assert eng.runner.loras.slots.a[0]["qkv"].dtype == torch.bfloat16
 
 
 def test_max_loras_bounds_the_adapters_running_at_once(adapters):

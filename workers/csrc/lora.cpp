@@ -19,7 +19,7 @@
 #include "kernels.h"
 
 // a[0..n) . x[0..n) in fp32: 16 partial sums (one vector), added in a fixed order
-template <typename T> static inline float dot(const T* a, const T* x, int64_t n) {
+template <typename W, typename T> static inline float dot(const W* a, const T* x, int64_t n) {
     float acc[16] = {0.f};
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
@@ -34,9 +34,10 @@ template <typename T> static inline float dot(const T* a, const T* x, int64_t n)
 
 // out [N, O] += each token's update: token n of slot s = slot_of[n] (-1: none) gains, for each
 // module m (output columns firsts[m]..firsts[m+1]), B[s, :r, cols] . (A[s, m R : m R + r] x[n]),
-// r = ranks[s, m]. a [S, M R, I], b [S, R, O].
-template <typename T>
-static void lora_add_run(T* out, const T* x, const T* a, const T* b, const int64_t* slot_of,
+// r = ranks[s, m]. a [S, M R, I], b [S, R, O]: the activations' dtype (T), or another (W: fp32
+// adapters on a bf16 model, bf16 adapters on an fp32 one).
+template <typename T, typename W>
+static void lora_add_run(T* out, const T* x, const W* a, const W* b, const int64_t* slot_of,
                          const int64_t* ranks, const int64_t* firsts, int64_t N, int64_t I,
                          int64_t O, int64_t S, int64_t M, int64_t R) {
     std::vector<std::vector<int64_t>> tokens(S);  // each slot's tokens
@@ -88,7 +89,7 @@ static void lora_add_run(T* out, const T* x, const T* a, const T* b, const int64
                 float update[COLS] = {0.f};
                 for (int64_t k = 0; k < r; ++k) {
                     const float l = low[n * MR + m * R + k];
-                    const T* row = b + (s * R + k) * O + c0;
+                    const W* row = b + (s * R + k) * O + c0;
 #pragma omp simd
                     for (int64_t c = 0; c < width; ++c) update[c] += l * load(row, c);
                 }
@@ -100,15 +101,31 @@ static void lora_add_run(T* out, const T* x, const T* a, const T* b, const int64
     });
 }
 
+template <typename T>
+static void lora_add_as(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor b,
+                        const int64_t* slot_of, const int64_t* ranks, const int64_t* firsts,
+                        int64_t S, int64_t M, int64_t R) {
+    const int64_t N = x.size(0), I = x.size(1), O = out.size(1);
+    if (a.scalar_type() == torch::kFloat32)
+        lora_add_run(ptr<T>(out), ptr<T>(x), ptr<float>(a), ptr<float>(b), slot_of, ranks, firsts,
+                     N, I, O, S, M, R);
+    else
+        lora_add_run(ptr<T>(out), ptr<T>(x), ptr<uint16_t>(a), ptr<uint16_t>(b), slot_of, ranks,
+                     firsts, N, I, O, S, M, R);
+}
+
 void lora_add(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor b,
               torch::Tensor slot_of, torch::Tensor ranks, torch::Tensor firsts) {
     TORCH_CHECK(out.is_contiguous() && x.is_contiguous() && a.is_contiguous() &&
                     b.is_contiguous() && slot_of.is_contiguous() && ranks.is_contiguous() &&
                     firsts.is_contiguous(),
                 "lora_add: tensors must be contiguous");
-    TORCH_CHECK(out.scalar_type() == x.scalar_type() && a.scalar_type() == x.scalar_type() &&
-                    b.scalar_type() == x.scalar_type(),
-                "lora_add: one dtype");
+    const auto floats = [](const torch::Tensor& t) {
+        return t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16;
+    };
+    TORCH_CHECK(out.scalar_type() == x.scalar_type() && a.scalar_type() == b.scalar_type() &&
+                    floats(x) && floats(a),
+                "lora_add: activations and adapters each in fp32 or bf16");
     TORCH_CHECK(slot_of.scalar_type() == torch::kInt64 && ranks.scalar_type() == torch::kInt64 &&
                     firsts.scalar_type() == torch::kInt64,
                 "lora_add: int64 indices");
@@ -120,12 +137,9 @@ void lora_add(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor
                 "lora_add: shapes disagree");
     const int64_t* rk = ptr<int64_t>(ranks);
     for (int64_t i = 0; i < S * M; ++i) TORCH_CHECK(rk[i] >= 0 && rk[i] <= R, "lora_add: rank");
-    if (x.scalar_type() == torch::kFloat32) {
-        lora_add_run(ptr<float>(out), ptr<float>(x), ptr<float>(a), ptr<float>(b),
-                     ptr<int64_t>(slot_of), rk, ptr<int64_t>(firsts), N, I, O, S, M, R);
-    } else {
-        TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "lora_add: fp32 or bf16");
-        lora_add_run(ptr<uint16_t>(out), ptr<uint16_t>(x), ptr<uint16_t>(a), ptr<uint16_t>(b),
-                     ptr<int64_t>(slot_of), rk, ptr<int64_t>(firsts), N, I, O, S, M, R);
-    }
+    if (x.scalar_type() == torch::kFloat32)
+        lora_add_as<float>(out, x, a, b, ptr<int64_t>(slot_of), rk, ptr<int64_t>(firsts), S, M, R);
+    else
+        lora_add_as<uint16_t>(out, x, a, b, ptr<int64_t>(slot_of), rk, ptr<int64_t>(firsts), S, M,
+                              R);
 }
