@@ -3,9 +3,13 @@ projections, a step's tokens grouped by adapter, and the adapters a worker keeps
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
+import os
+import shutil
+import tempfile
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -263,9 +267,56 @@ def read_adapter(ref: LoraRef, model: Any, max_rank: int) -> LoraAdapter:
     return LoraAdapter(ref, rank, modules)
 
 
+# the files of a PEFT adapter that are read (the safetensors file, or else the .bin)
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+
+
+def adapter_dir(ref: LoraRef) -> Path:
+    """The local directory of an adapter's files: its path (or a `file://` URI's); for another URI
+    (`s3://`, `gs://`, `hf://`, ...: any filesystem fsspec reads in this process) a copy of them
+    fetched on first use into a directory of this process and name (`PDSERVE_LORA_CACHE`, else
+    the system's temporary directory), so an adapter loaded again under a new name is fetched
+    again."""
+    scheme, sep, rest = ref.path.partition("://")
+    if not sep:
+        return Path(ref.path)
+    if scheme == "file":
+        return Path(rest)
+    key = hashlib.sha1(f"{os.getpid()}:{ref.name}:{ref.path}".encode()).hexdigest()[:16]
+    root = Path(
+        os.environ.get("PDSERVE_LORA_CACHE") or Path(tempfile.gettempdir()) / "pdserve-loras"
+    )
+    local = root / key
+    if local.is_dir():
+        return local
+    try:
+        import fsspec
+
+        fs, remote = fsspec.core.url_to_fs(ref.path)
+        fetching = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=_made(root)))
+        for name in ADAPTER_FILES:
+            if fs.exists(f"{remote.rstrip('/')}/{name}"):
+                fs.get(f"{remote.rstrip('/')}/{name}", str(fetching / name))
+    except Exception as e:  # an unknown scheme, its filesystem not installed, no such bucket, ...
+        raise LoraError(
+            f"LoRA adapter {ref.name!r}: cannot fetch {ref.path} ({type(e).__name__}: {e})"
+        ) from None
+    try:
+        fetching.rename(local)  # whole, or not at all
+    except OSError:  # another thread of this process fetched it first
+        shutil.rmtree(fetching, ignore_errors=True)
+    log.info("LoRA adapter %s fetched from %s into %s", ref.name, ref.path, local)
+    return local
+
+
+def _made(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def _adapter_config(ref: LoraRef) -> tuple[float, bool]:
     """The adapter's lora_alpha and use_rslora, its config checked."""
-    config_file = Path(ref.path) / "adapter_config.json"
+    config_file = adapter_dir(ref) / "adapter_config.json"
     if not config_file.is_file():
         raise LoraError(f"LoRA adapter {ref.name!r}: no adapter_config.json in {ref.path}")
     try:
@@ -320,7 +371,7 @@ def _check_shapes(
 
 def _tensor_shapes(ref: LoraRef) -> dict[str, tuple[int, ...]]:
     """The adapter's tensors' shapes, from the safetensors header alone where there is one."""
-    path = Path(ref.path) / "adapter_model.safetensors"
+    path = adapter_dir(ref) / "adapter_model.safetensors"
     if not path.is_file():
         return {k: tuple(t.shape) for k, t in _tensors(ref).items()}
     from safetensors import safe_open
@@ -330,7 +381,7 @@ def _tensor_shapes(ref: LoraRef) -> dict[str, tuple[int, ...]]:
 
 
 def _tensors(ref: LoraRef) -> dict[str, torch.Tensor]:
-    path = Path(ref.path)
+    path = adapter_dir(ref)
     safetensors_file = path / "adapter_model.safetensors"
     if safetensors_file.is_file():
         from safetensors.torch import load_file

@@ -19,6 +19,7 @@ from tests.factories import (
 )
 from workers import kernels
 from workers.lora import (
+    ADAPTER_FILES,
     MODULES,
     LoraAdapter,
     LoraBatch,
@@ -250,3 +251,31 @@ def test_an_adapter_of_another_model_is_refused_naming_the_shapes(tmp_path):
     path = save_lora_adapter(tmp_path / "qwen3", kind="qwen3", targets=("q_proj",))
     with pytest.raises(LoraError, match=r"q_proj of layer 0 has A \(8, 64\) and B \(128, 8\)"):
         read_adapter(LoraRef("q3", str(path)), tiny_model(), max_rank=16)
+
+
+def test_adapters_are_read_from_uris(adapters, tmp_path, monkeypatch):
+    """A `file://` URI reads its directory; another scheme (fsspec's in-memory filesystem here, as
+    `s3://` or `gs://` would be with their filesystems installed) is fetched into the cache
+    first: both give PEFT's tokens for the adapter. A URI that cannot be fetched, or that holds no
+    adapter, is refused with the reason."""
+    import fsspec
+
+    monkeypatch.setenv("PDSERVE_LORA_CACHE", str(tmp_path / "cache"))
+    memory = fsspec.filesystem("memory")
+    for name in ADAPTER_FILES:
+        if (adapters["all"] / name).is_file():
+            memory.put(str(adapters["all"] / name), f"/adapters/all/{name}")
+    uris = {"file": f"file://{adapters['all']}", "memory": "memory://adapters/all"}
+    prompt = prompt_ids(23, seed=70)
+    requests = [
+        Request(scheme, prompt, 8, SamplingParams(), lora=LoraRef(scheme, uri))
+        for scheme, uri in uris.items()
+    ]
+    done = local_engine(tiny_model(), 4, 200, max_loras=2).run(requests)
+    expected = peft_greedy("llama", adapters["all"], prompt, 8)
+    assert [done[scheme].output_ids for scheme in uris] == [expected, expected]
+    assert len(list((tmp_path / "cache").iterdir())) == 1  # the fetched copy
+    with pytest.raises(LoraError, match="cannot fetch nosuchscheme://a/b"):
+        read_adapter(LoraRef("x", "nosuchscheme://a/b"), tiny_model(), max_rank=16)
+    with pytest.raises(LoraError, match="no adapter_config.json in memory://empty"):
+        read_adapter(LoraRef("y", "memory://empty"), tiny_model(), max_rank=16)

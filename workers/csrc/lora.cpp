@@ -133,7 +133,7 @@ void lora_add(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor
     const int64_t S = a.size(0), M = ranks.size(1), R = b.size(1);
     TORCH_CHECK(out.size(0) == N && slot_of.size(0) == N && a.size(1) == M * R &&
                     a.size(2) == I && b.size(0) == S && b.size(2) == O && ranks.size(0) == S &&
-                    firsts.size(0) == M + 1 && firsts[M].item<int64_t>() == O,
+                    firsts.size(0) == M + 1 && ptr<int64_t>(firsts)[M] == O,
                 "lora_add: shapes disagree");
     const int64_t* rk = ptr<int64_t>(ranks);
     for (int64_t i = 0; i < S * M; ++i) TORCH_CHECK(rk[i] >= 0 && rk[i] <= R, "lora_add: rank");
