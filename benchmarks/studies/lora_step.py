@@ -1,9 +1,9 @@
-"""A decode step's LoRA work alone on the embedded model's shapes (docs/BENCHMARKS.md, LoRA
-adapters): `LoraBatch.add` for every projection of 30 layers, 18 tokens spread over the slots, with
-8 slots of rank 16 (fp32, and bf16 as `--lora-dtype bfloat16` holds them), 8 of rank 8 and 1 of
-rank 16 (random weights). Milliseconds per step, the mean of 20 steps after a warm-up, and the
-slot buffers' size; through the kernel (`csrc/lora.cpp`), and through the torch ops with
-`PDSERVE_KERNELS=0`:
+"""A step's LoRA work alone on the embedded model's shapes (docs/BENCHMARKS.md, LoRA adapters):
+`LoraBatch.add` for every projection of 30 layers, for 18 decode tokens spread over 8 slots of
+rank 16 (fp32, and bf16 as `--lora-dtype bfloat16` holds them), 8 of rank 8 and 1 of rank 16, and
+for a prompt chunk of 128 tokens of one rank-16 adapter (random weights). Milliseconds per step,
+the mean of 20 steps after a warm-up, and the slot buffers' size; through the kernel
+(`csrc/lora.cpp`), and through the torch ops with `PDSERVE_KERNELS=0`:
 
     .venv/bin/python -m benchmarks.studies.lora_step [THREADS]
 """
@@ -25,9 +25,12 @@ SPEC = dict(
     num_layers=30,
 )
 TOKENS = 18
+CHUNK = 128  # a prompt chunk's tokens, of one adapter
 
 
-def step_ms(num_slots: int, rank: int, dtype: torch.dtype) -> tuple[float, float]:
+def step_ms(
+    num_slots: int, rank: int, dtype: torch.dtype, tokens: int = TOKENS
+) -> tuple[float, float]:
     """Milliseconds of one decode step's LoRA work, and the slots' MiB."""
     weight = torch.zeros(1)
     model = SimpleNamespace(
@@ -41,11 +44,11 @@ def step_ms(num_slots: int, rank: int, dtype: torch.dtype) -> tuple[float, float
     for ranks in slots.ranks:
         for buffer in ranks.values():
             buffer.fill_(rank)
-    batch = LoraBatch.of(slots, [n % num_slots for n in range(TOKENS)])
+    batch = LoraBatch.of(slots, [n % num_slots for n in range(tokens)])
     total = 0.0
     for site, (width, outs) in slots.shapes.items():
-        x = torch.randn(TOKENS, width)
-        out = torch.randn(TOKENS, sum(outs))
+        x = torch.randn(tokens, width)
+        out = torch.randn(tokens, sum(outs))
         for _ in range(3):
             batch.add(out, x, 0, site)
         start = time.perf_counter()
@@ -58,16 +61,17 @@ def step_ms(num_slots: int, rank: int, dtype: torch.dtype) -> tuple[float, float
 
 def main() -> None:
     torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else torch.get_num_threads())
-    for num_slots, rank, dtype in (
-        (8, 16, torch.float32),
-        (8, 16, torch.bfloat16),
-        (8, 8, torch.float32),
-        (1, 16, torch.float32),
+    for num_slots, rank, dtype, tokens in (
+        (8, 16, torch.float32, TOKENS),
+        (8, 16, torch.bfloat16, TOKENS),
+        (8, 8, torch.float32, TOKENS),
+        (1, 16, torch.float32, TOKENS),
+        (1, 16, torch.float32, CHUNK),
     ):
-        ms, mib = step_ms(num_slots, rank, dtype)
+        ms, mib = step_ms(num_slots, rank, dtype, tokens)
         slots = f"{num_slots} slot{'s' if num_slots > 1 else ''}"
         print(
-            f"{slots} of rank {rank} in {str(dtype)[6:]}: {ms:.1f} ms a step, "
+            f"{tokens} tokens, {slots} of rank {rank} in {str(dtype)[6:]}: {ms:.1f} ms a step, "
             f"slot buffers {mib:.0f} MiB"
         )
 

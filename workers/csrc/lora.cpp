@@ -7,7 +7,9 @@
 // bytes. Here one parallel loop computes each token's `low = A x` over its slot's bands, a second
 // adds `B low` to its output, reading a slot's A rows and B columns once for all of its tokens,
 // and only each module's own rank (an adapter's rank below the slots' width, or a module it does
-// not adapt, reads nothing). Each token's sums run in an order that depends on it alone.
+// not adapt, reads nothing). Each token's sums run in an order that depends on it alone, with fused
+// multiply-adds (the rest of the kernels round as the eager ops do; an adapter's update has no
+// eager twin to match bit for bit).
 #include <ATen/Parallel.h>
 #include <torch/types.h>
 
@@ -18,13 +20,39 @@
 #include "common.h"
 #include "kernels.h"
 
-// a[0..n) . x[0..n) in fp32: 16 partial sums (one vector), added in a fixed order
+// the dots of 4 rows of a (row r at a + r * lda) with x[0..n), in fp32 into out[0..4): each row's
+// 16 partial sums (one vector), added in a fixed order; x read once for the 4
+template <typename W, typename T>
+static inline void dot4(const W* a, int64_t lda, const T* x, int64_t n, float* out) {
+    float acc[4][16] = {};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        float xs[16];
+#pragma omp simd
+        for (int l = 0; l < 16; ++l) xs[l] = load(x, i + l);
+        for (int r = 0; r < 4; ++r) {
+            const W* row = a + r * lda + i;
+#pragma omp simd
+            for (int l = 0; l < 16; ++l)
+                acc[r][l] = __builtin_fmaf(load(row, l), xs[l], acc[r][l]);
+        }
+    }
+    for (int r = 0; r < 4; ++r) {
+        float sum = 0.f;
+        for (int l = 0; l < 16; ++l) sum += acc[r][l];
+        for (int64_t j = i; j < n; ++j) sum += load(a + r * lda, j) * load(x, j);
+        out[r] = sum;
+    }
+}
+
+// one row's dot, in the same order as dot4's
 template <typename W, typename T> static inline float dot(const W* a, const T* x, int64_t n) {
     float acc[16] = {0.f};
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
 #pragma omp simd
-        for (int l = 0; l < 16; ++l) acc[l] += load(a, i + l) * load(x, i + l);
+        for (int l = 0; l < 16; ++l)
+            acc[l] = __builtin_fmaf(load(a, i + l), load(x, i + l), acc[l]);
     }
     float sum = 0.f;
     for (int l = 0; l < 16; ++l) sum += acc[l];
@@ -62,9 +90,19 @@ static void lora_add_run(T* out, const T* x, const W* a, const W* b, const int64
             const int64_t m = task / row_blocks % M;
             const int64_t k0 = task % row_blocks * ROWS;
             const int64_t k1 = std::min(k0 + ROWS, ranks[s * M + m]);
-            for (const int64_t n : tokens[s])
-                for (int64_t k = k0; k < k1; ++k)
-                    low[n * MR + m * R + k] = dot(a + (s * MR + m * R + k) * I, x + n * I, I);
+            if (k1 <= k0) continue;
+            const W* rows = a + (s * MR + m * R + k0) * I;
+            for (const int64_t n : tokens[s]) {
+                float* into = low.data() + n * MR + m * R;
+                if (k0 + ROWS <= R) {  // (rows past the rank are zeros: computed, not kept)
+                    float dots[ROWS];
+                    dot4(rows, I, x + n * I, I, dots);
+                    for (int64_t k = k0; k < k1; ++k) into[k] = dots[k - k0];
+                } else {
+                    for (int64_t k = k0; k < k1; ++k)
+                        into[k] = dot(rows + (k - k0) * I, x + n * I, I);
+                }
+            }
         }
     });
 
@@ -91,7 +129,8 @@ static void lora_add_run(T* out, const T* x, const W* a, const W* b, const int64
                     const float l = low[n * MR + m * R + k];
                     const W* row = b + (s * R + k) * O + c0;
 #pragma omp simd
-                    for (int64_t c = 0; c < width; ++c) update[c] += l * load(row, c);
+                    for (int64_t c = 0; c < width; ++c)
+                        update[c] = __builtin_fmaf(l, load(row, c), update[c]);
                 }
                 T* o = out + n * O + c0;
 #pragma omp simd
