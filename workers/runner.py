@@ -51,8 +51,9 @@ class ModelRunner:
         self.device = weight.device
         self.dtype = weight.dtype
         spec = model.spec
+        local = model.local_spec  # a tensor-parallel rank's KV pool holds its own KV heads
         per_token = PagedKVCache.bytes_per_token(
-            spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype, kv_cache_dtype
+            local.num_layers, local.num_kv_heads, local.head_dim, self.dtype, kv_cache_dtype
         )
         # build the CPU kernels (once per machine) now, not inside a step; their matmul packs a copy
         # of every float matrix on first use (counted here as every 2-D parameter: the embedding
