@@ -79,6 +79,14 @@ class TensorParallel:
             return tensor[shard.vocab.start : shard.vocab.stop]
         return tensor  # norms: every rank holds them whole
 
+    def share_tokens(self, tokens: list[int] | None, count: int) -> list[int]:
+        """Rank 0's `tokens` (its `count` samples of a step) on every rank: the others feed them in
+        at the next step as rank 0 does (only rank 0 samples)."""
+        values = tokens if self.rank == 0 else [0] * count
+        shared = torch.tensor(values, dtype=torch.long)  # [count]
+        dist.broadcast(shared, group=self.group, group_src=0)
+        return shared.tolist()
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum the ranks' partial `x` in place: every rank then holds the whole sum."""
         dist.all_reduce(x, group=self.group)
