@@ -105,6 +105,14 @@ class EngineConfig(BaseModel):
         "channel. Unset: weights dequantized to dtype (a GPTQ, AWQ or compressed-tensors "
         "checkpoint is served packed as it is).",
     )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Ranks per worker (vLLM's --tensor-parallel-size): each holds its share of the "
+        "heads (by KV group, as evenly as they go), MLP columns and vocabulary, and its KV heads' "
+        "pool; one Ray placement group per worker, gloo on CPUs, NCCL on GPUs. local and "
+        "colocated modes; not yet with quantization, speculation or LoRA.",
+    )
     lora_modules: list[str] | dict[str, str] | None = Field(
         None,
         description="LoRA adapters served beside the model (vLLM's --lora-modules): name=path "
@@ -262,6 +270,8 @@ class EngineConfig(BaseModel):
                 f"quantization gguf serves a GGUF file's blocks: {self.model!r} is neither a .gguf "
                 f"file nor a GGUF alias ({', '.join(ALIASES)}); use int8 for other checkpoints"
             )
+        if self.tensor_parallel_size > 1:
+            self._check_tensor_parallel()
         scaling = self.max_prefill_workers is not None or self.max_decode_workers is not None
         if self.planner_period_s is not None and not (self.pool_planner and scaling):
             raise ValueError(
@@ -269,6 +279,23 @@ class EngineConfig(BaseModel):
                 "max_prefill_workers or max_decode_workers too"
             )
         return self
+
+    def _check_tensor_parallel(self) -> None:
+        """What a tensor-parallel worker cannot serve yet, refused before anything starts."""
+        tp = f"tensor_parallel_size {self.tensor_parallel_size}"
+        if self.mode == "disaggregated":
+            raise ValueError(
+                f"{tp}: disaggregated mode hands KV between workers, which does not map heads "
+                "between ranks yet; use mode local or colocated"
+            )
+        unserved = {
+            "quantization": self.quantization is not None,
+            "speculative_config": self.speculative_config is not None,
+            "LoRA adapters": self.enable_lora or bool(self.lora_modules),
+        }
+        for name, given in unserved.items():
+            if given:
+                raise ValueError(f"{tp}: {name} is not served tensor-parallel yet")
 
     @field_validator("lora_modules")
     @classmethod
@@ -339,6 +366,11 @@ class EngineConfig(BaseModel):
             return 0
         return self.decode_workers + (self.prefill_workers if self.mode == "disaggregated" else 0)
 
+    def num_ranks(self) -> int:
+        """Processes holding a share of the model: every worker's tensor-parallel ranks (in local
+        mode, the engine's own)."""
+        return max(1, self.num_workers()) * self.tensor_parallel_size
+
     def worker_threads(self) -> int:
         """The torch threads each worker actor uses: one per whole CPU it reserves, at least one."""
         return max(1, int(self.num_cpus_per_worker))
@@ -361,10 +393,11 @@ class EngineConfig(BaseModel):
         per_worker = self.gpus_per_worker
         if per_worker is None:
             per_worker = 1.0 if cluster_gpus >= 1 else 0.0
-        needed = per_worker * self.num_workers()
+        ranks = self.num_workers() * self.tensor_parallel_size  # each rank: a worker's share
+        needed = per_worker * ranks
         if needed > cluster_gpus:
             raise ValueError(
-                f"{self.num_workers()} workers of {per_worker:g} GPU each need {needed:g} GPUs, "
+                f"{ranks} worker ranks of {per_worker:g} GPU each need {needed:g} GPUs, "
                 f"the cluster has {cluster_gpus:g}: lower the workers, or set gpus_per_worker "
                 f"(e.g. {cluster_gpus / self.num_workers():g}) so that they share"
             )

@@ -10,6 +10,7 @@ from typing import Any
 
 import ray
 import torch
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from scheduler.cell.gc_pauses import freeze_startup_objects
 from scheduler.messages import KVImport, KVPiece, StepResult, WorkerRestarted, unpack_plans
@@ -26,6 +27,7 @@ from workers.kv_transfer import (
 from workers.loader import load_model, resolve_device
 from workers.lora import ResidentLoras
 from workers.runner import ModelRunner
+from workers.tp_group import TPFollowers
 
 # a NIXL sender's staging pool: this share of the bytes of its KV cache
 _STAGING_SHARE = 4
@@ -55,11 +57,21 @@ class Worker:
         speculative: SpeculativeConfig | None = None,
         max_loras: int | None = None,
         max_lora_rank: int = 16,
+        tensor_parallel_size: int = 1,
+        placement: Any = None,
     ) -> None:
         torch.set_num_threads(max(1, num_threads))
         self.index = index
         device = resolve_device(device)
-        loaded = load_model(model, dtype, device, quantization)
+        # a tensor-parallel worker: this actor is rank 0, in bundle 0 of `placement`; its ranks
+        # 1.. are actors it starts in the other bundles (`workers/tp_group.py`)
+        self.followers = None
+        if tensor_parallel_size > 1:
+            self.followers = TPFollowers.start(
+                tensor_parallel_size, model, dtype, device, num_threads, placement
+            )
+            self.followers.start_runners(num_blocks, block_size, kv_cache_dtype)
+        loaded = load_model(model, dtype, device, quantization, tensor_parallel_size)
         # every worker loads a draft model: the pool planner may move any worker to decode
         draft = load_draft_model(speculative, loaded.model, dtype, device)
         self.runner = ModelRunner(
@@ -72,6 +84,7 @@ class Worker:
             loras=None
             if max_loras is None
             else ResidentLoras(loaded.model, max_loras, max_lora_rank),
+            followers=self.followers,
         )
         self.kv_transport = kv_transport
         self.transports = usable_transports(self.runner.device, kv_transport)
@@ -91,6 +104,7 @@ class Worker:
             "device": str(self.runner.device),
             "gpu_ids": [str(i) for i in ray.get_gpu_ids()],
             "threads": torch.get_num_threads(),
+            "tensor_parallel_size": 1 if self.followers is None else len(self.followers.actors) + 1,
             "incarnation": self.incarnation,
             "transports": self.transports,
             "kv_cache": {
@@ -119,6 +133,8 @@ class Worker:
         states = self.runner.states
         states.drop([*states.params, *states.states])
         self.runner.last_sampled = {}
+        if self.followers is not None:
+            self.followers.reset()
 
     def prefetch(self, pieces: list[KVPiece]) -> None:
         """Pull KV pieces of prompts still prefilling on another node to this one, in the
@@ -138,6 +154,8 @@ class Worker:
             raise WorkerRestarted(f"worker {self.index} was restarted since its last ready()")
         start = time.perf_counter()
         plans = unpack_plans(packed)
+        if self.followers is not None and (imports or any(p.exports for p in plans)):
+            raise RuntimeError("a tensor-parallel worker neither sends nor receives KV yet")
         report = self.receiver.import_all(imports) if imports else ImportReport()
         lost = set(report.failed)
         results = []
@@ -201,6 +219,14 @@ def spawn_worker(
         "num_gpus": gpus,
         "resources": config.prefill_resources if kind == "prefill" else config.decode_resources,
     }
+    tp_size = config.tensor_parallel_size
+    placement = None
+    if tp_size > 1:  # one bundle per rank, on one node; this actor takes bundle 0
+        bundle = {"CPU": config.num_cpus_per_worker} | ({"GPU": gpus} if gpus else {})
+        placement = ray.util.placement_group([bundle] * tp_size, strategy="STRICT_PACK")
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement, placement_group_bundle_index=0
+        )
     if name is not None:
         options |= {
             "name": name,
@@ -225,5 +251,7 @@ def spawn_worker(
             config.speculative,
             config.max_loras if config.lora_enabled else None,
             config.max_lora_rank,
+            tp_size,
+            placement,
         )
     )

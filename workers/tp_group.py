@@ -68,8 +68,10 @@ class FollowerRank:
             raise RuntimeError(f"rank {self.rank} was sent a plan before start()")
         self.runner.execute(plan)
 
-    def close(self) -> None:
-        dist.destroy_process_group()
+    def reset(self) -> None:
+        """Forget the tokens it last fed (rank 0's worker forgot every request)."""
+        if self.runner is not None:
+            self.runner.last_sampled = {}
 
 
 class TPFollowers:
@@ -133,6 +135,9 @@ class TPFollowers:
 
     def wait(self, running: list[Any]) -> None:
         ray.get(running)
+
+    def reset(self) -> None:
+        ray.get([actor.reset.remote() for actor in self.actors])
 
     def shutdown(self) -> None:
         """Leave the group and stop the followers (and the placement group made for them)."""

@@ -2,13 +2,11 @@
 one thread each) serves requests as a TP-1 one does: the same greedy and seeded tokens, log-probs
 within 1e-4."""
 
-import pytest
 import torch
 
 from scheduler.request import PENDING, SamplingParams
 from scheduler.step_planner import StepPlanner
-from tests.factories import make_requests, tiny_tokenizer
-from tests.workers.tp_ranks import tp_hf_model
+from tests.factories import make_requests
 from workers.engine import LocalEngine
 from workers.loader import load_model
 from workers.runner import ModelRunner
@@ -16,15 +14,6 @@ from workers.runner import ModelRunner
 NUM_SLOTS = 3
 CAPACITY = 128
 NUM_BLOCKS = NUM_SLOTS * CAPACITY // 16
-
-
-@pytest.fixture(scope="module")
-def uneven_checkpoint(tmp_path_factory):
-    """9 query heads on 3 KV heads (2 groups and 1 at TP-2), odd MLP and vocab sizes."""
-    path = tmp_path_factory.mktemp("uneven-9-on-3")
-    tp_hf_model("uneven-9-on-3").save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return str(path)
 
 
 def _requests(prefix: str = ""):
