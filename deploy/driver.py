@@ -66,6 +66,20 @@ class InProcessEngine(Engine):
     """`local` mode: the policy stepping the model in this process."""
 
     def __init__(self, config: EngineConfig, loaded: Any = None) -> None:
+        tp_size = config.tensor_parallel_size
+        if loaded is not None and tp_size > 1:
+            raise ValueError("a tensor-parallel engine loads its own shards: pass no model")
+        # ranks 1.. are Ray actors, as in the Ray modes' workers; this process is rank 0
+        self.followers = None if tp_size == 1 else _start_followers(config)
+        try:
+            self._start(config, loaded)
+        except BaseException:
+            self.close()  # the other ranks too
+            raise
+
+    def _start(self, config: EngineConfig, loaded: Any) -> None:
+        """Load the model (a tensor-parallel engine's rank 0 shard), size the KV pool, build the
+        runner and the policy."""
         import torch
 
         from workers.drafter import Drafter, load_draft_model
@@ -75,13 +89,12 @@ class InProcessEngine(Engine):
         from workers.lora import ResidentLoras, check_adapter
         from workers.runner import ModelRunner
 
-        tp_size = config.tensor_parallel_size
-        if loaded is not None and tp_size > 1:
-            raise ValueError("a tensor-parallel engine loads its own shards: pass no model")
-        # ranks 1.. are Ray actors, as in the Ray modes' workers; this process is rank 0
-        self.followers = None if tp_size == 1 else _start_followers(config)
         loaded = loaded or load_model(
-            config.model, config.dtype, config.device, config.quantization, tp_size
+            config.model,
+            config.dtype,
+            config.device,
+            config.quantization,
+            config.tensor_parallel_size,
         )
         self.capacity = config.context_len(loaded.max_context)
         self.tokenizer = use_chat_template(loaded.tokenizer, config.chat_template)

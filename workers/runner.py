@@ -186,7 +186,7 @@ class ModelRunner:
         self.last_forward_s = time.perf_counter() - forward_start + draft_s
         tp = self.model.tp
         if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
-            tokens = tp.share_tokens(None, len(sampling)) if sampling else []
+            tokens = tp.share_tokens(None, len(sampling), self.device) if sampling else []
             self.last_sampled = {c.req_id: t for c, t in zip(sampling, tokens, strict=True)}
             return Samples()
         samples = Samples()
@@ -208,7 +208,8 @@ class ModelRunner:
         for req_id, more in samples.more.items():
             self.last_sampled[req_id] = more[-1]
         if tp is not None and sampling:  # each request's last token (past any drafts taken)
-            tp.share_tokens([self.last_sampled[c.req_id] for c in sampling], len(sampling))
+            last = [self.last_sampled[c.req_id] for c in sampling]
+            tp.share_tokens(last, len(sampling), self.device)
         return samples
 
     def _proposed(self, chunks: list[Chunk]) -> list[Chunk]:

@@ -79,11 +79,12 @@ class TensorParallel:
             return tensor[shard.vocab.start : shard.vocab.stop]
         return tensor  # norms: every rank holds them whole
 
-    def share_tokens(self, tokens: list[int] | None, count: int) -> list[int]:
+    def share_tokens(self, tokens: list[int] | None, count: int, device: torch.device) -> list[int]:
         """Rank 0's `tokens` (its `count` samples of a step) on every rank: the others feed them in
-        at the next step as rank 0 does (only rank 0 samples)."""
+        at the next step as rank 0 does (only rank 0 samples). On `device`: NCCL moves no host
+        tensors."""
         values = tokens if self.rank == 0 else [0] * count
-        shared = torch.tensor(values, dtype=torch.long)  # [count]
+        shared = torch.tensor(values, dtype=torch.long, device=device)  # [count]
         dist.broadcast(shared, group=self.group, group_src=0)
         return shared.tolist()
 
