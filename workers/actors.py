@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 import uuid
@@ -28,6 +29,8 @@ from workers.loader import load_model, resolve_device
 from workers.lora import ResidentLoras
 from workers.runner import ModelRunner
 from workers.tp_group import TPFollowers
+
+log = logging.getLogger(__name__)
 
 # a NIXL sender's staging pool: this share of the bytes of its KV cache
 _STAGING_SHARE = 4
@@ -66,11 +69,12 @@ class Worker:
         # a tensor-parallel worker: this actor is rank 0, in bundle 0 of `placement`; its ranks
         # 1.. are actors it starts in the other bundles (`workers/tp_group.py`)
         self.followers = None
+        self.ranks: list[dict[str, Any]] = []  # what ranks 1.. reported
         if tensor_parallel_size > 1:
             self.followers = TPFollowers.start(
                 tensor_parallel_size, model, dtype, device, num_threads, placement
             )
-            self.followers.start_runners(num_blocks, block_size, kv_cache_dtype)
+            self.ranks = self.followers.start_runners(num_blocks, block_size, kv_cache_dtype)
         loaded = load_model(model, dtype, device, quantization, tensor_parallel_size)
         # every worker loads a draft model: the pool planner may move any worker to decode
         draft = load_draft_model(speculative, loaded.model, dtype, device)
@@ -104,7 +108,8 @@ class Worker:
             "device": str(self.runner.device),
             "gpu_ids": [str(i) for i in ray.get_gpu_ids()],
             "threads": torch.get_num_threads(),
-            "tensor_parallel_size": 1 if self.followers is None else len(self.followers.actors) + 1,
+            "tensor_parallel_size": 1 + len(self.ranks),
+            "ranks": self.ranks,
             "incarnation": self.incarnation,
             "transports": self.transports,
             "kv_cache": {
@@ -166,7 +171,7 @@ class Worker:
                     decode=[c for c in plan.decode if c.req_id not in lost],
                     prefill=[c for c in plan.prefill if c.req_id not in lost],
                 )
-            samples = self.runner.execute(plan)
+            samples = self._execute(plan)
             pieces = self.sender.export(plan.exports) if plan.exports else []
             results.append(
                 StepResult(
@@ -183,6 +188,17 @@ class Worker:
             name: (c.bytes, c.seconds, c.failures) for name, c in report.transfers.items()
         }
         return results
+
+    def _execute(self, plan: Any) -> Any:
+        """The runner's execute; where a rank of this worker died, this process ends too, so that
+        Ray restarts the worker and its ranks whole and the cell recomputes its requests."""
+        try:
+            return self.runner.execute(plan)
+        except Exception:
+            if self.followers is not None and not self.followers.alive():
+                log.error("worker %d lost a tensor-parallel rank: restarting whole", self.index)
+                os._exit(1)
+            raise
 
 
 def spawn_worker(

@@ -68,6 +68,9 @@ class FollowerRank:
             raise RuntimeError(f"rank {self.rank} was sent a plan before start()")
         self.runner.execute(plan)
 
+    def alive(self) -> bool:
+        return True
+
     def reset(self) -> None:
         """Forget the tokens it last fed (rank 0's worker forgot every request)."""
         if self.runner is not None:
@@ -138,6 +141,14 @@ class TPFollowers:
 
     def reset(self) -> None:
         ray.get([actor.reset.remote() for actor in self.actors])
+
+    def alive(self) -> bool:
+        """Whether every follower still answers (within 10 s)."""
+        try:
+            ray.get([actor.alive.remote() for actor in self.actors], timeout=10)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return False
+        return True
 
     def shutdown(self) -> None:
         """Leave the group and stop the followers (and the placement group made for them)."""

@@ -1,6 +1,9 @@
 """`--tensor-parallel-size` from the flag to the workers: a TP-2 engine in local and colocated
 mode gives TP-1's tokens, and what TP cannot serve yet is refused before anything starts."""
 
+import os
+import signal
+
 import pytest
 from pydantic import ValidationError
 
@@ -48,7 +51,39 @@ def test_tp2_local_and_colocated_give_tp1_local_tokens(ray_session, uneven_check
     colocated = EngineConfig(**config, mode="colocated", tensor_parallel_size=2)
     with RayEngine(colocated) as engine:
         assert _tokens(engine) == expected
-        placement = ray_session.get(engine.handle.ready.remote())
-    workers = [p for p in placement.values() if isinstance(p, dict) and "kv_cache" in p]
+        workers = _workers(ray_session.get(engine.handle.ready.remote()))
     assert [w["tensor_parallel_size"] for w in workers] == [2]  # one worker, of two ranks
     assert len(expected) == 6 and len({t for ids in expected.values() for t in ids}) > 10
+
+
+@pytest.mark.slow
+def test_a_dead_rank_restarts_its_worker_whole_and_requests_recompute(
+    ray_session, uneven_checkpoint
+):
+    """Rank 1 of the one colocated TP-2 worker is killed once the first request has finished: the
+    worker restarts whole (rank 0 ends with it), the cell recomputes what was running, and every
+    output is still TP-1 local mode's."""
+    config = dict(BASE | {"model": uneven_checkpoint})
+    with open_engine(EngineConfig(**config)) as engine:
+        expected = _tokens(engine)
+    colocated = EngineConfig(**config, mode="colocated", tensor_parallel_size=2)
+    with RayEngine(colocated) as engine:
+        (worker,) = _workers(ray_session.get(engine.handle.ready.remote()))
+        (rank1,) = worker["ranks"]
+        killed = []
+
+        def kill_rank1(_completion):
+            if not killed:
+                os.kill(rank1["pid"], signal.SIGKILL)
+                killed.append(rank1["pid"])
+
+        results = engine.run(_requests(), on_finish=kill_rank1)
+        (restarted,) = _workers(ray_session.get(engine.handle.ready.remote()))
+    assert killed
+    assert {k: c.token_ids for k, c in results.items()} == expected
+    assert restarted["incarnation"] != worker["incarnation"]
+    assert restarted["ranks"][0]["pid"] != rank1["pid"]
+
+
+def _workers(placement: dict) -> list[dict]:
+    return [p for p in placement.values() if isinstance(p, dict) and "kv_cache" in p]
