@@ -190,13 +190,15 @@ class Worker:
         return results
 
     def _execute(self, plan: Any) -> Any:
-        """The runner's execute; where a rank of this worker died, this process ends too, so that
-        Ray restarts the worker and its ranks whole and the cell recomputes its requests."""
+        """The runner's execute. A tensor-parallel worker whose step failed (a rank died, or one
+        failed part way, leaving the others inside a collective) ends this process too, so that Ray
+        restarts the worker and its ranks whole and the cell recomputes its requests."""
         try:
             return self.runner.execute(plan)
         except Exception:
-            if self.followers is not None and not self.followers.alive():
-                log.error("worker %d lost a tensor-parallel rank: restarting whole", self.index)
+            if self.followers is not None:
+                lost = "lost a rank" if not self.followers.alive() else "failed a step"
+                log.exception("tensor-parallel worker %d %s: restarting whole", self.index, lost)
                 os._exit(1)
             raise
 
