@@ -110,8 +110,18 @@ class EngineConfig(BaseModel):
         ge=1,
         description="Ranks per worker (vLLM's --tensor-parallel-size): each holds its share of the "
         "heads (by KV group, as evenly as they go), MLP columns and vocabulary, and its KV heads' "
-        "pool; one Ray placement group per worker, gloo on CPUs, NCCL on GPUs. local and "
-        "colocated modes; not yet with quantization, speculation or LoRA.",
+        "pool; one Ray placement group per worker, gloo on CPUs, NCCL on GPUs. Not yet with "
+        "quantization, speculation or LoRA.",
+    )
+    prefill_tensor_parallel_size: int | None = Field(
+        None,
+        ge=1,
+        description="Disaggregated mode: ranks per prefill worker; default: tensor_parallel_size.",
+    )
+    decode_tensor_parallel_size: int | None = Field(
+        None,
+        ge=1,
+        description="Disaggregated mode: ranks per decode worker; default: tensor_parallel_size.",
     )
     lora_modules: list[str] | dict[str, str] | None = Field(
         None,
@@ -270,8 +280,7 @@ class EngineConfig(BaseModel):
                 f"quantization gguf serves a GGUF file's blocks: {self.model!r} is neither a .gguf "
                 f"file nor a GGUF alias ({', '.join(ALIASES)}); use int8 for other checkpoints"
             )
-        if self.tensor_parallel_size > 1:
-            self._check_tensor_parallel()
+        self._check_tensor_parallel()
         scaling = self.max_prefill_workers is not None or self.max_decode_workers is not None
         if self.planner_period_s is not None and not (self.pool_planner and scaling):
             raise ValueError(
@@ -281,13 +290,22 @@ class EngineConfig(BaseModel):
         return self
 
     def _check_tensor_parallel(self) -> None:
-        """What a tensor-parallel worker cannot serve yet, refused before anything starts."""
-        tp = f"tensor_parallel_size {self.tensor_parallel_size}"
-        if self.mode == "disaggregated":
+        """What tensor-parallel workers cannot serve yet, refused before anything starts."""
+        per_pool = (self.prefill_tensor_parallel_size, self.decode_tensor_parallel_size)
+        if self.mode != "disaggregated" and per_pool != (None, None):
             raise ValueError(
-                f"{tp}: disaggregated mode hands KV between workers, which does not map heads "
-                "between ranks yet; use mode local or colocated"
+                "prefill_tensor_parallel_size and decode_tensor_parallel_size size the pools of "
+                "disaggregated mode; use tensor_parallel_size"
             )
+        sizes = {kind: self.tp_size(kind) for kind in ("prefill", "decode")}
+        if self.pool_planner and sizes["prefill"] != sizes["decode"]:
+            raise ValueError(
+                f"the pool planner moves workers between pools, whose tensor parallel sizes "
+                f"differ ({sizes['prefill']} and {sizes['decode']}): give both pools one size"
+            )
+        if max(sizes.values()) == 1:
+            return
+        tp = f"tensor_parallel_size {max(sizes.values())}"
         unserved = {
             "quantization": self.quantization is not None,
             "speculative_config": self.speculative_config is not None,
@@ -366,10 +384,19 @@ class EngineConfig(BaseModel):
             return 0
         return self.decode_workers + (self.prefill_workers if self.mode == "disaggregated" else 0)
 
+    def tp_size(self, kind: str) -> int:
+        """Ranks per worker of the pool `kind` ("prefill" or "decode")."""
+        size = self.prefill_tensor_parallel_size if kind == "prefill" else None
+        size = self.decode_tensor_parallel_size if kind == "decode" else size
+        return size or self.tensor_parallel_size
+
     def num_ranks(self) -> int:
         """Processes holding a share of the model: every worker's tensor-parallel ranks (in local
         mode, the engine's own)."""
-        return max(1, self.num_workers()) * self.tensor_parallel_size
+        if self.mode == "local":
+            return self.tensor_parallel_size
+        prefill = self.prefill_workers if self.mode == "disaggregated" else 0
+        return prefill * self.tp_size("prefill") + self.decode_workers * self.tp_size("decode")
 
     def worker_threads(self) -> int:
         """The torch threads each worker actor uses: one per whole CPU it reserves, at least one."""
@@ -393,7 +420,7 @@ class EngineConfig(BaseModel):
         per_worker = self.gpus_per_worker
         if per_worker is None:
             per_worker = 1.0 if cluster_gpus >= 1 else 0.0
-        ranks = self.num_workers() * self.tensor_parallel_size  # each rank: a worker's share
+        ranks = self.num_ranks()  # each rank: a worker's share
         needed = per_worker * ranks
         if needed > cluster_gpus:
             raise ValueError(

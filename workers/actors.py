@@ -11,7 +11,6 @@ from typing import Any
 
 import ray
 import torch
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from scheduler.cell.gc_pauses import freeze_startup_objects
 from scheduler.messages import KVImport, KVPiece, StepResult, WorkerRestarted, unpack_plans
@@ -61,18 +60,19 @@ class Worker:
         max_loras: int | None = None,
         max_lora_rank: int = 16,
         tensor_parallel_size: int = 1,
-        placement: Any = None,
+        num_cpus: float | None = None,
+        num_gpus: float | None = None,
     ) -> None:
         torch.set_num_threads(max(1, num_threads))
         self.index = index
         device = resolve_device(device)
-        # a tensor-parallel worker: this actor is rank 0, in bundle 0 of `placement`; its ranks
-        # 1.. are actors it starts in the other bundles (`workers/tp_group.py`)
+        # a tensor-parallel worker: this actor is rank 0; its ranks 1.. are actors it starts on its
+        # node, each with this actor's `num_cpus` and `num_gpus` (`workers/tp_group.py`)
         self.followers = None
         self.ranks: list[dict[str, Any]] = []  # what ranks 1.. reported
         if tensor_parallel_size > 1:
             self.followers = TPFollowers.start(
-                tensor_parallel_size, model, dtype, device, num_threads, placement
+                tensor_parallel_size, model, dtype, device, num_threads, num_cpus, num_gpus
             )
             self.ranks = self.followers.start_runners(num_blocks, block_size, kv_cache_dtype)
         loaded = load_model(model, dtype, device, quantization, tensor_parallel_size)
@@ -92,8 +92,11 @@ class Worker:
         )
         self.kv_transport = kv_transport
         self.transports = usable_transports(self.runner.device, kv_transport)
-        self.sender = KVSender(self.runner.cache, make_transport("object_store"))
-        self.receiver = KVReceiver(self.runner.cache)
+        tp = loaded.model.tp
+        self.sender = KVSender(self.runner.cache, make_transport("object_store"), self._kv_rows)
+        self.receiver = KVReceiver(
+            self.runner.cache, kv_heads=None if tp is None else tp.shard.kv_heads
+        )
         # which start of this actor this is: Ray reruns __init__ when it restarts the actor
         self.incarnation = uuid.uuid4().hex
         freeze_startup_objects()
@@ -129,7 +132,8 @@ class Worker:
             cache = self.runner.cache
             # NIXL stages puts in a registered pool; past it, KV goes through the object store
             staging = cache.total_bytes // _STAGING_SHARE
-            self.sender = KVSender(cache, make_transport(name, cache.k.device, staging))
+            transport = make_transport(name, cache.k.device, staging)
+            self.sender = KVSender(cache, transport, self._kv_rows)
         return name
 
     def reset(self) -> None:
@@ -159,9 +163,13 @@ class Worker:
             raise WorkerRestarted(f"worker {self.index} was restarted since its last ready()")
         start = time.perf_counter()
         plans = unpack_plans(packed)
-        if self.followers is not None and (imports or any(p.exports for p in plans)):
-            raise RuntimeError("a tensor-parallel worker neither sends nor receives KV yet")
+        # a tensor-parallel worker's ranks each import their own KV heads' rows, before the plans
+        importing = (
+            [] if not imports or self.followers is None else self.followers.import_all(imports)
+        )
         report = self.receiver.import_all(imports) if imports else ImportReport()
+        for failed in ray.get(importing):  # a request one rank could not import is lost to all
+            report.failed = sorted(set(report.failed) | set(failed))
         lost = set(report.failed)
         results = []
         for plan in plans:
@@ -188,6 +196,16 @@ class Worker:
             name: (c.bytes, c.seconds, c.failures) for name, c in report.transfers.items()
         }
         return results
+
+    def _kv_rows(self, spans: list[tuple[list[int], int, int]]) -> torch.Tensor:
+        """The exported rows of `spans` with every KV head: a tensor-parallel worker's ranks each
+        give theirs."""
+        own = self.runner.cache.export_spans(spans)  # [layers, 2, its KV heads, tokens, width]
+        if self.followers is None:
+            return own
+        model = self.runner.model
+        heads = model.tp.shard.kv_heads
+        return self.followers.export_spans(own, heads, model.spec.num_kv_heads, spans)
 
     def _execute(self, plan: Any) -> Any:
         """The runner's execute. A tensor-parallel worker whose step failed (a rank died, or one
@@ -237,14 +255,6 @@ def spawn_worker(
         "num_gpus": gpus,
         "resources": config.prefill_resources if kind == "prefill" else config.decode_resources,
     }
-    tp_size = config.tensor_parallel_size
-    placement = None
-    if tp_size > 1:  # one bundle per rank, on one node; this actor takes bundle 0
-        bundle = {"CPU": config.num_cpus_per_worker} | ({"GPU": gpus} if gpus else {})
-        placement = ray.util.placement_group([bundle] * tp_size, strategy="STRICT_PACK")
-        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-            placement, placement_group_bundle_index=0
-        )
     if name is not None:
         options |= {
             "name": name,
@@ -269,7 +279,8 @@ def spawn_worker(
             config.speculative,
             config.max_loras if config.lora_enabled else None,
             config.max_lora_rank,
-            tp_size,
-            placement,
+            config.tp_size(kind),
+            config.num_cpus_per_worker,
+            gpus,
         )
     )

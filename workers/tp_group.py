@@ -1,4 +1,4 @@
-"""A tensor-parallel worker's ranks 1..N-1: Ray actors, in one placement group with rank 0, that
+"""A tensor-parallel worker's ranks 1..N-1: Ray actors on rank 0's node, owned by rank 0, that
 each hold their shard of the model and their KV pool and run every plan rank 0 runs."""
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ from typing import Any
 import ray
 import torch
 import torch.distributed as dist
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import workers
+from scheduler.messages import KVImport
 from scheduler.plan import StepPlan
+from workers.kv_transfer import KVReceiver
 from workers.loader import load_model
 from workers.runner import ModelRunner
 
@@ -55,13 +56,25 @@ class FollowerRank:
     def start(self, num_blocks: int, block_size: int, kv_cache_dtype: str) -> dict[str, Any]:
         """Build its KV pool of `num_blocks` blocks (the scheduler's, as rank 0's); what it runs."""
         self.runner = ModelRunner(self.model, num_blocks, block_size, kv_cache_dtype=kv_cache_dtype)
+        kv_heads = self.model.tp.shard.kv_heads
+        self.receiver = KVReceiver(self.runner.cache, kv_heads=kv_heads)
         return {
             "rank": self.rank,
             "pid": os.getpid(),
             "threads": torch.get_num_threads(),
             "kv_heads": self.runner.cache.k.shape[2],
+            "kv_head_range": (kv_heads.start, kv_heads.stop),
             "code": os.path.dirname(workers.__file__),
         }
+
+    def export_spans(self, spans: list[tuple[list[int], int, int]]) -> torch.Tensor:
+        """Its KV heads' rows of the spans, `[layers, 2, its KV heads, tokens, width]`, on the
+        host (rank 0 puts every head's in one piece)."""
+        return self.receiver.cache.export_spans(spans).cpu()
+
+    def import_all(self, imports: list[KVImport]) -> list[str]:
+        """Its KV heads' rows of the imports, into its blocks; the requests it could not import."""
+        return self.receiver.import_all(imports).failed
 
     def execute(self, plan: StepPlan) -> None:
         if self.runner is None:
@@ -79,12 +92,15 @@ class FollowerRank:
 
 class TPFollowers:
     """Rank 0's handle on ranks 1..N-1: `start` spawns them and joins rank 0 (this process) to
-    their group; every plan then goes to each once (`execute`, `wait`)."""
+    their group; every plan then goes to each once (`execute`, `wait`).
 
-    def __init__(self, actors: list[Any], group: Any, own_group: bool) -> None:
+    The followers are actors this process owns, pinned to its node: they die with it, and free
+    what they reserved. (A Ray placement group would outlive it: its lifetime is the job's, so each
+    worker the cell stops or replaces would leave its group's CPUs or GPUs reserved.)"""
+
+    def __init__(self, actors: list[Any]) -> None:
         self.actors = actors
-        self.placement = group
-        self.own_group = own_group  # made here, so removed here
+        self.kv_heads: list[range] = []  # each follower's KV heads, once started
 
     @classmethod
     def start(
@@ -94,31 +110,26 @@ class TPFollowers:
         dtype: str,
         device: str,
         num_threads: int,
-        group: Any = None,
+        num_cpus: float | None = None,
+        num_gpus: float | None = None,
     ) -> TPFollowers:
-        """Spawn ranks 1..`size`-1 into bundles 1.. of placement `group` (bundle 0 is rank 0's;
-        without one, a STRICT_PACK group of `size` bundles of `num_threads` CPUs, or of one GPU
-        each, is made here), then join rank 0 to them: returns once all are in the group."""
+        """Spawn ranks 1..`size`-1 on this node, each with `num_cpus` CPUs (default: its
+        `num_threads`) and `num_gpus` GPUs (default: one on a GPU, else none), then join rank 0
+        (this process) to them: returns once all are in the group."""
         gpu = device.startswith("cuda")
-        bundle = {"GPU": 1} if gpu else {"CPU": num_threads}
-        own_group = group is None
-        if own_group:
-            group = placement_group([bundle] * size, strategy="STRICT_PACK")
-            ray.get(group.ready())
+        node = ray.get_runtime_context().get_node_id()
         address = f"{ray.util.get_node_ip_address()}:{_free_port()}"
         actor = ray.remote(FollowerRank)
         actors = [
             actor.options(
-                num_cpus=0 if gpu else num_threads,
-                num_gpus=1 if gpu else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    group, placement_group_bundle_index=rank
-                ),
+                num_cpus=num_threads if num_cpus is None else num_cpus,
+                num_gpus=(1 if gpu else 0) if num_gpus is None else num_gpus,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
                 enable_task_events=False,
             ).remote(address, rank, size, model, dtype, device, num_threads)
             for rank in range(1, size)
         ]
-        followers = cls(actors, group, own_group)
+        followers = cls(actors)
         try:
             init_rank(address, 0, size, device)
         except BaseException:
@@ -131,7 +142,27 @@ class TPFollowers:
     ) -> list[dict[str, Any]]:
         """Build every follower's KV pool; what each reports (rank, pid, threads, KV heads)."""
         starts = [a.start.remote(num_blocks, block_size, kv_cache_dtype) for a in self.actors]
-        return ray.get(starts)
+        ranks = ray.get(starts)
+        self.kv_heads = [range(*rank["kv_head_range"]) for rank in ranks]
+        return ranks
+
+    def export_spans(
+        self, own: torch.Tensor, own_heads: range, num_kv_heads: int, spans: list[Any]
+    ) -> torch.Tensor:
+        """Every KV head's rows of `spans`, `[layers, 2, num_kv_heads, tokens, width]`: rank 0's
+        `own` rows of `own_heads`, and each follower's of its heads (a head copied to several
+        ranks is the same on each)."""
+        theirs = ray.get([actor.export_spans.remote(spans) for actor in self.actors])
+        layers, _, _, tokens, width = own.shape
+        rows = own.new_empty(layers, 2, num_kv_heads, tokens, width)  # [layers, 2, KVH, T, width]
+        rows[:, :, own_heads.start : own_heads.stop] = own
+        for heads, part in zip(self.kv_heads, theirs, strict=True):
+            rows[:, :, heads.start : heads.stop] = part.to(own.device)
+        return rows
+
+    def import_all(self, imports: list[KVImport]) -> list[Any]:
+        """Start every follower's import of its KV heads' rows; `ray.get` gives what each lost."""
+        return [actor.import_all.remote(imports) for actor in self.actors]
 
     def execute(self, plan: StepPlan) -> list[Any]:
         return [actor.execute.remote(plan) for actor in self.actors]
@@ -151,13 +182,11 @@ class TPFollowers:
         return True
 
     def shutdown(self) -> None:
-        """Leave the group and stop the followers (and the placement group made for them)."""
+        """Leave the group and stop the followers."""
         if dist.is_initialized():
             dist.destroy_process_group()
         for actor in self.actors:
             ray.kill(actor)
-        if self.own_group:
-            remove_placement_group(self.placement)
 
 
 def _free_port() -> int:

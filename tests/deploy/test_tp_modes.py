@@ -1,5 +1,6 @@
 """`--tensor-parallel-size` from the flag to the workers: a TP-2 engine in local and colocated
-mode gives TP-1's tokens, and what TP cannot serve yet is refused before anything starts."""
+mode gives TP-1's tokens, a dead rank restarts its worker whole, and what TP cannot serve yet is
+refused before anything starts."""
 
 import os
 import signal
@@ -21,8 +22,12 @@ def test_the_flag_reaches_the_config_and_unserved_combinations_are_refused():
     )
     assert config_from_args(args).tensor_parallel_size == 2
     assert EngineConfig().tensor_parallel_size == 1
-    with pytest.raises(ValidationError, match="does not map heads between ranks yet"):
-        EngineConfig(mode="disaggregated", tensor_parallel_size=2)
+    pools = EngineConfig(mode="disaggregated", decode_tensor_parallel_size=2)
+    assert (pools.tp_size("prefill"), pools.tp_size("decode")) == (1, 2)
+    with pytest.raises(ValidationError, match="size the pools of disaggregated mode"):
+        EngineConfig(mode="colocated", decode_tensor_parallel_size=2)
+    with pytest.raises(ValidationError, match="tensor parallel sizes differ"):
+        EngineConfig(mode="disaggregated", pool_planner=True, prefill_tensor_parallel_size=2)
     with pytest.raises(ValidationError, match="quantization is not served tensor-parallel"):
         EngineConfig(quantization="int8", tensor_parallel_size=2)
     with pytest.raises(ValidationError, match="LoRA adapters is not served tensor-parallel"):
