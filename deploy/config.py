@@ -110,8 +110,8 @@ class EngineConfig(BaseModel):
         ge=1,
         description="Ranks per worker (vLLM's --tensor-parallel-size): each holds its share of the "
         "heads (by KV group, as evenly as they go), MLP columns and vocabulary, and its KV heads' "
-        "pool; one Ray placement group per worker, gloo on CPUs, NCCL on GPUs. Not yet with "
-        "quantization, speculation or LoRA.",
+        "pool; ranks 1.. are Ray actors on rank 0's node, gloo on CPUs, NCCL on GPUs. Not yet "
+        "with quantization, speculation or LoRA.",
     )
     prefill_tensor_parallel_size: int | None = Field(
         None,
