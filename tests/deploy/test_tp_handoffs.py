@@ -18,7 +18,9 @@ def _requests():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)], ids=["1P1-1D2", "1P2-1D1"])
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp"), [(1, 2), (2, 1), (2, 2)], ids=["1P1-1D2", "1P2-1D1", "1P2-1D2"]
+)
 def test_handoffs_between_tp_sizes_give_local_tp1_tokens(
     ray_session, uneven_checkpoint, prefill_tp, decode_tp
 ):
@@ -40,7 +42,7 @@ def test_handoffs_between_tp_sizes_give_local_tp1_tokens(
         for p in placement.values()
         if isinstance(p, dict) and "ranks" in p
     )
-    assert sizes == [1, 2]
+    assert sizes == sorted([prefill_tp, decode_tp])
     handed = [r for r in _requests() if results[r.req_id].metrics.get("kv_handoff_bytes")]
     assert handed  # prompts went through a handoff, each with every head of every token
     for request in handed:
