@@ -51,7 +51,8 @@ class FollowerRank:
         init_rank(address, rank, size, device)
         self.rank = rank
         self.model = load_model(model, dtype, device, None, size, rank).model
-        self.runner: ModelRunner | None = None
+        self.runner: ModelRunner | None = None  # and its KV pool's receiver: built by start()
+        self.receiver: KVReceiver | None = None
 
     def start(self, num_blocks: int, block_size: int, kv_cache_dtype: str) -> dict[str, Any]:
         """Build its KV pool of `num_blocks` blocks (the scheduler's, as rank 0's); what it runs."""
@@ -70,16 +71,21 @@ class FollowerRank:
     def export_spans(self, spans: list[tuple[list[int], int, int]]) -> torch.Tensor:
         """Its KV heads' rows of the spans, `[layers, 2, its KV heads, tokens, width]`, on the
         host (rank 0 puts every head's in one piece)."""
-        return self.receiver.cache.export_spans(spans).cpu()
+        return self._started().cache.export_spans(spans).cpu()
 
     def import_all(self, imports: list[KVImport]) -> list[str]:
         """Its KV heads' rows of the imports, into its blocks; the requests it could not import."""
+        self._started()
+        assert self.receiver is not None  # (built with the runner)
         return self.receiver.import_all(imports).failed
 
     def execute(self, plan: StepPlan) -> None:
+        self._started().execute(plan)
+
+    def _started(self) -> ModelRunner:
         if self.runner is None:
-            raise RuntimeError(f"rank {self.rank} was sent a plan before start()")
-        self.runner.execute(plan)
+            raise RuntimeError(f"rank {self.rank} was sent work before start()")
+        return self.runner
 
     def alive(self) -> bool:
         return True
