@@ -420,13 +420,15 @@ class EngineConfig(BaseModel):
         per_worker = self.gpus_per_worker
         if per_worker is None:
             per_worker = 1.0 if cluster_gpus >= 1 else 0.0
-        ranks = self.num_ranks()  # each rank: a worker's share
+        # each tensor-parallel rank of a worker takes the worker's GPUs (local mode: not counted)
+        ranks = 0 if self.mode == "local" else self.num_ranks()
         needed = per_worker * ranks
         if needed > cluster_gpus:
+            what = "workers" if ranks == self.num_workers() else "worker ranks"
             raise ValueError(
-                f"{ranks} worker ranks of {per_worker:g} GPU each need {needed:g} GPUs, "
+                f"{ranks} {what} of {per_worker:g} GPU each need {needed:g} GPUs, "
                 f"the cluster has {cluster_gpus:g}: lower the workers, or set gpus_per_worker "
-                f"(e.g. {cluster_gpus / self.num_workers():g}) so that they share"
+                f"(e.g. {cluster_gpus / ranks:g}) so that they share"
             )
         return per_worker
 

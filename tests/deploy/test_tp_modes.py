@@ -92,3 +92,13 @@ def test_a_dead_rank_restarts_its_worker_whole_and_requests_recompute(
 
 def _workers(placement: dict) -> list[dict]:
     return [p for p in placement.values() if isinstance(p, dict) and "kv_cache" in p]
+
+
+def test_the_gpu_check_counts_every_rank_of_every_worker():
+    config = EngineConfig(
+        mode="disaggregated", prefill_tensor_parallel_size=2, decode_tensor_parallel_size=4
+    )
+    assert config.num_ranks() == 6
+    assert config.gpus_for(6) == 1.0
+    with pytest.raises(ValueError, match="6 worker ranks of 1 GPU each need 6 GPUs"):
+        config.gpus_for(4)
