@@ -105,6 +105,24 @@ class EngineConfig(BaseModel):
         "channel. Unset: weights dequantized to dtype (a GPTQ, AWQ or compressed-tensors "
         "checkpoint is served packed as it is).",
     )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Ranks per worker (vLLM's --tensor-parallel-size): each holds its share of the "
+        "heads (by KV group, as evenly as they go), MLP columns and vocabulary, and its KV heads' "
+        "pool; ranks 1.. are Ray actors on rank 0's node, gloo on CPUs, NCCL on GPUs. Not yet "
+        "with quantization, speculation or LoRA.",
+    )
+    prefill_tensor_parallel_size: int | None = Field(
+        None,
+        ge=1,
+        description="Disaggregated mode: ranks per prefill worker; default: tensor_parallel_size.",
+    )
+    decode_tensor_parallel_size: int | None = Field(
+        None,
+        ge=1,
+        description="Disaggregated mode: ranks per decode worker; default: tensor_parallel_size.",
+    )
     lora_modules: list[str] | dict[str, str] | None = Field(
         None,
         description="LoRA adapters served beside the model (vLLM's --lora-modules): name=path "
@@ -268,6 +286,7 @@ class EngineConfig(BaseModel):
                 f"quantization gguf serves a GGUF file's blocks: {self.model!r} is neither a .gguf "
                 f"file nor a GGUF alias ({', '.join(ALIASES)}); use int8 for other checkpoints"
             )
+        self._check_tensor_parallel()
         scaling = self.max_prefill_workers is not None or self.max_decode_workers is not None
         if self.planner_period_s is not None and not (self.pool_planner and scaling):
             raise ValueError(
@@ -275,6 +294,32 @@ class EngineConfig(BaseModel):
                 "max_prefill_workers or max_decode_workers too"
             )
         return self
+
+    def _check_tensor_parallel(self) -> None:
+        """What tensor-parallel workers cannot serve yet, refused before anything starts."""
+        per_pool = (self.prefill_tensor_parallel_size, self.decode_tensor_parallel_size)
+        if self.mode != "disaggregated" and per_pool != (None, None):
+            raise ValueError(
+                "prefill_tensor_parallel_size and decode_tensor_parallel_size size the pools of "
+                "disaggregated mode; use tensor_parallel_size"
+            )
+        sizes = {kind: self.tp_size(kind) for kind in ("prefill", "decode")}
+        if self.pool_planner and sizes["prefill"] != sizes["decode"]:
+            raise ValueError(
+                f"the pool planner moves workers between pools, whose tensor parallel sizes "
+                f"differ ({sizes['prefill']} and {sizes['decode']}): give both pools one size"
+            )
+        if max(sizes.values()) == 1:
+            return
+        tp = f"tensor_parallel_size {max(sizes.values())}"
+        unserved = {
+            "quantization": self.quantization is not None,
+            "speculative_config": self.speculative_config is not None,
+            "LoRA adapters": self.enable_lora or bool(self.lora_modules),
+        }
+        for name, given in unserved.items():
+            if given:
+                raise ValueError(f"{tp}: {name} is not served tensor-parallel yet")
 
     @field_validator("lora_modules")
     @classmethod
@@ -345,6 +390,20 @@ class EngineConfig(BaseModel):
             return 0
         return self.decode_workers + (self.prefill_workers if self.mode == "disaggregated" else 0)
 
+    def tp_size(self, kind: str) -> int:
+        """Ranks per worker of the pool `kind` ("prefill" or "decode")."""
+        size = self.prefill_tensor_parallel_size if kind == "prefill" else None
+        size = self.decode_tensor_parallel_size if kind == "decode" else size
+        return size or self.tensor_parallel_size
+
+    def num_ranks(self) -> int:
+        """Processes holding a share of the model: every worker's tensor-parallel ranks (in local
+        mode, the engine's own)."""
+        if self.mode == "local":
+            return self.tensor_parallel_size
+        prefill = self.prefill_workers if self.mode == "disaggregated" else 0
+        return prefill * self.tp_size("prefill") + self.decode_workers * self.tp_size("decode")
+
     def worker_threads(self) -> int:
         """The torch threads each worker actor uses: one per whole CPU it reserves, at least one."""
         return max(1, int(self.num_cpus_per_worker))
@@ -367,12 +426,15 @@ class EngineConfig(BaseModel):
         per_worker = self.gpus_per_worker
         if per_worker is None:
             per_worker = 1.0 if cluster_gpus >= 1 else 0.0
-        needed = per_worker * self.num_workers()
+        # each tensor-parallel rank of a worker takes the worker's GPUs (local mode: not counted)
+        ranks = 0 if self.mode == "local" else self.num_ranks()
+        needed = per_worker * ranks
         if needed > cluster_gpus:
+            what = "workers" if ranks == self.num_workers() else "worker ranks"
             raise ValueError(
-                f"{self.num_workers()} workers of {per_worker:g} GPU each need {needed:g} GPUs, "
+                f"{ranks} {what} of {per_worker:g} GPU each need {needed:g} GPUs, "
                 f"the cluster has {cluster_gpus:g}: lower the workers, or set gpus_per_worker "
-                f"(e.g. {cluster_gpus / self.num_workers():g}) so that they share"
+                f"(e.g. {cluster_gpus / ranks:g}) so that they share"
             )
         return per_worker
 

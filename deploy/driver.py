@@ -66,6 +66,20 @@ class InProcessEngine(Engine):
     """`local` mode: the policy stepping the model in this process."""
 
     def __init__(self, config: EngineConfig, loaded: Any = None) -> None:
+        tp_size = config.tensor_parallel_size
+        if loaded is not None and tp_size > 1:
+            raise ValueError("a tensor-parallel engine loads its own shards: pass no model")
+        # ranks 1.. are Ray actors, as in the Ray modes' workers; this process is rank 0
+        self.followers = None if tp_size == 1 else _start_followers(config)
+        try:
+            self._start(config, loaded)
+        except BaseException:
+            self.close()  # the other ranks too
+            raise
+
+    def _start(self, config: EngineConfig, loaded: Any) -> None:
+        """Load the model (a tensor-parallel engine's rank 0 shard), size the KV pool, build the
+        runner and the policy."""
         import torch
 
         from workers.drafter import Drafter, load_draft_model
@@ -76,12 +90,17 @@ class InProcessEngine(Engine):
         from workers.runner import ModelRunner
 
         loaded = loaded or load_model(
-            config.model, config.dtype, config.device, config.quantization
+            config.model,
+            config.dtype,
+            config.device,
+            config.quantization,
+            config.tensor_parallel_size,
         )
         self.capacity = config.context_len(loaded.max_context)
         self.tokenizer = use_chat_template(loaded.tokenizer, config.chat_template)
         self.eos_token_ids = loaded.eos_token_ids
-        spec = loaded.model.spec
+        # a tensor-parallel rank's KV heads: rank 0's are the most, so every rank's pool fits
+        spec = loaded.model.local_spec
         dtype = loaded.model.model.embed_tokens.weight.dtype  # a packed one's: its activations
         per_token = PagedKVCache.bytes_per_token(
             spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype, config.kv_cache_dtype
@@ -90,6 +109,11 @@ class InProcessEngine(Engine):
         if draft is not None:  # its KV takes the same blocks in a cache of its own
             per_token += Drafter.bytes_per_token(draft)
         num_blocks = config.num_blocks(self.capacity, config.slots, per_token)
+        if self.followers is not None:
+            ranks = self.followers.start_runners(
+                num_blocks, config.block_size, config.kv_cache_dtype
+            )
+            log.info("tensor-parallel ranks 1..: %s", ranks)
         runner = ModelRunner(
             loaded.model,
             num_blocks,
@@ -104,6 +128,7 @@ class InProcessEngine(Engine):
                 if config.lora_enabled
                 else None
             ),
+            followers=self.followers,
         )
         for ref in config.loras.values():  # an adapter that cannot be served fails now
             check_adapter(ref, loaded.model, config.max_lora_rank)
@@ -172,7 +197,25 @@ class InProcessEngine(Engine):
         self.engine.scheduler.peak_running = len(self.engine.scheduler.running)
 
     def close(self) -> None:
-        pass  # nothing runs outside this process: the model and cache go with the engine
+        # the model and cache go with the engine; a tensor-parallel one's other ranks stop here
+        if self.followers is not None:
+            self.followers.shutdown()
+            self.followers = None
+
+
+def _start_followers(config: EngineConfig) -> Any:
+    """Ranks 1.. of a tensor-parallel `local` engine, on a Ray started here (or joined)."""
+    from deploy.ray_cell import init_ray
+    from workers.tp_group import TPFollowers
+
+    init_ray(config)
+    return TPFollowers.start(
+        config.tensor_parallel_size,
+        config.model,
+        config.dtype,
+        config.device,
+        config.worker_threads(),
+    )
 
 
 class RayEngine(Engine):

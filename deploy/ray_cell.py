@@ -29,7 +29,7 @@ def init_ray(config: EngineConfig) -> None:
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
         return
     num_cpus = max(
-        os.cpu_count() or 1, int(config.num_workers() * config.num_cpus_per_worker + 0.999)
+        os.cpu_count() or 1, int(config.num_ranks() * config.num_cpus_per_worker + 0.999)
     )
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
 

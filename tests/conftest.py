@@ -47,6 +47,14 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def uneven_checkpoint(tmp_path_factory):
+    """A tiny checkpoint whose 9 query heads on 3 KV heads split 2 groups and 1 at TP-2."""
+    from tests.workers.tp_ranks import save_uneven_checkpoint
+
+    return str(save_uneven_checkpoint(tmp_path_factory.mktemp("uneven-9-on-3")))
+
+
+@pytest.fixture(scope="session")
 def ray_session():
     """A local Ray with more logical CPUs than cores, so 2 prefill + 2 decode workers fit on 2
     cores."""

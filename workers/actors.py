@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 import uuid
@@ -26,6 +27,9 @@ from workers.kv_transfer import (
 from workers.loader import load_model, resolve_device
 from workers.lora import ResidentLoras
 from workers.runner import ModelRunner
+from workers.tp_group import TPFollowers
+
+log = logging.getLogger(__name__)
 
 # a NIXL sender's staging pool: this share of the bytes of its KV cache
 _STAGING_SHARE = 4
@@ -56,11 +60,23 @@ class Worker:
         max_loras: int | None = None,
         max_lora_rank: int = 16,
         lora_dtype: str = "auto",
+        tensor_parallel_size: int = 1,
+        num_cpus: float | None = None,
+        num_gpus: float | None = None,
     ) -> None:
         torch.set_num_threads(max(1, num_threads))
         self.index = index
         device = resolve_device(device)
-        loaded = load_model(model, dtype, device, quantization)
+        # a tensor-parallel worker: this actor is rank 0; its ranks 1.. are actors it starts on its
+        # node, each with this actor's `num_cpus` and `num_gpus` (`workers/tp_group.py`)
+        self.followers = None
+        self.ranks: list[dict[str, Any]] = []  # what ranks 1.. reported
+        if tensor_parallel_size > 1:
+            self.followers = TPFollowers.start(
+                tensor_parallel_size, model, dtype, device, num_threads, num_cpus, num_gpus
+            )
+            self.ranks = self.followers.start_runners(num_blocks, block_size, kv_cache_dtype)
+        loaded = load_model(model, dtype, device, quantization, tensor_parallel_size)
         # every worker loads a draft model: the pool planner may move any worker to decode
         draft = load_draft_model(speculative, loaded.model, dtype, device)
         self.runner = ModelRunner(
@@ -73,11 +89,15 @@ class Worker:
             loras=None
             if max_loras is None
             else ResidentLoras(loaded.model, max_loras, max_lora_rank, lora_dtype),
+            followers=self.followers,
         )
         self.kv_transport = kv_transport
         self.transports = usable_transports(self.runner.device, kv_transport)
-        self.sender = KVSender(self.runner.cache, make_transport("object_store"))
-        self.receiver = KVReceiver(self.runner.cache)
+        tp = loaded.model.tp
+        self.sender = KVSender(self.runner.cache, make_transport("object_store"), self._kv_rows)
+        self.receiver = KVReceiver(
+            self.runner.cache, kv_heads=None if tp is None else tp.shard.kv_heads
+        )
         # which start of this actor this is: Ray reruns __init__ when it restarts the actor
         self.incarnation = uuid.uuid4().hex
         freeze_startup_objects()
@@ -92,6 +112,8 @@ class Worker:
             "device": str(self.runner.device),
             "gpu_ids": [str(i) for i in ray.get_gpu_ids()],
             "threads": torch.get_num_threads(),
+            "tensor_parallel_size": 1 + len(self.ranks),
+            "ranks": self.ranks,
             "incarnation": self.incarnation,
             "transports": self.transports,
             "kv_cache": {
@@ -111,7 +133,8 @@ class Worker:
             cache = self.runner.cache
             # NIXL stages puts in a registered pool; past it, KV goes through the object store
             staging = cache.total_bytes // _STAGING_SHARE
-            self.sender = KVSender(cache, make_transport(name, cache.k.device, staging))
+            transport = make_transport(name, cache.k.device, staging)
+            self.sender = KVSender(cache, transport, self._kv_rows)
         return name
 
     def reset(self) -> None:
@@ -120,6 +143,8 @@ class Worker:
         states = self.runner.states
         states.drop([*states.params, *states.states])
         self.runner.last_sampled = {}
+        if self.followers is not None:
+            self.followers.reset()
 
     def prefetch(self, pieces: list[KVPiece]) -> None:
         """Pull KV pieces of prompts still prefilling on another node to this one, in the
@@ -139,7 +164,13 @@ class Worker:
             raise WorkerRestarted(f"worker {self.index} was restarted since its last ready()")
         start = time.perf_counter()
         plans = unpack_plans(packed)
+        # a tensor-parallel worker's ranks each import their own KV heads' rows, before the plans
+        importing = (
+            [] if not imports or self.followers is None else self.followers.import_all(imports)
+        )
         report = self.receiver.import_all(imports) if imports else ImportReport()
+        for failed in ray.get(importing):  # a request one rank could not import is lost to all
+            report.failed = sorted(set(report.failed) | set(failed))
         lost = set(report.failed)
         results = []
         for plan in plans:
@@ -149,7 +180,7 @@ class Worker:
                     decode=[c for c in plan.decode if c.req_id not in lost],
                     prefill=[c for c in plan.prefill if c.req_id not in lost],
                 )
-            samples = self.runner.execute(plan)
+            samples = self._execute(plan)
             pieces = self.sender.export(plan.exports) if plan.exports else []
             results.append(
                 StepResult(
@@ -166,6 +197,29 @@ class Worker:
             name: (c.bytes, c.seconds, c.failures) for name, c in report.transfers.items()
         }
         return results
+
+    def _kv_rows(self, spans: list[tuple[list[int], int, int]]) -> torch.Tensor:
+        """The exported rows of `spans` with every KV head: a tensor-parallel worker's ranks each
+        give theirs."""
+        own = self.runner.cache.export_spans(spans)  # [layers, 2, its KV heads, tokens, width]
+        if self.followers is None:
+            return own
+        model = self.runner.model
+        heads = model.tp.shard.kv_heads
+        return self.followers.export_spans(own, heads, model.spec.num_kv_heads, spans)
+
+    def _execute(self, plan: Any) -> Any:
+        """The runner's execute. A tensor-parallel worker whose step failed (a rank died, or one
+        failed part way, leaving the others inside a collective) ends this process too, so that Ray
+        restarts the worker and its ranks whole and the cell recomputes its requests."""
+        try:
+            return self.runner.execute(plan)
+        except Exception:
+            if self.followers is not None:
+                lost = "lost a rank" if not self.followers.alive() else "failed a step"
+                log.exception("tensor-parallel worker %d %s: restarting whole", self.index, lost)
+                os._exit(1)
+            raise
 
 
 def spawn_worker(
@@ -227,5 +281,8 @@ def spawn_worker(
             config.max_loras if config.lora_enabled else None,
             config.max_lora_rank,
             config.lora_dtype,
+            config.tp_size(kind),
+            config.num_cpus_per_worker,
+            gpus,
         )
     )

@@ -60,7 +60,7 @@ class PagedKVCache:
     ) -> PagedKVCache:
         """A cache of `num_blocks` blocks for a DecoderLM: its layers and KV heads, on its device,
         in its dtype (a packed model's: its activations') or 8-bit."""
-        spec = model.spec
+        spec = model.local_spec  # a tensor-parallel rank keeps its own KV heads only
         weight = model.model.embed_tokens.weight
         return cls(
             spec.num_layers,

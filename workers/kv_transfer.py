@@ -24,6 +24,7 @@ import contextlib
 import logging
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -254,11 +255,19 @@ def _same_gpu(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 class KVSender:
     """A prefill worker's half: each step's exported rows out of its blocks, put with its
-    transport."""
+    transport. A piece holds every KV head: a tensor-parallel worker's `rows` gathers them from
+    its ranks (`workers/tp_group.py`)."""
 
-    def __init__(self, cache: PagedKVCache, transport: Transport) -> None:
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        transport: Transport,
+        rows: Callable[[list[tuple[list[int], int, int]]], torch.Tensor] | None = None,
+    ) -> None:
         self.cache = cache
         self.transport = transport
+        # (block table, first, end) spans -> `[layers, 2, every KV head, tokens, width]`
+        self.rows = rows or cache.export_spans
 
     def export(self, exports: list[tuple[str, list[int], int, int]]) -> list[KVPiece]:
         """A piece per (request, block table, first, end) span; the spans of a step share one
@@ -267,7 +276,7 @@ class KVSender:
         pieces = []
         for group in groups:
             start = time.perf_counter()
-            rows = self.cache.export_spans([(table, first, end) for _, table, first, end in group])
+            rows = self.rows([(table, first, end) for _, table, first, end in group])
             ref, carrier = self.transport.put(rows)
             per_token = rows.nbytes // max(1, rows.shape[3])
             export_s = time.perf_counter() - start
@@ -309,15 +318,18 @@ class ImportReport:
 
 class KVReceiver:
     """A decode worker's half: gets the pieces of each import with their transport and writes
-    their rows into the request's blocks."""
+    their rows into the request's blocks. A rank of a tensor-parallel worker writes the rows of its
+    own `kv_heads` only (a piece holds every head)."""
 
     def __init__(
         self,
         cache: PagedKVCache,
         transports: dict[str, Transport] | None = None,
         timeout_s: float = GET_TIMEOUT_S,
+        kv_heads: range | None = None,
     ) -> None:
         self.cache = cache
+        self.kv_heads = kv_heads
         self.transports = transports or {name: make_transport(name) for name in TRANSPORTS}
         self.timeout_s = timeout_s
         self.fetcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-prefetch")
@@ -354,6 +366,8 @@ class KVReceiver:
                 position = max(piece.start, item.held)  # the positions before `held` are here
                 first = piece.offset + position - piece.start
                 rows = rows[:, :, :, first : piece.offset + piece.num_tokens]
+                if self.kv_heads is not None:  # [layers, 2, its KV heads, tokens, width]
+                    rows = rows[:, :, self.kv_heads.start : self.kv_heads.stop]
                 self.cache.import_rows(item.block_table, rows, position)
             if item.final:
                 report.import_s[item.handoff.req_id] = time.perf_counter() - start

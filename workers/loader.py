@@ -30,6 +30,7 @@ from workers.quantized import (
     quantize_int8,
     weight_bytes,
 )
+from workers.tp import TensorParallel
 from workers.weights import checkpoint_files, load_weights
 
 log = logging.getLogger(__name__)
@@ -190,8 +191,14 @@ def model_context(config: Any) -> int:
     return context
 
 
-def from_hf_model(hf: Any, dtype: torch.dtype = torch.float32, device: str = "cpu") -> DecoderLM:
-    """Build our model from a loaded `transformers` causal LM, sharing nothing with it."""
+def from_hf_model(
+    hf: Any,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    tp: TensorParallel | None = None,
+) -> DecoderLM:
+    """Build our model from a loaded `transformers` causal LM, sharing nothing with it; with `tp`,
+    that rank's part of it only."""
     rope = rope_parameters(hf.config)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in _STATIC_ROPE_TYPES:
@@ -209,9 +216,12 @@ def from_hf_model(hf: Any, dtype: torch.dtype = torch.float32, device: str = "cp
         spec,
         inv_freq.detach().float().cpu(),
         float(getattr(rotary, "attention_scaling", 1.0)),
+        tp,
     )
     if spec.tie_word_embeddings:
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    if tp is not None:
+        state = {k: tp.slice(k, v, spec.head_dim) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     unexpected = [k for k in unexpected if "rotary_emb" not in k]
     if missing or unexpected:
@@ -294,30 +304,41 @@ def load_model(
     dtype: str = "auto",
     device: str = "auto",
     quantization: str | None = None,
+    tp_size: int = 1,
+    tp_rank: int = 0,
 ) -> LoadedModel:
     """Load a model by alias, directory, .gguf path or hub id, on the given device and dtype:
     tensor by tensor from its safetensors files (`workers/weights.py`), else through
     `transformers` in fp32 on the host first. With a `quantization` (`pack_weights`), its matrices
-    are then served packed."""
+    are then served packed. With `tp_size` > 1, only rank `tp_rank`'s part of the weights is kept
+    (`workers/tp.py`), and its collectives run over this process's default `torch.distributed`
+    group, which must be the worker's ranks."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+    if tp_size > 1 and quantization is not None:
+        raise ValueError(
+            f"--quantization {quantization} is not served tensor-parallel yet: leave it unset, or "
+            "use --tensor-parallel-size 1"
+        )
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     checkpoint = resolve_checkpoint(name)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     files = checkpoint_files(checkpoint)
+    config = AutoConfig.from_pretrained(checkpoint) if files else None
+    if config is None:
+        hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+        config = hf.config
+    tp = None if tp_size == 1 else TensorParallel.for_model(config, tp_size, tp_rank)
     if files:
-        config = AutoConfig.from_pretrained(checkpoint)
-        model = load_weights(files, config, torch_dtype, device)
+        model = load_weights(files, config, torch_dtype, device, tp)
         try:
             generation_config = GenerationConfig.from_pretrained(checkpoint)
         except OSError:  # the checkpoint has none
             generation_config = None
     else:
-        hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-        config = hf.config
         generation_config = getattr(hf, "generation_config", None)
-        model = from_hf_model(hf, torch_dtype, device)
+        model = from_hf_model(hf, torch_dtype, device, tp)
         del hf
     if quantization is not None:
         quant = quantization_config(config)

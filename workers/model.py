@@ -23,6 +23,7 @@ from workers.kv_cache import PagedKVCache
 from workers.kv_quant import dequantize
 from workers.lora import LoraBatch
 from workers.quantized import QUANTIZED
+from workers.tp import TensorParallel
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite")
 
@@ -206,9 +207,13 @@ def _gather(
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
+    """Self-attention over the paged cache. With `tp`, `spec` is its rank's part (its query and KV
+    heads): q/k/v are its columns, o its rows, and the ranks' o outputs are summed."""
+
+    def __init__(self, spec: ModelSpec, layer_idx: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.tp = tp
         self.num_heads = spec.num_heads
         self.num_kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
@@ -280,6 +285,8 @@ class Attention(nn.Module):
         projected = linear(attended, self.o_proj.weight, self.o_proj.bias)  # [N, hidden]
         if layout.lora is not None:
             layout.lora.add(projected, attended, self.layer_idx, "o")
+        if self.tp is not None:
+            self.tp.all_reduce(projected)  # [N, hidden]: every rank's heads
         return projected
 
     def _prompts(
@@ -326,9 +333,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
+    """SwiGLU. With `tp`, `spec` is its rank's part: gate/up are its columns, down its rows, and
+    the ranks' down outputs are summed."""
+
+    def __init__(self, spec: ModelSpec, layer_idx: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.tp = tp
         self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
@@ -341,21 +352,24 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight)  # [N, 2 I]
         if lora is None:
-            return linear(silu_mul(gate_up), self.down_proj.weight)  # [N, hidden]
-        lora.add(gate_up, x, self.layer_idx, "gate_up")
-        h = silu_mul(gate_up)  # [N, I]
-        down = linear(h, self.down_proj.weight)  # [N, hidden]
-        lora.add(down, h, self.layer_idx, "down")
+            down = linear(silu_mul(gate_up), self.down_proj.weight)  # [N, hidden]
+        else:
+            lora.add(gate_up, x, self.layer_idx, "gate_up")
+            h = silu_mul(gate_up)  # [N, I]
+            down = linear(h, self.down_proj.weight)  # [N, hidden]
+            lora.add(down, h, self.layer_idx, "down")
+        if self.tp is not None:
+            self.tp.all_reduce(down)  # [N, hidden]: every rank's columns
         return down
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
+    def __init__(self, spec: ModelSpec, layer_idx: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, layer_idx)
+        self.self_attn = Attention(spec, layer_idx, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec, layer_idx)
+        self.mlp = MLP(spec, layer_idx, tp)
 
     def forward(self, x, delta, cos, sin, layout, cache):  # type: ignore[no-untyped-def]
         """`x + delta` (the previous layer's output, added here in place into `x`, the residual
@@ -370,10 +384,10 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, tp) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
@@ -382,14 +396,27 @@ class DecoderLM(nn.Module):
 
     `inv_freq` and `rope_scale` come from the checkpoint's own rotary embedding (theta and any
     scaling such as Llama 3's already applied), so positions rotate exactly as in `transformers`.
+
+    With `tp`, it is one rank of a tensor-parallel model (`workers/tp.py`): `spec` stays the whole
+    model's, `local_spec` says the heads, MLP columns and vocab rows this rank holds, and the
+    forward returns the logits on rank 0 only.
     """
 
-    def __init__(self, spec: ModelSpec, inv_freq: torch.Tensor, rope_scale: float = 1.0) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        inv_freq: torch.Tensor,
+        rope_scale: float = 1.0,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
         self.spec = spec
-        self.model = Backbone(spec)
+        self.tp = tp
+        self.local_spec = spec if tp is None else tp.local_spec(spec)
+        local = self.local_spec
+        self.model = Backbone(local, tp)
         if not spec.tie_word_embeddings:
-            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            self.lm_head = nn.Linear(local.hidden_size, local.vocab_size, bias=False)
         self.register_buffer("inv_freq", inv_freq.float().clone(), persistent=False)  # [D/2]
         self.rope_scale = rope_scale
 
@@ -417,9 +444,13 @@ class DecoderLM(nn.Module):
         layout: BatchLayout,
         cache: PagedKVCache,
         logits_indices: torch.Tensor,
-    ) -> torch.Tensor:
-        """Compute the tokens, write their K/V into the cache, return logits at `logits_indices`."""
-        x = self.model.embed_tokens(input_ids)
+    ) -> torch.Tensor | None:
+        """Compute the tokens, write their K/V into the cache, return logits at `logits_indices`
+        (None on a tensor-parallel rank other than 0)."""
+        if self.tp is None:
+            x = self.model.embed_tokens(input_ids)  # [N, hidden]
+        else:
+            x = self.tp.embed(self.model.embed_tokens.weight, input_ids)  # [N, hidden]
         delta = None  # [N, hidden]
         if self.spec.embedding_multiplier != 1.0:
             x = x * self.spec.embedding_multiplier  # [N, hidden]
@@ -435,7 +466,11 @@ class DecoderLM(nn.Module):
         for layer, (layer_cos, layer_sin) in zip(self.model.layers, rotations, strict=True):
             x, delta = layer(x, delta, layer_cos, layer_sin, layout, cache)  # [N, hidden] each
         x = self.model.norm(x[logits_indices] + delta[logits_indices])  # [M, hidden]
-        logits = linear(x, self.output_weight())  # [M, vocab]
+        logits = linear(x, self.output_weight())  # [M, vocab] (this rank's columns with tp)
+        if self.tp is not None:
+            logits = self.tp.gather_logits(logits, self.spec.vocab_size)  # [M, vocab] or None
+            if logits is None:
+                return None
         return (
             logits / self.spec.logits_scaling if self.spec.logits_scaling != 1.0 else logits
         ).float()

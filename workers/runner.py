@@ -7,7 +7,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -28,11 +28,25 @@ from workers.sampling import sample, token_logprobs
 log = logging.getLogger(__name__)
 
 
+class Followers(Protocol):
+    """Ranks 1..N-1 of a tensor-parallel worker, as rank 0 drives them (`workers/tp_group.py`)."""
+
+    def execute(self, plan: StepPlan) -> Any:
+        """Start running `plan` on every follower; returns what `wait` takes."""
+
+    def wait(self, running: Any) -> None:
+        """Wait until the followers have run the plan; raises a follower's failure."""
+
+
 class ModelRunner:
     """Owns a model and a paged KV cache of `num_blocks` blocks of `block_size` tokens (in the
     model's dtype, or 8-bit as `kv_cache_dtype` says), and runs plans on them; with a `drafter`,
     its draft model proposes the drafts the plans leave to it; with `loras`, chunks run with the
-    LoRA adapters they name."""
+    LoRA adapters they name.
+
+    On rank 0 of a tensor-parallel worker, `followers` (`workers/tp_group.py`) are ranks 1..N-1:
+    every plan goes to them too, each runs it on its shard, and rank 0 alone samples and answers.
+    """
 
     def __init__(
         self,
@@ -43,16 +57,24 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         drafter: Drafter | None = None,
         loras: ResidentLoras | None = None,
+        followers: Followers | None = None,
     ) -> None:
+        if model.tp is not None and (drafter is not None or loras is not None):
+            raise ValueError(
+                "a draft model and LoRA adapters are not served tensor-parallel yet: use "
+                "--tensor-parallel-size 1"
+            )
         self.model = model.eval()
+        self.followers = followers
         self.drafter = drafter  # proposes the drafts of chunks that carry PROPOSED tokens
         self.loras = loras  # the LoRA adapters it holds, and reads when a chunk names another
         weight = model.model.embed_tokens.weight
         self.device = weight.device
         self.dtype = weight.dtype
         spec = model.spec
+        local = model.local_spec  # a tensor-parallel rank's KV pool holds its own KV heads
         per_token = PagedKVCache.bytes_per_token(
-            spec.num_layers, spec.num_kv_heads, spec.head_dim, self.dtype, kv_cache_dtype
+            local.num_layers, local.num_kv_heads, local.head_dim, self.dtype, kv_cache_dtype
         )
         # build the CPU kernels (once per machine) now, not inside a step; their matmul packs a copy
         # of every float matrix on first use (counted here as every 2-D parameter: the embedding
@@ -93,6 +115,15 @@ class ModelRunner:
         )
 
     def execute(self, plan: StepPlan) -> Samples:
+        """`_execute` the plan here and on the followers (ranks 1..N-1), if any."""
+        if self.followers is None:
+            return self._execute(plan)
+        running = self.followers.execute(plan)
+        samples = self._execute(plan)
+        self.followers.wait(running)
+        return samples
+
+    def _execute(self, plan: StepPlan) -> Samples:
         """Run every chunk of the plan in one forward; return the sampled token of each sampling
         chunk and the log-probs chunks asked for.
 
@@ -153,6 +184,11 @@ class ModelRunner:
             torch.tensor(logits_indices, dtype=torch.long, device=self.device),
         )
         self.last_forward_s = time.perf_counter() - forward_start + draft_s
+        tp = self.model.tp
+        if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
+            tokens = tp.share_tokens(None, len(sampling), self.device) if sampling else []
+            self.last_sampled = {c.req_id: t for c, t in zip(sampling, tokens, strict=True)}
+            return Samples()
         samples = Samples()
         if sampling:
             samples.tokens = self._sample(logits[: len(sampling)], sampling, samples)
@@ -171,6 +207,9 @@ class ModelRunner:
         self.last_sampled = dict(samples.tokens)
         for req_id, more in samples.more.items():
             self.last_sampled[req_id] = more[-1]
+        if tp is not None and sampling:  # each request's last token (past any drafts taken)
+            last = [self.last_sampled[c.req_id] for c in sampling]
+            tp.share_tokens(last, len(sampling), self.device)
         return samples
 
     def _proposed(self, chunks: list[Chunk]) -> list[Chunk]:

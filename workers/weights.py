@@ -22,6 +22,7 @@ from workers import hf_quantized
 from workers.hf_checkpoint import spec_from_hf, unfused
 from workers.model import DecoderLM
 from workers.quantized import Fp8Weight, PackedWeight, check_device, install
+from workers.tp import TensorParallel
 
 
 def checkpoint_files(checkpoint: str) -> list[Path]:
@@ -119,17 +120,26 @@ def _quantized_linears(
 
 
 def load_weights(
-    files: list[Path], config: Any, dtype: torch.dtype, device: str | torch.device
+    files: list[Path],
+    config: Any,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    tp: TensorParallel | None = None,
 ) -> DecoderLM:
     """Our model of a checkpoint's safetensors `files`, on `device` in `dtype`; a GPTQ, AWQ or
     compressed-tensors checkpoint's quantized linears served packed (`workers/hf_quantized.py`;
-    the CPU kernels; FP8 ones dequantized).
+    the CPU kernels; FP8 ones dequantized). With `tp`, that rank's part only: each tensor is read,
+    sliced and only the slice kept.
     Raises ValueError if the checkpoint's tensors do not fit the model, or if its quantization
     cannot be served (with the reason)."""
     quant = hf_quantized.quantization_config(config)
     method = None if quant is None else hf_quantized.check_method(quant)
     if method is not None:
         check_device(device, f"a {method} checkpoint")
+    if method is not None and tp is not None:
+        raise ValueError(
+            f"a {method} checkpoint is not served tensor-parallel yet: use --tensor-parallel-size 1"
+        )
     if method is not None and getattr(config, "attention_multiplier", None) is not None:
         raise ValueError(
             f"{config.model_type}'s multipliers are folded into float weights at load: its "
@@ -138,7 +148,7 @@ def load_weights(
     spec = spec_from_hf(config, unfused(_shapes(files, method), config))
     inv_freq, rope_scale = rotary_embedding(config)
     with torch.device("meta"):
-        model = DecoderLM(spec, inv_freq, rope_scale)
+        model = DecoderLM(spec, inv_freq, rope_scale, tp)
     model = model.to(dtype=dtype).to_empty(device=device)  # storage only on the target
     params = dict(model.named_parameters())
     loaded: set[str] = set()
@@ -157,6 +167,8 @@ def load_weights(
                     if "rotary_emb" in key:
                         continue
                     raise ValueError(f"checkpoint does not fit the model: unexpected {key}")
+                if tp is not None:
+                    value = tp.slice(key, value, spec.head_dim)
                 params[key].copy_(value)
                 loaded.add(key)
     packed, floats = {}, {}
