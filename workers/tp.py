@@ -5,13 +5,24 @@ embedding and LM head)."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
+import uuid
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from workers import kernels
 from workers.tp_split import RankShard, even_range, rank_shard
+
+# the shared-memory all-reduce's slots (`csrc/shm_reduce.cpp`): a tensor of more bytes (a long
+# prompt chunk of a wide model) goes through torch.distributed
+SHM_SLOT_BYTES = 4 << 20
+# how long a rank waits for the others' partial sums before it gives up (a dead one is noticed
+# sooner: its process is gone)
+SHM_TIMEOUT_S = 600.0
 
 # our parameter names' endings, by how a rank slices them
 _HEAD_ROWS = {"self_attn.q_proj.": "q", "self_attn.k_proj.": "kv", "self_attn.v_proj.": "kv"}
@@ -29,6 +40,10 @@ class TensorParallel:
     def __init__(self, shard: RankShard, group: Any = None) -> None:
         self.shard = shard
         self.group = group
+        self.shared: torch.Tensor | None = None  # the shared-memory all-reduce's region
+        self.pids: torch.Tensor | None = None  # [size]: every rank's process, for that reduce
+        self.num_reduces = 0  # shared-memory all-reduces so far (each rank counts the same)
+        self._attached = False
 
     @classmethod
     def for_model(cls, config: Any, tp_size: int, rank: int, group: Any = None) -> TensorParallel:
@@ -89,9 +104,52 @@ class TensorParallel:
         return shared.tolist()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum the ranks' partial `x` in place: every rank then holds the whole sum."""
-        dist.all_reduce(x, group=self.group)
+        """Sum the ranks' partial `x` in place: every rank then holds the whole sum, bit for bit
+        the same. On the CPU through shared memory (the ranks are one node's: `tp_group.py` pins
+        them there), else, or for a tensor too big for its slots, through torch.distributed."""
+        if not self._attached:
+            self._attach(x.device)
+        fits = x.numel() * x.element_size() <= SHM_SLOT_BYTES and x.dtype in (
+            torch.float32,
+            torch.bfloat16,
+        )
+        module = kernels.load_kernels()
+        if self.shared is None or not fits or module is None:
+            dist.all_reduce(x, group=self.group)
+            return x
+        self.num_reduces += 1
+        whole = x.contiguous()
+        module.shm_all_reduce(
+            whole, self.shared, self.pids, self.rank, self.num_reduces, SHM_TIMEOUT_S
+        )
+        if whole.data_ptr() != x.data_ptr():
+            x.copy_(whole)
         return x
+
+    def _attach(self, device: torch.device) -> None:
+        """Map the shared-memory all-reduce's region on every rank (a collective: every rank's
+        first all-reduce comes here), where every rank can: a CPU model and the kernels built."""
+        self._attached = True
+        able = kernels.load_kernels() is not None and device.type == "cpu"
+        votes = torch.tensor([int(able)], dtype=torch.long)
+        dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=self.group)
+        if not votes.item():
+            return
+        size = self.size
+        nbytes = 64 * size + 2 * size * SHM_SLOT_BYTES
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        names = [f"{shm}/pdserve-tp-{uuid.uuid4().hex}" if self.rank == 0 else None]
+        if self.rank == 0:
+            with open(names[0], "wb") as f:
+                f.truncate(nbytes)  # zeros: every flag down
+        dist.broadcast_object_list(names, group=self.group, group_src=0)
+        pids = [0] * size
+        dist.all_gather_object(pids, os.getpid(), group=self.group)
+        self.shared = torch.from_file(names[0], shared=True, size=nbytes, dtype=torch.uint8)
+        self.pids = torch.tensor(pids, dtype=torch.long)
+        dist.barrier(group=self.group)
+        if self.rank == 0:  # mapped by every rank: the name is no longer needed
+            os.unlink(names[0])
 
     def embed(self, weight: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """The embeddings of `input_ids [N]` from this rank's rows `weight [local vocab, hidden]`:
@@ -106,6 +164,12 @@ class TensorParallel:
     def gather_logits(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
         """The whole vocabulary's logits `[M, vocab_size]` on rank 0 from every rank's columns
         `local [M, local vocab]`; None on the others."""
+        if self.shared is not None and local.shape[0] * vocab_size * 4 <= SHM_SLOT_BYTES:
+            # each rank's columns in place, zeros elsewhere: the sum is the gather, exactly
+            whole = local.new_zeros(local.shape[0], vocab_size, dtype=torch.float32)  # [M, V]
+            whole[:, self.shard.vocab.start : self.shard.vocab.stop] = local
+            self.all_reduce(whole)
+            return whole.to(local.dtype) if self.rank == 0 else None
         widths = [len(even_range(vocab_size, self.size, r)) for r in range(self.size)]
         # the ranks' pieces differ by at most one column: each padded to the widest (rank 0's)
         padded = F.pad(local, (0, widths[0] - local.shape[1])).contiguous()  # [M, widest]

@@ -25,4 +25,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("quant_linear", torch::wrap_pybind_function(quant_linear), "quant_linear");
     m.def("quant_linear_isa", torch::wrap_pybind_function(quant_linear_isa), "quant_linear_isa");
     m.def("lora_add", torch::wrap_pybind_function(lora_add), "lora_add");
+    // spins until every rank has written: without the GIL, so the process's other threads run
+    m.def("shm_all_reduce", &shm_all_reduce, "shm_all_reduce",
+          pybind11::call_guard<pybind11::gil_scoped_release>());
 }

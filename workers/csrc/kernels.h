@@ -52,3 +52,7 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor scal
 // lora.cpp
 void lora_add(torch::Tensor out, torch::Tensor x, torch::Tensor a, torch::Tensor b,
               torch::Tensor slot_of, torch::Tensor ranks, torch::Tensor firsts);
+
+// shm_reduce.cpp
+void shm_all_reduce(torch::Tensor x, torch::Tensor region, torch::Tensor pids, int64_t rank,
+                    int64_t seq, double timeout_s);
