@@ -438,6 +438,30 @@ class EngineConfig(BaseModel):
             )
         return per_worker
 
+    def check_tp_groups(self, nodes: list[dict[str, float]], gpus_per_rank: float) -> None:
+        """Raises ValueError, with what is lacking, when no node of `nodes` (each node's Ray
+        resources) can hold one worker's tensor-parallel ranks: they are pinned to their rank 0's
+        node (`workers/tp_group.py`), so Ray would otherwise wait forever for the last of them."""
+        if self.mode == "local":
+            return
+        pools = ["decode"] + (["prefill"] if self.mode == "disaggregated" else [])
+        for kind in pools:
+            size = self.tp_size(kind)
+            need = {"CPU": size * self.num_cpus_per_worker, "GPU": size * gpus_per_rank}
+            need = {name: amount for name, amount in need.items() if amount > 0}
+            if size == 1 or any(
+                all(node.get(name, 0.0) >= amount for name, amount in need.items())
+                for node in nodes
+            ):
+                continue
+            largest = {name: max((n.get(name, 0.0) for n in nodes), default=0.0) for name in need}
+            raise ValueError(
+                f"a {kind} worker of tensor-parallel size {size} needs "
+                f"{_amounts(need)} on one node (its ranks run beside its rank 0), and the "
+                f"largest node has {_amounts(largest)}: lower the {kind} tensor-parallel size "
+                "or num_cpus_per_worker/gpus_per_worker, or add a larger node"
+            )
+
     def num_blocks(self, capacity: int, slots: int, bytes_per_token: int) -> int:
         """KV blocks of one worker running `slots` requests of at most `capacity` tokens each, K
         and V taking `bytes_per_token`: `kv_cache_memory` of them, or by default what `slots`
@@ -660,3 +684,7 @@ class ServiceConfig(ReplyConfig):
                 "policy": {"policy_function": AUTOSCALING_POLICY},
             }
         }
+
+
+def _amounts(resources: dict[str, float]) -> str:
+    return " and ".join(f"{amount:g} {name}" for name, amount in resources.items())

@@ -38,7 +38,9 @@ def cell_actor_args(config: EngineConfig, info: TokenizerInfo | None = None) -> 
     """The cell actor's constructor arguments for a config: its cell, how to spawn its workers
     and the tokenizer its outputs are detokenized with (`info`, or loaded here). Loading the
     tokenizer converts a GGUF once, before the workers look for the converted checkpoint."""
-    config.gpus_for(ray.cluster_resources().get("GPU", 0))  # fail here, not in a worker's wait
+    # fail here, not in a worker's wait
+    gpus = config.gpus_for(ray.cluster_resources().get("GPU", 0))
+    config.check_tp_groups([n["Resources"] for n in ray.nodes() if n["Alive"]], gpus)
     info = info or load_tokenizer(config.model)
     capacity = config.context_len(info.max_context)
     per_token = kv_bytes_per_token(info, config.dtype, config.device, config.kv_cache_dtype)

@@ -102,3 +102,23 @@ def test_the_gpu_check_counts_every_rank_of_every_worker():
     assert config.gpus_for(6) == 1.0
     with pytest.raises(ValueError, match="6 worker ranks of 1 GPU each need 6 GPUs"):
         config.gpus_for(4)
+
+
+def test_a_cell_says_which_resources_a_tp_group_lacks():
+    """Ranks run on their rank 0's node: one node must hold a whole group."""
+    config = EngineConfig(
+        mode="disaggregated",
+        prefill_tensor_parallel_size=1,
+        decode_tensor_parallel_size=4,
+        num_cpus_per_worker=1,
+    )
+    two_gpu_nodes = [{"CPU": 16.0, "GPU": 2.0}] * 3
+    with pytest.raises(
+        ValueError,
+        match="decode worker of tensor-parallel size 4 needs 4 CPU and "
+        "4 GPU on one node .* the largest node has 16 CPU and 2 GPU",
+    ):
+        config.check_tp_groups(two_gpu_nodes, 1.0)
+    config.check_tp_groups([*two_gpu_nodes, {"CPU": 8.0, "GPU": 4.0}], 1.0)
+    with pytest.raises(ValueError, match="needs 4 CPU on one node .* largest node has 2 CPU"):
+        config.check_tp_groups([{"CPU": 2.0}] * 4, 0.0)
