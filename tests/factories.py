@@ -191,6 +191,24 @@ def local_engine(  # type: ignore[no-untyped-def]
     return LocalEngine(runner, scheduler, tokenizer)
 
 
+def run_one_step_ahead(planner, runner) -> bool:  # type: ignore[no-untyped-def]
+    """Step `planner`'s requests on `runner` as the Ray loop does, until all end: step N+1 is
+    planned and run before step N's tokens are applied, so the runner feeds in the tokens it
+    sampled (`PENDING` in the plan). Whether any plan carried a PENDING token."""
+    from scheduler.request import PENDING
+
+    in_flight = None
+    saw_pending = False
+    while in_flight is not None or not planner.idle:
+        plan = planner.plan()
+        saw_pending |= any(PENDING in c.token_ids for c in plan.chunks)
+        sent = (plan, runner.execute(plan).tokens) if not plan.empty else None
+        if in_flight is not None:
+            planner.update(*in_flight)
+        in_flight = sent
+    return saw_pending
+
+
 def prompt_ids(length: int, seed: int) -> list[int]:
     import torch
 

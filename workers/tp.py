@@ -41,6 +41,7 @@ class TensorParallel:
         self.shard = shard
         self.group = group
         self.shared: torch.Tensor | None = None  # the shared-memory all-reduce's region
+        self._shm_all_reduce: Any = None  # its kernel (`csrc/shm_reduce.cpp`), with the region
         self.pids: torch.Tensor | None = None  # [size]: every rank's process, for that reduce
         self.num_reduces = 0  # shared-memory all-reduces so far (each rank counts the same)
         self._attached = False
@@ -113,13 +114,12 @@ class TensorParallel:
             torch.float32,
             torch.bfloat16,
         )
-        module = kernels.load_kernels()
-        if self.shared is None or not fits or module is None:
+        if self.shared is None or not fits:
             dist.all_reduce(x, group=self.group)
             return x
         self.num_reduces += 1
         whole = x.contiguous()
-        module.shm_all_reduce(
+        self._shm_all_reduce(
             whole, self.shared, self.pids, self.rank, self.num_reduces, SHM_TIMEOUT_S
         )
         if whole.data_ptr() != x.data_ptr():
@@ -130,7 +130,8 @@ class TensorParallel:
         """Map the shared-memory all-reduce's region on every rank (a collective: every rank's
         first all-reduce comes here), where every rank can: a CPU model and the kernels built."""
         self._attached = True
-        able = kernels.load_kernels() is not None and device.type == "cpu"
+        module = kernels.load_kernels()
+        able = module is not None and device.type == "cpu"
         votes = torch.tensor([int(able)], dtype=torch.long)
         dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=self.group)
         if not votes.item():
@@ -146,6 +147,7 @@ class TensorParallel:
         pids = [0] * size
         dist.all_gather_object(pids, os.getpid(), group=self.group)
         self.shared = torch.from_file(names[0], shared=True, size=nbytes, dtype=torch.uint8)
+        self._shm_all_reduce = module.shm_all_reduce
         self.pids = torch.tensor(pids, dtype=torch.long)
         dist.barrier(group=self.group)
         if self.rank == 0:  # mapped by every rank: the name is no longer needed

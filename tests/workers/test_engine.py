@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from scheduler.request import FinishReason, SamplingParams
-from tests.factories import VOCAB, make_requests, tiny_hf_model
+from tests.factories import VOCAB, make_requests, run_one_step_ahead, tiny_hf_model
 from tests.workers.engines import make_engine
 
 
@@ -171,16 +171,7 @@ def test_planning_one_step_ahead_changes_no_output(sampling):
     sched, runner = engine.scheduler, engine.runner
     for request in requests:
         sched.submit(request)
-    in_flight = None
-    saw_pending = False
-    while in_flight is not None or not sched.idle:
-        plan = sched.plan()
-        saw_pending |= any(-1 in c.token_ids for c in plan.chunks)
-        sent = (plan, runner.execute(plan).tokens) if not plan.empty else None
-        if in_flight is not None:
-            sched.update(*in_flight)
-        in_flight = sent
-    assert saw_pending
+    assert run_one_step_ahead(sched, runner)
     for request in mixed_requests(sampling=sampling, stop_token_ids=stop):
         got = next(r for r in requests if r.req_id == request.req_id)
         expected = solo("llama", request)

@@ -4,9 +4,9 @@ within 1e-4."""
 
 import torch
 
-from scheduler.request import PENDING, SamplingParams
+from scheduler.request import SamplingParams
 from scheduler.step_planner import StepPlanner
-from tests.factories import make_requests
+from tests.factories import make_requests, run_one_step_ahead
 from workers.engine import LocalEngine
 from workers.loader import load_model
 from workers.runner import ModelRunner
@@ -35,16 +35,7 @@ def _serve(runner):
     ahead = _requests("ahead-")
     for request in ahead:
         planner.submit(request)
-    in_flight = None
-    saw_pending = False
-    while in_flight is not None or not planner.idle:
-        plan = planner.plan()
-        saw_pending |= any(PENDING in c.token_ids for c in plan.chunks)
-        sent = (plan, runner.execute(plan).tokens) if not plan.empty else None
-        if in_flight is not None:
-            planner.update(*in_flight)
-        in_flight = sent
-    assert saw_pending
+    assert run_one_step_ahead(planner, runner)
     return finished | {r.req_id: r for r in ahead}
 
 
