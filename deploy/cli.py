@@ -69,11 +69,14 @@ def add_engine_args(
     for flag, (name, kind, choices) in _engine_fields(cls).items():
         field = cls.model_fields[name]
         default = str(field.default).lower() if kind is _truth else field.default
+        # a boolean flag alone means true (vLLM's `--enforce-eager`), or takes true/false
+        nargs = "+" if kind is list else "?" if kind is _truth else None
         parser.add_argument(
             flag,
             dest=name,
             type=str if kind is list else kind,
-            nargs="+" if kind is list else None,
+            nargs=nargs,
+            const=True if kind is _truth else None,
             default=None,
             choices=choices,
             metavar="{true,false}" if kind is _truth else None,

@@ -147,6 +147,12 @@ class EngineConfig(BaseModel):
         "an fp32 model's adapter bytes, which a step mixing many adapters reads (lossless for "
         "adapters saved in bf16; the updates are computed in fp32 either way).",
     )
+    enforce_eager: bool = Field(
+        False,
+        description="Run every step eagerly (vLLM's --enforce-eager). Otherwise, on a GPU, decode "
+        "steps replay CUDA graphs captured at start-up, one per batch-size bucket "
+        "(`workers/decode_graphs.py`); CPU workers always run eagerly.",
+    )
     prefill_workers: int = Field(1, ge=1, description="Prefill worker actors (disaggregated mode).")
     decode_workers: int = Field(
         1, ge=1, description="Decode worker actors (disaggregated and colocated)."

@@ -82,6 +82,7 @@ class InProcessEngine(Engine):
         runner and the policy."""
         import torch
 
+        from workers.decode_graphs import GraphOptions
         from workers.drafter import Drafter, load_draft_model
         from workers.engine import LocalEngine
         from workers.kv_cache import PagedKVCache
@@ -129,6 +130,7 @@ class InProcessEngine(Engine):
                 else None
             ),
             followers=self.followers,
+            graphs=None if config.enforce_eager else GraphOptions(config.slots, self.capacity),
         )
         for ref in config.loras.values():  # an adapter that cannot be served fails now
             check_adapter(ref, loaded.model, config.max_lora_rank)

@@ -162,11 +162,13 @@ def local_engine(  # type: ignore[no-untyped-def]
     max_loras: int | None = None,
     max_lora_rank: int = 16,
     lora_dtype: str = "auto",
+    graphs=None,
     **planner: Any,
 ):
     """The in-process engine on `model`: a planner of `num_slots` requests at once of up to
     `capacity` tokens over `num_blocks` KV blocks (default: every slot's whole context), and a
-    runner whose cache holds them (and a `draft_model`'s, for a draft model's speculation)."""
+    runner whose cache holds them (and a `draft_model`'s, for a draft model's speculation); with
+    `graphs` (`workers.decode_graphs.GraphOptions`), its decode steps padded to graph buckets."""
     from scheduler.step_planner import StepPlanner
     from workers.drafter import Drafter
     from workers.engine import LocalEngine
@@ -187,7 +189,9 @@ def local_engine(  # type: ignore[no-untyped-def]
     loras = (
         None if max_loras is None else ResidentLoras(model, max_loras, max_lora_rank, lora_dtype)
     )
-    runner = ModelRunner(model, num_blocks, block_size=block_size, drafter=drafter, loras=loras)
+    runner = ModelRunner(
+        model, num_blocks, block_size=block_size, drafter=drafter, loras=loras, graphs=graphs
+    )
     return LocalEngine(runner, scheduler, tokenizer)
 
 

@@ -15,6 +15,8 @@ import torch
 from scheduler.cell.gc_pauses import freeze_startup_objects
 from scheduler.messages import KVImport, KVPiece, StepResult, WorkerRestarted, unpack_plans
 from scheduler.speculation import SpeculativeConfig
+from workers.catalog import MAX_DEFAULT_CONTEXT
+from workers.decode_graphs import GraphOptions
 from workers.drafter import Drafter, load_draft_model
 from workers.kv_transfer import (
     ImportReport,
@@ -63,6 +65,7 @@ class Worker:
         tensor_parallel_size: int = 1,
         num_cpus: float | None = None,
         num_gpus: float | None = None,
+        graphs: GraphOptions | None = None,
     ) -> None:
         torch.set_num_threads(max(1, num_threads))
         self.index = index
@@ -90,6 +93,7 @@ class Worker:
             if max_loras is None
             else ResidentLoras(loaded.model, max_loras, max_lora_rank, lora_dtype),
             followers=self.followers,
+            graphs=graphs,
         )
         self.kv_transport = kv_transport
         self.transports = usable_transports(self.runner.device, kv_transport)
@@ -248,6 +252,8 @@ def spawn_worker(
     steps).
     """
     gpus = config.gpus_for(ray.cluster_resources().get("GPU", 0))
+    # the graphs' block tables are as wide as the longest request (capped as the cell caps it)
+    max_model_len = config.max_model_len or MAX_DEFAULT_CONTEXT
     options = {
         "max_restarts": config.max_worker_restarts,
         "max_task_retries": 0,
@@ -284,5 +290,6 @@ def spawn_worker(
             config.tp_size(kind),
             config.num_cpus_per_worker,
             gpus,
+            graphs=None if config.enforce_eager else GraphOptions(config.slots, max_model_len),
         )
     )

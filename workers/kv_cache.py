@@ -27,6 +27,10 @@ class PagedKVCache:
     With `kv_cache_dtype` int8 or fp8 (`workers/kv_quant.py`) K and V hold one byte per value, and
     `k_scale`/`v_scale` `[layers, num_blocks, kv_heads, block_size]` (fp16) a scale per row;
     otherwise they are None and K and V are in `dtype`.
+
+    With `scratch_block`, the pool holds one block more, `scratch_block` (= num_blocks), that no
+    block table names: the padding rows of a CUDA graph's decode step write there
+    (`workers/decode_graphs.py`).
     """
 
     def __init__(
@@ -39,8 +43,10 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         kv_cache_dtype: str = "auto",
+        scratch_block: bool = False,
     ) -> None:
-        shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
+        pool_blocks = num_blocks + 1 if scratch_block else num_blocks
+        shape = (num_layers, pool_blocks, num_kv_heads, block_size, head_dim)
         device = torch.device(device)
         storage = storage_dtype(kv_cache_dtype, dtype)
         self.k = _pool(shape, storage, device)
@@ -51,12 +57,18 @@ class PagedKVCache:
         if self.kv_cache_dtype != "auto":
             self.k_scale = _pool(shape[:-1], SCALE_DTYPE, device)
             self.v_scale = _pool(shape[:-1], SCALE_DTYPE, device)
-        self.num_blocks = num_blocks
+        self.num_blocks = num_blocks  # the blocks block tables name
+        self.scratch_block = num_blocks if scratch_block else None
         self.block_size = block_size
 
     @classmethod
     def for_model(
-        cls, model: Any, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto"
+        cls,
+        model: Any,
+        num_blocks: int,
+        block_size: int,
+        kv_cache_dtype: str = "auto",
+        scratch_block: bool = False,
     ) -> PagedKVCache:
         """A cache of `num_blocks` blocks for a DecoderLM: its layers and KV heads, on its device,
         in its dtype (a packed model's: its activations') or 8-bit."""
@@ -71,6 +83,7 @@ class PagedKVCache:
             dtype=weight.dtype,
             device=weight.device,
             kv_cache_dtype=kv_cache_dtype,
+            scratch_block=scratch_block,
         )
 
     @staticmethod

@@ -16,6 +16,7 @@ from scheduler.messages import Samples
 from scheduler.plan import Chunk, StepPlan
 from scheduler.request import PENDING
 from scheduler.speculation import PROPOSED
+from workers.decode_graphs import DecodeGraphs, GraphOptions, graph_reserve_bytes
 from workers.drafter import Drafter
 from workers.kernels import load_kernels
 from workers.kv_cache import PagedKVCache, check_fits
@@ -46,6 +47,10 @@ class ModelRunner:
 
     On rank 0 of a tensor-parallel worker, `followers` (`workers/tp_group.py`) are ranks 1..N-1:
     every plan goes to them too, each runs it on its shard, and rank 0 alone samples and answers.
+
+    With `graphs`, decode-only steps run through `DecodeGraphs` (`workers/decode_graphs.py`): CUDA
+    graphs on a GPU; on a CPU the same padded step runs eagerly (what tests check the padding
+    with). Not on a tensor-parallel worker, whose ranks run steps together: those stay eager.
     """
 
     def __init__(
@@ -58,6 +63,7 @@ class ModelRunner:
         drafter: Drafter | None = None,
         loras: ResidentLoras | None = None,
         followers: Followers | None = None,
+        graphs: GraphOptions | None = None,
     ) -> None:
         if model.tp is not None and (drafter is not None or loras is not None):
             raise ValueError(
@@ -86,8 +92,21 @@ class ModelRunner:
             if kernels is None
             else sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() == 2)
         )
-        check_fits(num_blocks, block_size, per_token, self.device, packed)
-        self.cache = PagedKVCache.for_model(model, num_blocks, block_size, kv_cache_dtype)
+        if graphs is not None and self.device.type != "cuda" and not graphs.cpu:
+            graphs = None
+        if graphs is not None and model.tp is not None:
+            log.info("CUDA graphs: off on a tensor-parallel worker; its steps run eagerly")
+            graphs = None
+        capture = graphs is not None and self.device.type == "cuda"
+        # the graphs' memory pool, counted before the KV pool takes the device's memory
+        reserve = graph_reserve_bytes(model, graphs.max_rows) if capture and graphs else 0
+        check_fits(num_blocks, block_size, per_token, self.device, packed + reserve)
+        self.cache = PagedKVCache.for_model(
+            model, num_blocks, block_size, kv_cache_dtype, scratch_block=graphs is not None
+        )
+        self.graphs = (
+            None if graphs is None else DecodeGraphs(model, self.cache, graphs, capture=capture)
+        )
         # seconds inside the model (and the draft model) in the last execute(), for profiling
         self.last_forward_s = 0.0
         # what the last execute() sampled: fed in for PENDING tokens
@@ -149,12 +168,6 @@ class ModelRunner:
             self.last_forward_s = 0.0
             return Samples()
         chunks = [c for c, _ in fed]
-        input_ids, layout = BatchLayout.pack(
-            [(c.block_table, ids, c.start_pos) for c, ids in fed],
-            len(decode),
-            self.cache.block_size,
-            self.device,
-        )
         # flat index of each chunk
         starts = list(itertools.accumulate((c.num_tokens for c in chunks), initial=0))
         sampling = [c for c in chunks if c.sample]
@@ -171,18 +184,13 @@ class ModelRunner:
             logits_indices += range(start + 1, start + c.num_tokens)
         for c, start in echo:  # target i is predicted by the chunk's token i
             logits_indices += range(start, start + len(c.prompt_targets))
-        if any(c.lora for c in chunks):
-            if self.loras is None:
-                raise RuntimeError("a plan asks for a LoRA adapter; this worker serves none")
-            layout.lora = self.loras.batch([c.lora for c in chunks], [c.num_tokens for c in chunks])
         forward_start = time.perf_counter()
-        logits = self.model(
-            input_ids,
-            layout,
-            self.cache,
-            # [M, vocab]
-            torch.tensor(logits_indices, dtype=torch.long, device=self.device),
-        )
+        if self._graphed(decode, chunks, logits_indices):
+            assert self.graphs is not None
+            rows = [(c.block_table, ids[0], c.start_pos) for c, ids in decode]
+            logits = self.graphs.run(rows)  # [B, vocab]
+        else:
+            logits = self._forward(fed, len(decode), logits_indices)  # [M, vocab] or None
         self.last_forward_s = time.perf_counter() - forward_start + draft_s
         tp = self.model.tp
         if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
@@ -211,6 +219,46 @@ class ModelRunner:
             last = [self.last_sampled[c.req_id] for c in sampling]
             tp.share_tokens(last, len(sampling), self.device)
         return samples
+
+    def _forward(
+        self, fed: list[tuple[Chunk, list[int]]], num_decode: int, logits_indices: list[int]
+    ) -> torch.Tensor | None:
+        """The eager step: `fed` chunks flattened into one batch, the logits at `logits_indices`
+        (None on a tensor-parallel rank other than 0)."""
+        input_ids, layout = BatchLayout.pack(
+            [(c.block_table, ids, c.start_pos) for c, ids in fed],
+            num_decode,
+            self.cache.block_size,
+            self.device,
+        )
+        chunks = [c for c, _ in fed]
+        if any(c.lora for c in chunks):
+            if self.loras is None:
+                raise RuntimeError("a plan asks for a LoRA adapter; this worker serves none")
+            layout.lora = self.loras.batch([c.lora for c in chunks], [c.num_tokens for c in chunks])
+        return self.model(
+            input_ids,
+            layout,
+            self.cache,
+            # [M, vocab]
+            torch.tensor(logits_indices, dtype=torch.long, device=self.device),
+        )
+
+    def _graphed(
+        self,
+        decode: list[tuple[Chunk, list[int]]],
+        chunks: list[Chunk],
+        logits_indices: list[int],
+    ) -> bool:
+        """Whether this step runs as a decode graph: only one-token decode rows, each sampling
+        once (no drafts, no prompt log-probs), none with a LoRA adapter, within the graphs'
+        rows and table width."""
+        if self.graphs is None or len(chunks) != len(decode):
+            return False
+        if logits_indices != list(range(len(decode))) or any(c.lora for c in chunks):
+            return False
+        widest = max(len(c.block_table) for c in chunks)
+        return self.graphs.fits(len(decode), widest)
 
     def _proposed(self, chunks: list[Chunk]) -> list[Chunk]:
         """The chunks with drafts, those whose drafts the draft model proposes filled in (copies:
