@@ -203,7 +203,7 @@ def test_every_engine_setting_is_a_flag_booleans_included():
     bare = ["generate", "--input", "i", "--output", "o", "--enforce-eager", "--slots", "3"]
     config = config_from_args(build_parser().parse_args(bare))
     assert config.enforce_eager is True and config.slots == 3
-    assert config_from_args(build_parser().parse_args(bare[:4])).enforce_eager is False
+    assert config_from_args(build_parser().parse_args(bare[:5])).enforce_eager is False
 
 
 def test_a_chat_template_given_replaces_the_models_and_a_bad_one_fails_at_start(
