@@ -111,7 +111,7 @@ class EngineConfig(BaseModel):
         description="Ranks per worker (vLLM's --tensor-parallel-size): each holds its share of the "
         "heads (by KV group, as evenly as they go), MLP columns and vocabulary, and its KV heads' "
         "pool; ranks 1.. are Ray actors on rank 0's node, gloo on CPUs, NCCL on GPUs. Not yet "
-        "with quantization, speculation or LoRA.",
+        "with a GGUF's blocks (--quantization gguf), a draft model or LoRA.",
     )
     prefill_tensor_parallel_size: int | None = Field(
         None,
@@ -318,9 +318,12 @@ class EngineConfig(BaseModel):
         if max(sizes.values()) == 1:
             return
         tp = f"tensor_parallel_size {max(sizes.values())}"
+        speculative = self.speculative
         unserved = {
-            "quantization": self.quantization is not None,
-            "speculative_config": self.speculative_config is not None,
+            "quantization gguf (use int8)": self.quantization == "gguf",
+            # the draft model runs on rank 0 alone; its drafts would have to reach the others
+            "a draft model (use the ngram method)": speculative is not None
+            and speculative.method == "draft_model",
             "LoRA adapters": self.enable_lora or bool(self.lora_modules),
         }
         for name, given in unserved.items():

@@ -217,6 +217,7 @@ def _start_followers(config: EngineConfig) -> Any:
         config.dtype,
         config.device,
         config.worker_threads(),
+        quantization=config.quantization,
     )
 
 

@@ -55,6 +55,16 @@ def uneven_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def qwen3_tp_checkpoint(tmp_path_factory):
+    """A tiny Qwen3 checkpoint whose TP-2 slices are whole int8 blocks of 32 (4 heads of 32 on 2
+    KV heads, 128 MLP columns)."""
+    from tests.workers.tp_ranks import save_uneven_checkpoint
+
+    path = tmp_path_factory.mktemp("qwen3-4-on-2")
+    return str(save_uneven_checkpoint(path, "qwen3-4-on-2"))
+
+
+@pytest.fixture(scope="session")
 def ray_session():
     """A local Ray with more logical CPUs than cores, so 2 prefill + 2 decode workers fit on 2
     cores."""

@@ -76,10 +76,19 @@ class Worker:
         self.ranks: list[dict[str, Any]] = []  # what ranks 1.. reported
         if tensor_parallel_size > 1:
             self.followers = TPFollowers.start(
-                tensor_parallel_size, model, dtype, device, num_threads, num_cpus, num_gpus
+                tensor_parallel_size,
+                model,
+                dtype,
+                device,
+                num_threads,
+                num_cpus,
+                num_gpus,
+                quantization,
             )
-            self.ranks = self.followers.start_runners(num_blocks, block_size, kv_cache_dtype)
+        # beside the followers' loads (a collective, quantized), then their KV pools
         loaded = load_model(model, dtype, device, quantization, tensor_parallel_size)
+        if self.followers is not None:
+            self.ranks = self.followers.start_runners(num_blocks, block_size, kv_cache_dtype)
         # every worker loads a draft model: the pool planner may move any worker to decode
         draft = load_draft_model(speculative, loaded.model, dtype, device)
         self.runner = ModelRunner(

@@ -315,10 +315,10 @@ def load_model(
     group, which must be the worker's ranks."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    if tp_size > 1 and quantization is not None:
+    if tp_size > 1 and quantization == "gguf":
         raise ValueError(
-            f"--quantization {quantization} is not served tensor-parallel yet: leave it unset, or "
-            "use --tensor-parallel-size 1"
+            "--quantization gguf is not served tensor-parallel yet (a row-parallel slice would "
+            "cut the GGUF blocks): use int8, or --tensor-parallel-size 1"
         )
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
@@ -357,6 +357,12 @@ def load_model(
     )
 
 
+def _row_amax(model: DecoderLM, name: str, weight: torch.Tensor) -> torch.Tensor | None:
+    """A tensor-parallel rank's largest |w| of each whole output row of `name` (its own slice's
+    rows of a row-parallel weight are shorter); None: the slice's own."""
+    return None if model.tp is None else model.tp.row_amax(name, weight)
+
+
 def pack_weights(model: DecoderLM, name: str, quantization: str, config: Any, device: str) -> None:
     """Put packed weights in place of the model's float matrices: `gguf`, the GGUF file's own
     Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K blocks (`workers/gguf_blocks.py`); `int8`, each matrix
@@ -371,7 +377,7 @@ def pack_weights(model: DecoderLM, name: str, quantization: str, config: Any, de
         weights = gguf_weights(path, model, config, dtype)
     elif quantization == "int8":
         weights = {
-            key: PackedWeight.pack(quantize_int8(param), dtype)
+            key: PackedWeight.pack(quantize_int8(param, _row_amax(model, key, param)), dtype)
             for key, param in model.named_parameters()
             if param.dim() == 2
         }
@@ -383,7 +389,7 @@ def pack_weights(model: DecoderLM, name: str, quantization: str, config: Any, de
             )
         # the layers' matrices, as vLLM's fp8: the embedding and the head stay as they are
         weights = {
-            key: quantize_fp8(param, dtype)
+            key: quantize_fp8(param, dtype, _row_amax(model, key, param))
             for key, param in model.named_parameters()
             if param.dim() == 2 and ".layers." in key
         }

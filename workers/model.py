@@ -450,7 +450,7 @@ class DecoderLM(nn.Module):
         if self.tp is None:
             x = self.model.embed_tokens(input_ids)  # [N, hidden]
         else:
-            x = self.tp.embed(self.model.embed_tokens.weight, input_ids)  # [N, hidden]
+            x = self.tp.embed(self.model.embed_tokens, input_ids)  # [N, hidden]
         delta = None  # [N, hidden]
         if self.spec.embedding_multiplier != 1.0:
             x = x * self.spec.embedding_multiplier  # [N, hidden]

@@ -309,21 +309,26 @@ def scaled_linear(
     return out if bias is None else out + bias
 
 
-def quantize_fp8(weight: torch.Tensor, dtype: torch.dtype) -> Fp8Weight:
+def quantize_fp8(
+    weight: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor | None = None
+) -> Fp8Weight:
     """Per-output-channel FP8 (e4m3) of a float `[N, K]` weight: each row's scale its largest
-    |w| / 448, values rounded to the nearest e4m3."""
+    |w| / 448 (`amax [N]`: the largest |w| of rows longer than this slice of them), values
+    rounded to the nearest e4m3."""
     w = weight.detach().float()  # [N, K]
-    amax = w.abs().amax(dim=1)  # [N]
+    amax = w.abs().amax(dim=1) if amax is None else amax  # [N]
     scale = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
     q = (w / scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
     return Fp8Weight(q, scale, dtype)
 
 
-def quantize_int8(weight: torch.Tensor) -> RowQuants:
+def quantize_int8(weight: torch.Tensor, amax: torch.Tensor | None = None) -> RowQuants:
     """Per-output-channel symmetric int8 of a float `[N, K]` weight: each row's scale is its
-    largest |w| / 127, quants round to nearest (|error| <= scale / 2)."""
+    largest |w| / 127 (`amax [N]`: the largest |w| of rows longer than this slice of them, as a
+    tensor-parallel rank's row-parallel weight is), quants round to nearest (|error| <= scale /
+    2)."""
     w = weight.detach().float()  # [N, K]
-    scale = w.abs().amax(dim=1) / 127  # [N]
+    scale = (w.abs().amax(dim=1) if amax is None else amax) / 127  # [N]
     inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))  # [N]
     q = torch.round(w * inverse[:, None]).clamp(-127, 127).to(torch.int8)  # [N, K]
     return RowQuants("int8", q, scale)

@@ -28,6 +28,7 @@ SHM_TIMEOUT_S = 600.0
 _HEAD_ROWS = {"self_attn.q_proj.": "q", "self_attn.k_proj.": "kv", "self_attn.v_proj.": "kv"}
 _MLP_ROWS = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
 _VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")
+_ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 
 
 class TensorParallel:
@@ -95,6 +96,16 @@ class TensorParallel:
             return tensor[shard.vocab.start : shard.vocab.stop]
         return tensor  # norms: every rank holds them whole
 
+    def row_amax(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """The largest |w| of each output row `[N]` of parameter `name`, whose rows this rank
+        holds `weight [N, K slice]` of: a row-parallel weight's rows are split over the ranks, so
+        their maxima are reduced (a collective: every rank calls it for the same names in the same
+        order), and each rank quantizes its slice with the whole row's scale, as TP-1 does."""
+        amax = weight.detach().float().abs().amax(dim=1)  # [N]
+        if name.endswith(_ROW_PARALLEL):
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+        return amax
+
     def share_tokens(self, tokens: list[int] | None, count: int, device: torch.device) -> list[int]:
         """Rank 0's `tokens` (its `count` samples of a step) on every rank: the others feed them in
         at the next step as rank 0 does (only rank 0 samples). On `device`: NCCL moves no host
@@ -153,13 +164,14 @@ class TensorParallel:
         if self.rank == 0:  # mapped by every rank: the name is no longer needed
             os.unlink(names[0])
 
-    def embed(self, weight: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """The embeddings of `input_ids [N]` from this rank's rows `weight [local vocab, hidden]`:
-        each rank looks up the ids it holds, zeros for the others, and the sum is the lookup."""
+    def embed(self, table: Any, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of `input_ids [N]` from this rank's rows, `table` (an nn.Embedding or a
+        packed one of `[local vocab, hidden]`): each rank looks up the ids it holds, zeros for the
+        others, and the sum is the lookup."""
         vocab = self.shard.vocab
         local = input_ids - vocab.start  # [N]
         held = (local >= 0) & (local < len(vocab))  # [N]
-        x = F.embedding(local.clamp(0, len(vocab) - 1), weight)  # [N, hidden]
+        x = table(local.clamp(0, len(vocab) - 1))  # [N, hidden]
         x.masked_fill_(~held[:, None], 0.0)  # [N, hidden]
         return self.all_reduce(x)
 

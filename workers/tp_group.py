@@ -46,11 +46,13 @@ class FollowerRank:
         dtype: str,
         device: str,
         num_threads: int,
+        quantization: str | None = None,
     ) -> None:
         torch.set_num_threads(max(1, num_threads))
         init_rank(address, rank, size, device)
         self.rank = rank
-        self.model = load_model(model, dtype, device, None, size, rank).model
+        # loading is a collective with rank 0's (int8 and fp8 scales of whole rows)
+        self.model = load_model(model, dtype, device, quantization, size, rank).model
         self.runner: ModelRunner | None = None  # and its KV pool's receiver: built by start()
         self.receiver: KVReceiver | None = None
 
@@ -118,10 +120,13 @@ class TPFollowers:
         num_threads: int,
         num_cpus: float | None = None,
         num_gpus: float | None = None,
+        quantization: str | None = None,
     ) -> TPFollowers:
         """Spawn ranks 1..`size`-1 on this node, each with `num_cpus` CPUs (default: its
-        `num_threads`) and `num_gpus` GPUs (default: one on a GPU, else none), then join rank 0
-        (this process) to them: returns once all are in the group."""
+        `num_threads`) and `num_gpus` GPUs (default: one on a GPU, else none), loading the model
+        with `quantization`, then join rank 0 (this process) to them: returns once all are in the
+        group. Rank 0 loads its shard next, beside theirs (`load_model` with the same
+        arguments): loading a quantized model is a collective."""
         gpu = device.startswith("cuda")
         node = ray.get_runtime_context().get_node_id()
         address = f"{ray.util.get_node_ip_address()}:{_free_port()}"
@@ -132,7 +137,7 @@ class TPFollowers:
                 num_gpus=(1 if gpu else 0) if num_gpus is None else num_gpus,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
                 enable_task_events=False,
-            ).remote(address, rank, size, model, dtype, device, num_threads)
+            ).remote(address, rank, size, model, dtype, device, num_threads, quantization)
             for rank in range(1, size)
         ]
         followers = cls(actors)

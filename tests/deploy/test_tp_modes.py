@@ -15,6 +15,8 @@ from scheduler.request import SamplingParams
 from tests.deploy.engine_configs import BASE
 from tests.factories import make_requests
 
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+
 
 def test_the_flag_reaches_the_config_and_unserved_combinations_are_refused():
     args = build_parser().parse_args(
@@ -28,8 +30,12 @@ def test_the_flag_reaches_the_config_and_unserved_combinations_are_refused():
         EngineConfig(mode="colocated", decode_tensor_parallel_size=2)
     with pytest.raises(ValidationError, match="tensor parallel sizes differ"):
         EngineConfig(mode="disaggregated", pool_planner=True, prefill_tensor_parallel_size=2)
-    with pytest.raises(ValidationError, match="quantization is not served tensor-parallel"):
-        EngineConfig(quantization="int8", tensor_parallel_size=2)
+    with pytest.raises(ValidationError, match="quantization gguf .* is not served tensor-par"):
+        EngineConfig(quantization="gguf", tensor_parallel_size=2)
+    draft = {"method": "draft_model", "model": "m", "num_speculative_tokens": 2}
+    with pytest.raises(ValidationError, match="a draft model .* is not served tensor-parallel"):
+        EngineConfig(speculative_config=draft, tensor_parallel_size=2)
+    EngineConfig(quantization="int8", speculative_config=NGRAM, tensor_parallel_size=2)
     with pytest.raises(ValidationError, match="LoRA adapters is not served tensor-parallel"):
         EngineConfig(enable_lora=True, tensor_parallel_size=2)
     with pytest.raises(ValidationError, match="greater than or equal to 1"):
@@ -59,6 +65,20 @@ def test_tp2_local_and_colocated_give_tp1_local_tokens(ray_session, uneven_check
         workers = _workers(ray_session.get(engine.handle.ready.remote()))
     assert [w["tensor_parallel_size"] for w in workers] == [2]  # one worker, of two ranks
     assert len(expected) == 6 and len({t for ids in expected.values() for t in ids}) > 10
+
+
+@pytest.mark.slow
+def test_tp2_int8_weights_and_ngram_drafts_give_tp1s_tokens(ray_session, qwen3_tp_checkpoint):
+    """int8 weights at TP-2 hold TP-1's quants (a row-parallel slice takes its whole row's
+    scale), and n-gram drafts verify on every rank: TP-1's tokens, with drafts taken."""
+    config = dict(BASE | {"model": qwen3_tp_checkpoint, "quantization": "int8"})
+    with open_engine(EngineConfig(**config)) as engine:
+        expected = _tokens(engine)
+    speculative = EngineConfig(**config, speculative_config=NGRAM, tensor_parallel_size=2)
+    with open_engine(speculative) as engine:
+        assert _tokens(engine) == expected
+        spec = engine.engine.scheduler.spec_stats.as_dict()
+    assert spec["num_accepted_tokens"] > 0
 
 
 @pytest.mark.slow

@@ -136,6 +136,40 @@ def test_ranks_loading_a_checkpoint_keep_their_shard_only(tp1, tp2):
     assert sum(kept) > whole
 
 
-def test_packed_weights_are_refused_tensor_parallel_with_the_reason(tiny_checkpoint):
-    with pytest.raises(ValueError, match="not served tensor-parallel"):
-        load_model(tiny_checkpoint, "float32", "cpu", quantization="int8", tp_size=2, tp_rank=0)
+def test_gguf_blocks_are_refused_tensor_parallel_with_the_reason(tiny_checkpoint):
+    with pytest.raises(ValueError, match="gguf is not served tensor-parallel yet .* use int8"):
+        load_model(tiny_checkpoint, "float32", "cpu", quantization="gguf", tp_size=2, tp_rank=0)
+
+
+_INT8_MATRICES = ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj", "mlp.up_proj")
+
+
+def _rank_int8(checkpoint: str, rank: int, size: int) -> dict:
+    """Layer 0's int8 matrices as this rank holds them, dequantized, and its head and MLP
+    columns."""
+    model = load_model(checkpoint, "float32", "cpu", "int8", size, rank).model
+    layer = model.model.layers[0]
+    shard = model.tp.shard
+    weights = {name: layer.get_submodule(name).weight.dequantize() for name in _INT8_MATRICES}
+    return {"weights": weights, "q_heads": shard.q_heads, "columns": shard.intermediate}
+
+
+def test_int8_ranks_hold_tp1s_quants(qwen3_tp_checkpoint, tmp_path):
+    """Each rank's int8 slices are TP-1's int8 matrix sliced: a row-parallel weight (o, down)
+    takes its whole row's scale, reduced over the ranks, not its slice's."""
+    whole = load_model(qwen3_tp_checkpoint, "float32", "cpu", "int8").model.model.layers[0]
+    rank_int8 = functools.partial(_rank_int8, qwen3_tp_checkpoint)
+    head_dim = 32
+    for rank in run_ranks(rank_int8, 2, tmp_path):
+        q = rank["q_heads"]
+        heads = slice(q.start * head_dim, q.stop * head_dim)
+        columns = slice(rank["columns"].start, rank["columns"].stop)
+        full = {name: whole.get_submodule(name).weight.dequantize() for name in _INT8_MATRICES}
+        expected = {
+            "self_attn.q_proj": full["self_attn.q_proj"][heads],
+            "self_attn.o_proj": full["self_attn.o_proj"][:, heads],
+            "mlp.down_proj": full["mlp.down_proj"][:, columns],
+            "mlp.up_proj": full["mlp.up_proj"][columns],
+        }
+        for name, weight in rank["weights"].items():
+            assert torch.equal(weight, expected[name]), name

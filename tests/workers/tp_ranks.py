@@ -75,11 +75,12 @@ def tp_hf_model(kind: str) -> Any:
     return model
 
 
-def save_uneven_checkpoint(path: Path) -> Path:
-    """The uneven kind (9 query heads on 3 KV heads) as a checkpoint directory, with a tokenizer."""
+def save_uneven_checkpoint(path: Path, kind: str = "uneven-9-on-3") -> Path:
+    """The uneven kind (9 query heads on 3 KV heads), or another of `TP_KINDS`, as a checkpoint
+    directory, with a tokenizer."""
     from tests.factories import tiny_tokenizer
 
-    tp_hf_model("uneven-9-on-3").save_pretrained(path)
+    tp_hf_model(kind).save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
 
