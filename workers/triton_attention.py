@@ -406,6 +406,9 @@ def prompt_attention(
     if total == 0 or num_chunks == 0:
         return out
     tables = block_tables.to(device).contiguous()  # [C, MAXB]
+    # [3, C]: the chunks' arguments, often host tensors, in one copy that does not wait for the
+    # GPU (a blocking copy would sync with the host in every layer)
+    chunks = torch.stack([starts, firsts, counts]).to(device, torch.int64, non_blocking=True)
     g_pad = triton.next_power_of_2(group)
     tokens = max(1, PROMPT_ROWS // g_pad)
     pointers, strides, flags = _cache_args(k_cache, v_cache, scales)
@@ -414,9 +417,9 @@ def prompt_attention(
         query.contiguous(),
         *pointers,
         tables,
-        starts.to(device),
-        firsts.to(device),
-        counts.to(device),
+        chunks[0],
+        chunks[1],
+        chunks[2],
         out,
         dim**-0.5 * LOG2E,
         kv_heads,
