@@ -38,9 +38,7 @@ def assert_near(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 
 def check_decode() -> None:
-    """Every row against a float64 softmax over its own keys and against the torch ops; a row
-    alone, and the tables padded wider, give the batch's bits (the spans are fixed, not sized to
-    the batch); the slot layout (one block of 50 keys a row: a block size not a power of two)."""
+    """Every row against a float64 softmax over its own keys and against the torch ops."""
     from workers import triton_attention
 
     for dtype in DTYPES:
@@ -52,23 +50,31 @@ def check_decode() -> None:
             assert_near(got, case.reference(), what)
             in_torch = paged_decode_attention_torch(case.query, *case.shuffled, case.lengths)
             torch.testing.assert_close(got, in_torch, **TOLERANCE[dtype])
-            k_pool, v_pool, tables = case.shuffled
-            for row in (1, 2):  # blocks shared with row 0; a single key
-                alone = triton_attention.decode_attention(
-                    case.query[row : row + 1],
-                    k_pool,
-                    v_pool,
-                    tables[row : row + 1],
-                    case.lengths[row : row + 1],
-                )  # [1, KVH, G, D]
-                assert torch.equal(alone[0], got[row]), (what, row)
-            wider = torch.cat([tables, tables.new_full((len(LENGTHS), 20), -5)], 1)
-            padded = triton_attention.decode_attention(
-                case.query, k_pool, v_pool, wider, case.lengths
-            )
-            assert torch.equal(padded, got), what
-            slot = triton_attention.decode_attention(case.query, *case.slot, case.lengths)
-            assert_near(slot, case.reference(), f"{what} slot")
+        check_rows_alone(PagedCase(dtype, 7, 112))
+
+
+def check_rows_alone(case: PagedCase) -> None:
+    """A row alone, and the tables padded wider (a second, empty span), give the batch's bits:
+    the spans are fixed, not sized to the batch. The slot layout (one block of 50 keys a row: a
+    block size not a power of two) matches the float64 softmax."""
+    from workers import triton_attention
+
+    got = triton_attention.decode_attention(case.query, *case.shuffled, case.lengths)
+    k_pool, v_pool, tables = case.shuffled
+    for row in (1, 2):  # blocks shared with row 0; a single key
+        alone = triton_attention.decode_attention(
+            case.query[row : row + 1],
+            k_pool,
+            v_pool,
+            tables[row : row + 1],
+            case.lengths[row : row + 1],
+        )  # [1, KVH, G, D]
+        assert torch.equal(alone[0], got[row]), row
+    wider = torch.cat([tables, tables.new_full((len(LENGTHS), 20), -5)], 1)  # [B, MAXB + 20]
+    padded = triton_attention.decode_attention(case.query, k_pool, v_pool, wider, case.lengths)
+    assert torch.equal(padded, got)
+    slot = triton_attention.decode_attention(case.query, *case.slot, case.lengths)
+    assert_near(slot, case.reference(), "slot layout")
 
 
 def check_spans() -> None:
@@ -135,17 +141,22 @@ def check_kv8() -> None:
     read)."""
     from workers import triton_attention
 
-    for kind in ("int8", "fp8"):
-        for dtype, group, dim in ((torch.float32, 4, 128), (torch.bfloat16, 7, 112)):
-            case = Kv8Case(kind, dtype, group, dim)
-            what = f"{kind} {dtype} G{group} D{dim}"
-            args = (*case.shuffled, case.lengths, case.scales)
-            got = triton_attention.decode_attention(case.query, *args)
-            assert_near(got, case.reference(), f"decode {what}")
-            query, starts, firsts, counts = prompt_chunks(case, CHUNKS)
-            chunks = (starts, firsts, counts, case.scales)
-            got = triton_attention.prompt_attention(query, *case.shuffled, *chunks)
-            assert_near(got, prompt_reference(case, query, firsts), f"prompt {what}")
+    # each format with each query dtype once: the interpreter is slow
+    for kind, dtype, group, dim in (
+        ("int8", torch.float32, 4, 128),
+        ("int8", torch.bfloat16, 7, 112),
+        ("fp8", torch.float32, 7, 112),
+        ("fp8", torch.bfloat16, 1, 64),
+    ):
+        case = Kv8Case(kind, dtype, group, dim)
+        what = f"{kind} {dtype} G{group} D{dim}"
+        args = (*case.shuffled, case.lengths, case.scales)
+        got = triton_attention.decode_attention(case.query, *args)
+        assert_near(got, case.reference(), f"decode {what}")
+        query, starts, firsts, counts = prompt_chunks(case, CHUNKS)
+        chunks = (starts, firsts, counts, case.scales)
+        got = triton_attention.prompt_attention(query, *case.shuffled, *chunks)
+        assert_near(got, prompt_reference(case, query, firsts), f"prompt {what}")
 
 
 def model_logits(rows: list[tuple[list[int], list[int], int]]) -> list[torch.Tensor]:
