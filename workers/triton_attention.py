@@ -5,9 +5,10 @@ Same arguments and semantics as the CPU kernels of `workers/kernels.py`: the cac
 D]`, tables padded with any value past a row's blocks (never read: a key's table entry is loaded
 only for keys below its row's length), the query grouped `[.., KVH, G, D]`. A program holds one
 KV head's G query heads (padded to a power of two, masked), so each block is read once per KV head
-for the whole group; no gathered copy, no mask tensor. The softmax is online, in fp32 (exp2, the
-scale folded with log2 e). An 8-bit cache is read as its bytes: a key's dot product times its
-scale, a softmax weight times its value's scale, as the CPU kernels do.
+for the whole group (once per tile of a chunk's tokens, for prompts); no gathered copy, no mask
+tensor. The softmax is online, in fp32 (exp2, the scale folded with log2 e). An 8-bit cache is
+read as its bytes: a key's dot product times its scale, a softmax weight times its value's scale,
+as the CPU kernels do.
 
 Decode splits each row's keys into spans of SPLIT_KEYS (flash-decoding): one program per (row, KV
 head, span), then a second kernel merges the spans. The span is fixed, not sized to the batch, so
