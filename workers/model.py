@@ -25,6 +25,11 @@ from workers.lora import LoraBatch
 from workers.quantized import QUANTIZED
 from workers.tp import TensorParallel
 
+try:  # CUDA builds of torch ship Triton; without it a GPU takes the torch ops
+    from workers import triton_attention
+except ImportError:
+    triton_attention = None
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "granite")
 
 
@@ -273,7 +278,12 @@ class Attention(nn.Module):
             grouped = q[:b].reshape(b, kv_heads, heads // kv_heads, dim)  # [B, KVH, G, D]
             tables = layout.decode_tables
             lengths = layout.decode_lengths
+            # CPU: the C++ kernel; a GPU: the Triton one; else (no Triton) the torch ops
             attn = decode_attention(grouped, k_cache, v_cache, tables, lengths, scales)
+            if attn is None and triton_attention is not None:
+                attn = triton_attention.decode_attention(
+                    grouped, k_cache, v_cache, tables, lengths, scales
+                )  # [B, KVH, G, D]
             if attn is None:  # [B, KVH, G, D]
                 attn = paged_decode_attention_torch(
                     grouped, k_cache, v_cache, tables, lengths, scales
@@ -299,22 +309,22 @@ class Attention(nn.Module):
         scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """Attention of the prompt chunks' tokens (rows num_decode.. of `q [N, H, D]`) into `out`:
-        all chunks in one kernel call over their blocks where it applies, else per chunk one SDPA
-        call over a gathered copy of its blocks."""
+        all chunks in one kernel call over their blocks where one applies (the C++ kernel on CPU,
+        the Triton one on a GPU), else per chunk one SDPA call over a gathered copy of its
+        blocks."""
         b = layout.num_decode
         n = q.shape[0] - b
         # [P, KVH, G, D]: a prompt token's query heads grouped by KV head, as a decode row's
         grouped = q[b:].reshape(n, self.num_kv_heads, -1, self.head_dim)
-        attn = prompt_attention(
-            grouped,
-            k_cache,
-            v_cache,
+        chunks = (
             layout.prefill_tables,
             layout.prefill_starts,
             layout.prefill_firsts,
             layout.prefill_counts,
-            scales,
         )
+        attn = prompt_attention(grouped, k_cache, v_cache, *chunks, scales)
+        if attn is None and triton_attention is not None:
+            attn = triton_attention.prompt_attention(grouped, k_cache, v_cache, *chunks, scales)
         if attn is not None:  # [P, KVH, G, D]
             out[b:] = attn.reshape(n, self.num_heads, self.head_dim)
             return
