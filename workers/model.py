@@ -71,8 +71,9 @@ class BatchLayout:
 
     Tensors live on the model's device and are built once per step, so the 30-odd layers only index
     them. Decode tokens attend in one call per layer over their block tables, and so do the prompt
-    chunks: the kernels of `workers.kernels` on CPU; elsewhere one SDPA call over the decode rows'
-    gathered blocks, and one per chunk over its gathered blocks.
+    chunks: the kernels of `workers.kernels` on CPU, those of `workers.triton_attention` on a CUDA
+    GPU, both reading the blocks where they lie; elsewhere (no Triton) one SDPA call over the decode
+    rows' gathered blocks, and one per chunk over its gathered blocks.
     """
 
     positions: torch.Tensor  # [num_tokens] position of each token in its sequence
@@ -120,6 +121,17 @@ class BatchLayout:
         chunk_width = max((len(table) for table, _, _ in chunk_rows), default=0)
         chunk_tables = [table + [0] * (chunk_width - len(table)) for table, _, _ in chunk_rows]
         position = torch.tensor(positions, dtype=torch.long, device=device)  # [N]
+        # [3, chunks]: their first positions, first tokens (counted from the first prompt token)
+        # and token counts, moved to the device once a step, not once a layer
+        chunk_args = torch.tensor(
+            [
+                [s.start_pos for s in prefill],
+                [s.first - len(decode_rows) for s in prefill],
+                [s.num_tokens for s in prefill],
+            ],
+            dtype=torch.long,
+            device=device,
+        ).view(3, len(prefill))
         layout = cls(
             positions=position,
             blocks=torch.tensor(blocks, dtype=torch.long, device=device),
@@ -133,9 +145,9 @@ class BatchLayout:
             prefill_tables=torch.tensor(chunk_tables, dtype=torch.long, device=device).view(
                 len(chunk_rows), chunk_width
             ),
-            prefill_starts=torch.tensor([s.start_pos for s in prefill], dtype=torch.long),
-            prefill_firsts=torch.tensor([s.first - len(decode_rows) for s in prefill]),
-            prefill_counts=torch.tensor([s.num_tokens for s in prefill], dtype=torch.long),
+            prefill_starts=chunk_args[0],
+            prefill_firsts=chunk_args[1],
+            prefill_counts=chunk_args[2],
         )
         return torch.tensor(ids, device=device), layout
 
