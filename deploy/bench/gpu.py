@@ -1,16 +1,18 @@
-"""`pdserve gpu-bench`: a one-command, offline GPU benchmark of the local engine on a random-weight
-Qwen3-0.6B.
+"""`pdserve gpu-bench`: a one-command, offline GPU benchmark: the roofline of random-weight model
+shapes, then the local engine on a random-weight Qwen3-0.6B against `transformers`.
 
-It builds a Qwen3-0.6B-shaped model with random weights (no network: config from code, weights from
-a fixed seed, a word-level tokenizer over the vocabulary), saves it with `save_pretrained` and loads
-it back through pdserve's own loader. Then, for each slot count of the sweep, it runs the same
+First the roofline (`deploy/bench/roofline.py`): decode steps against the bytes they must read at
+the measured copy bandwidth, prefills against the measured matmul peak, one JSON line per point.
+Then it builds a Qwen3-0.6B-shaped model with random weights (no network: config from code, weights
+from a fixed seed, a word-level tokenizer over the vocabulary), saves it with `save_pretrained` and
+loads it back through pdserve's own loader. Then, for each slot count of the sweep, it runs the same
 workload (random prompts, all arriving at once, fixed output lengths) through the `local`-mode
 engine and through `transformers`' static batching (`generate` on fixed batches of that many
 requests), and reports throughput and each decode step's achieved memory bandwidth (weight + KV
 bytes read per step / step time) as a fraction of the device's measured copy bandwidth. One JSON
 line per slot count goes to stdout (and to --output) as it finishes, then a summary line; progress
 and a final table go to stderr. The sweep stops early, and says so, when the next slot count would
-not finish inside --time-limit.
+not finish inside --time-limit, which bounds the whole run.
 
     python -m deploy.bench.gpu                                 # cuda if present, bf16, slots 1..64
     python -m deploy.bench.gpu --preset tiny --device cpu --slots 1,2,4

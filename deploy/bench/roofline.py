@@ -306,11 +306,11 @@ def roofline_table(lines: list[dict[str, Any]]) -> str:
     )
     rows = [header]
     for ln in lines:
-        point = (
-            f"{ln['rows']} x {ln['context']}"
-            if ln["kind"] == "decode"
-            else f"prefill {ln['tokens']}"
-        )
+        point = "whole shape"
+        if ln["kind"] == "decode":
+            point = f"{ln['rows']} x {ln['context']}"
+        elif ln["kind"] == "prefill":
+            point = f"prefill {ln['tokens']}"
         if "skipped" in ln:
             rows.append(f"{ln['shape']:>11} {point:>14}  skipped: {ln['skipped']}")
             continue
@@ -349,7 +349,16 @@ def run_roofline(
     progress(f"roofline: matmul peak {peaks['matmul_tflops']:.1f} TFLOP/s")
     lines = []
     for shape in shapes:
-        lines += run_shape(shape, dtype, device, decode, prefill, peaks, start + seconds, progress)
+        try:
+            lines += run_shape(
+                shape, dtype, device, decode, prefill, peaks, start + seconds, progress
+            )
+        except Exception as error:  # e.g. a shape the device cannot hold: the others still run
+            reason = f"failed: {type(error).__name__}: {error}"[:300]
+            progress(f"roofline {shape}: {reason}")
+            lines.append({"record": "roofline", "shape": shape, "kind": "shape", "skipped": reason})
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
     lines = [line | peaks for line in lines]
     summary = {"record": "roofline_peaks", "matmul_size": size, "notes": NOTES} | peaks
     return lines + [summary | {"seconds": time.perf_counter() - start}]

@@ -14,6 +14,8 @@ from deploy.bench.roofline import (
     decode_point,
     layer_matmul_params,
     prefill_flops,
+    roofline_table,
+    run_roofline,
     time_decode,
 )
 
@@ -245,3 +247,15 @@ def test_decode_points_time_graph_replay_where_the_runner_has_graphs():
     assert runner.graphs.calls == 2 + 5  # warm-up, then the timed replays
     line = time_decode(runner, rows=3, context=40, device="cpu")
     assert line["graph"] == "none: 3 rows exceed the largest bucket 2"
+
+
+def test_a_shape_that_fails_is_reported_and_the_roofline_goes_on():
+    messages = []
+    lines = run_roofline(
+        ["no-such-shape"], [(1, 16)], [16], torch.float32, "cpu", 1.0, 60.0, messages.append
+    )
+    failed, peaks = lines
+    assert failed["skipped"].startswith("failed: ValueError: unknown preset 'no-such-shape'")
+    assert peaks["record"] == "roofline_peaks" and peaks["matmul_tflops"] > 0
+    assert "no-such-shape    whole shape  skipped: failed" in roofline_table([failed])
+    assert any("no-such-shape: failed" in message for message in messages)
