@@ -539,39 +539,50 @@ def check_graphs(checkpoint: Path, device: str) -> dict[str, Any]:
 
 
 def _probe_graphs(engine: Any) -> dict[str, Any] | None:
-    """The engine's decode graphs (None if it has none): how many, their capture time, a replay
-    of three decode rows against the eager forward of the same rows, and whether that replay
-    synchronizes with the host (`torch.cuda.set_sync_debug_mode("error")` raises if it does)."""
+    """`probe_decode_graphs` of a local engine's runner."""
+    return probe_decode_graphs(engine.engine.runner)
+
+
+def probe_decode_graphs(runner: Any) -> dict[str, Any] | None:
+    """A runner's decode graphs (None if it has none): how many, their capture time, a replay of
+    up to three decode rows against the eager forward of the same rows and, on a GPU, whether
+    that replay synchronizes with the host (`torch.cuda.set_sync_debug_mode("error")` raises if
+    it does)."""
     from workers.model import BatchLayout
 
-    runner = engine.engine.runner
     graphs = getattr(runner, "graphs", None)
     if graphs is None:
         return None
-    rows = [(list(range(2 * i, 2 * i + 2)), 7 + i, 20 + i) for i in range(3)]
+    count = min(3, max(graphs.buckets))
+    rows = [(list(range(2 * i, 2 * i + 2)), 7 + i, 20 + i) for i in range(count)]
+    gpu = runner.device.type == "cuda"
     graphs.run(rows)  # warm: the first replay may allocate
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
+    synced = None
+    if gpu:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
     try:
         replayed = graphs.run(rows)
-        synced = None
     except RuntimeError as error:
+        if not gpu:
+            raise
         synced = str(error)
-        replayed = None
     finally:
-        torch.cuda.set_sync_debug_mode("default")
-    if replayed is None:
+        if gpu:
+            torch.cuda.set_sync_debug_mode("default")
+    if synced is not None:
         replayed = graphs.run(rows)
     packed = [(table, [token], position) for table, token, position in rows]
-    ids, layout = BatchLayout.pack(packed, len(rows), runner.cache.block_size, runner.device)
-    eager = runner.model(ids, layout, runner.cache, torch.arange(len(rows), device=runner.device))
+    ids, layout = BatchLayout.pack(packed, count, runner.cache.block_size, runner.device)
+    eager = runner.model(ids, layout, runner.cache, torch.arange(count, device=runner.device))
     return {
         "graphs": len(graphs.buckets),
         "buckets": list(graphs.buckets),
         "capture_seconds": graphs.capture_seconds,
         "capture_within_30s": graphs.capture_seconds <= 30,
+        "sync_checked": gpu,
         "host_sync_in_replay": synced,
-        "replay_vs_eager_max_abs": float((replayed[: len(rows)] - eager).abs().max()),
+        "replay_vs_eager_max_abs": float((replayed[:count] - eager).abs().max()),
     }
 
 

@@ -102,3 +102,22 @@ def test_the_gloo_hook_makes_tp_ranks_join_over_gloo(monkeypatch):
     tp_group.init_rank("127.0.0.1:1234", 1, 2, "cuda")
     assert joined["backend"] == "gloo" and joined["rank"] == 1 and joined["world_size"] == 2
     assert joined["init_method"] == "tcp://127.0.0.1:1234"
+
+
+def test_the_graph_probe_compares_a_replay_with_the_eager_forward():
+    """On a CPU, with the eager stand-in for the runner's decode graphs: the probe replays rows
+    within the largest bucket and finds them equal to the eager forward (no sync check: no CUDA)."""
+    import torch
+
+    from deploy.bench.gpu_model import random_model
+    from tests.deploy.bench.test_gpu_bench import EagerGraphs
+    from workers.runner import ModelRunner
+
+    runner = ModelRunner(random_model("tiny", torch.float32, "cpu", seed=0), 16, 16)
+    assert gpu_check.probe_decode_graphs(runner) is None
+    runner.graphs = EagerGraphs(runner)
+    probe = gpu_check.probe_decode_graphs(runner)
+    assert probe["graphs"] == 2 and probe["buckets"] == [1, 2] and probe["capture_within_30s"]
+    assert probe["replay_vs_eager_max_abs"] == 0.0
+    assert not probe["sync_checked"] and probe["host_sync_in_replay"] is None
+    assert runner.graphs.calls == 2  # warm-up and the probed replay
