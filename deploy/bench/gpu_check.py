@@ -652,6 +652,8 @@ def _tp_disaggregated(checkpoint: Path, device: str, requests: list[Any], backen
         max_model_len=256,
         decode_tensor_parallel_size=2,
         gpus_per_worker=0.33 if gpu else None,
+        # its three ranks fit a Ray of two logical CPUs (the one an earlier check started here)
+        num_cpus_per_worker=0.5,
     )
     hooked = gpu and backend == "gloo"
     if hooked:
