@@ -40,6 +40,7 @@ import argparse
 import json
 import os
 import platform
+import queue
 import socket
 import sys
 import tempfile
@@ -712,8 +713,11 @@ def _nccl_refuses_shared_gpu(timeout_s: float = 60.0) -> str | None:
         process.kill()
         process.join()
     reasons = []
-    while not errors.empty():
-        reasons.append(errors.get())
+    while True:  # (a queue's empty() may not yet see what an exited process put)
+        try:
+            reasons.append(errors.get(timeout=0.5))
+        except queue.Empty:
+            break
     if hung:
         reasons.append(f"the two ranks did not finish in {timeout_s:.0f}s")
     if any(process.exitcode for process in ranks) and not reasons:
