@@ -238,8 +238,33 @@ def add_gpu_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--time-limit",
         type=float,
-        default=540.0,
-        help="seconds; slot counts projected to end past this are skipped (and reported)",
+        default=240.0,
+        help="seconds for the whole run, roofline included; slot counts projected to end past "
+        "this are skipped (and reported)",
+    )
+    parser.add_argument(
+        "--roofline-seconds",
+        type=float,
+        default=150.0,
+        help="time for the roofline points (decode vs bytes at copy speed, prefill vs the matmul "
+        "peak); points past it are skipped (and reported); 0 leaves the roofline out",
+    )
+    parser.add_argument(
+        "--roofline-shapes",
+        default="auto",
+        help="model shapes of the roofline, random weights built on the device: qwen3-0.6b, "
+        "llama3-8b, tiny; auto: llama3-8b,qwen3-0.6b on cuda, tiny on cpu",
+    )
+    parser.add_argument(
+        "--roofline-decode",
+        default="auto",
+        help="decode points, rows x context, e.g. 1x1024,64x1024; auto: batch 1-256 x "
+        "context 128-4096 on cuda (as the KV pool fits), 1x32,4x64 on cpu",
+    )
+    parser.add_argument(
+        "--roofline-prefill",
+        default="auto",
+        help="prefill points, prompt tokens; auto: 512-8192 on cuda, 32,64 on cpu",
     )
     parser.add_argument(
         "--workdir",

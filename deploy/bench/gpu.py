@@ -1,16 +1,18 @@
-"""`pdserve gpu-bench`: a one-command, offline GPU benchmark of the local engine on a random-weight
-Qwen3-0.6B.
+"""`pdserve gpu-bench`: a one-command, offline GPU benchmark: the roofline of random-weight model
+shapes, then the local engine on a random-weight Qwen3-0.6B against `transformers`.
 
-It builds a Qwen3-0.6B-shaped model with random weights (no network: config from code, weights from
-a fixed seed, a word-level tokenizer over the vocabulary), saves it with `save_pretrained` and loads
-it back through pdserve's own loader. Then, for each slot count of the sweep, it runs the same
+First the roofline (`deploy/bench/roofline.py`): decode steps against the bytes they must read at
+the measured copy bandwidth, prefills against the measured matmul peak, one JSON line per point.
+Then it builds a Qwen3-0.6B-shaped model with random weights (no network: config from code, weights
+from a fixed seed, a word-level tokenizer over the vocabulary), saves it with `save_pretrained` and
+loads it back through pdserve's own loader. Then, for each slot count of the sweep, it runs the same
 workload (random prompts, all arriving at once, fixed output lengths) through the `local`-mode
 engine and through `transformers`' static batching (`generate` on fixed batches of that many
 requests), and reports throughput and each decode step's achieved memory bandwidth (weight + KV
 bytes read per step / step time) as a fraction of the device's measured copy bandwidth. One JSON
 line per slot count goes to stdout (and to --output) as it finishes, then a summary line; progress
 and a final table go to stderr. The sweep stops early, and says so, when the next slot count would
-not finish inside --time-limit.
+not finish inside --time-limit, which bounds the whole run.
 
     python -m deploy.bench.gpu                                 # cuda if present, bf16, slots 1..64
     python -m deploy.bench.gpu --preset tiny --device cpu --slots 1,2,4
@@ -33,6 +35,16 @@ import torch
 from deploy.bench.arguments import add_gpu_bench_arguments
 from deploy.bench.baselines import bench_static, copy_bandwidth, synchronize
 from deploy.bench.gpu_model import build_checkpoint
+from deploy.bench.roofline import (
+    CPU_DECODE_GRID,
+    CPU_PREFILL_GRID,
+    DECODE_GRID,
+    PREFILL_GRID,
+    parse_grid,
+    roofline_table,
+    run_roofline,
+    weight_bytes_read,
+)
 from deploy.bench.workload import make_workload
 from deploy.config import EngineConfig
 from scheduler.messages import Samples
@@ -96,17 +108,6 @@ class DecodeTally:
         rows = len(plan.decode)
         positions = rows * padded if self.batched else sum(c.start_pos + 1 for c in plan.decode)
         self.kv_bytes += positions * self.bytes_per_token
-
-
-def weight_bytes_read(model: Any, decode_tokens: float) -> float:
-    """Bytes of weights one decode step reads: every parameter once (a tied embedding is the
-    lm_head, read whole once), and for an untied embedding only the rows looked up."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    embed = model.model.embed_tokens.weight
-    row = embed.shape[1] * embed.element_size()
-    if not model.spec.tie_word_embeddings:
-        total -= embed.numel() * embed.element_size()
-    return total + decode_tokens * row
 
 
 def bench_engine(
@@ -221,6 +222,43 @@ def _progress(start: float, message: str) -> None:
     print(f"[gpu-bench {time.perf_counter() - start:6.1f}s] {message}", file=sys.stderr, flush=True)
 
 
+def _emit(line: dict[str, Any], output: Path | None) -> None:
+    """A result line to stdout and, with --output, to its file."""
+    print(json.dumps(line), flush=True)
+    if output is not None:
+        with output.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def _roofline(
+    args: argparse.Namespace, device: str, dtype: torch.dtype, copy_gb_s: float, start: float
+) -> list[dict[str, Any]]:
+    """The roofline's lines (`deploy/bench/roofline.py`), rounded; none if --roofline-seconds 0."""
+    if args.roofline_seconds <= 0:
+        return []
+    gpu = device.startswith("cuda")
+    shapes = args.roofline_shapes
+    if shapes == "auto":
+        shapes = "llama3-8b,qwen3-0.6b" if gpu else "tiny"
+    decode = args.roofline_decode
+    if decode == "auto":
+        decode = DECODE_GRID if gpu else CPU_DECODE_GRID
+    prefill = args.roofline_prefill
+    if prefill == "auto":
+        prefill = PREFILL_GRID if gpu else CPU_PREFILL_GRID
+    lines = run_roofline(
+        [s.strip() for s in shapes.split(",") if s.strip()],
+        parse_grid(decode),
+        [int(tokens) for tokens in prefill.split(",")],
+        dtype,
+        device,
+        copy_gb_s,
+        args.roofline_seconds,
+        lambda message: _progress(start, message),
+    )
+    return [_round(line) for line in lines]
+
+
 def _table(lines: list[dict[str, Any]]) -> str:
     header = (
         f"{'slots':>5} {'engine tok/s':>12} {'static tok/s':>12} {'x static':>8} {'step ms':>8} "
@@ -298,14 +336,16 @@ def run_gpu_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
         loaded = load_model(str(checkpoint), args.dtype, device)
         if args.fit_cost_model:
             return [_fit_cost_model(args, loaded, device, start)]
-        _progress(start, "loading it into transformers for the static-batching baseline")
-        hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device).eval()
         _progress(start, f"measuring copy bandwidth ({copy_bytes / 2**20:.0f} MiB)")
         copy_gb_s = copy_bandwidth(copy_bytes, device)
+        _progress(start, f"copy bandwidth {copy_gb_s:.1f} GB/s (read + write)")
+        roofline = _roofline(args, device, dtype, copy_gb_s, start)
+        for line in roofline:
+            _emit(line, output)
+        _progress(start, "loading it into transformers for the static-batching baseline")
+        hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device).eval()
         setup_s = time.perf_counter() - start
-        _progress(
-            start, f"copy bandwidth {copy_gb_s:.1f} GB/s (read + write); setup took {setup_s:.1f}s"
-        )
+        _progress(start, f"setup (roofline included) took {setup_s:.1f}s")
 
         max_model_len = math.ceil((args.prompt_len + args.output_len) / 16) * 16
         head = {
@@ -399,10 +439,7 @@ def run_gpu_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
             line = _round(line)
             lines.append(line)
             last = (slots, line["run_s"])
-            print(json.dumps(line), flush=True)
-            if output is not None:
-                with output.open("a") as f:
-                    f.write(json.dumps(line) + "\n")
+            _emit(line, output)
         del hf, loaded, engine_model
 
     summary = _round(
@@ -418,13 +455,14 @@ def run_gpu_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
             "setup_s": setup_s,
             "elapsed_s": time.perf_counter() - start,
             "copy_gb_s": copy_gb_s,
+            "roofline_points": sum("skipped" not in ln for ln in roofline[:-1]),
+            "roofline_skipped": sum("skipped" in ln for ln in roofline[:-1]),
             "notes": NOTES,
         }
     )
-    print(json.dumps(summary), flush=True)
-    if output is not None:
-        with output.open("a") as f:
-            f.write(json.dumps(summary) + "\n")
+    _emit(summary, output)
+    if roofline:
+        print(roofline_table(roofline[:-1]), file=sys.stderr)
     print(_table(lines), file=sys.stderr)
     if skipped:
         print(
@@ -437,7 +475,7 @@ def run_gpu_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
         file=sys.stderr,
         flush=True,
     )
-    return lines + [summary]
+    return roofline + lines + [summary]
 
 
 def main(argv: list[str] | None = None) -> int:

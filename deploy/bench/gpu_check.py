@@ -23,6 +23,11 @@ non-zero if any failed. The checks, in order:
   each activation row rounded to e4m3's 3 mantissa bits, about 3% RMS a matmul).
 * `disaggregated`: one prefill and one decode worker (half a GPU each where there is one) give the
   local engine's tokens; the handoff's GB/s per transport.
+* `graphs`: the engine with CUDA graphs against `--enforce-eager`: greedy tokens identical in fp32,
+  log-probs within bf16's limits in bf16, a replay without a host sync, the graphs' count and
+  capture time (skipped on a CPU, which captures none).
+* `tp_handoff`: a TP-1 prefill worker hands its KV to a TP-2 decode worker (a third of the GPU per
+  rank): local mode's tokens, over NCCL where it takes two ranks on one GPU, else gloo (named).
 * `slots_sweep`: `pdserve gpu-bench`'s sweep against HF static batching, cut at --sweep-seconds.
 
     pdserve gpu-check                      # cuda if present; JSON on stdout, progress on stderr
@@ -33,7 +38,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import queue
+import socket
 import sys
 import tempfile
 import time
@@ -50,6 +58,8 @@ from deploy.config import EngineConfig
 from scheduler.request import Request, SamplingParams
 
 FP32_LOGIT_TOLERANCE = 1e-3
+# |Δ log p| nats, mean and worst, that bf16 may move a token's log-prob (docs/BENCHMARKING.md)
+BF16_LOGPROB_LIMITS = (0.05, 0.3)
 # ours against fp32 over transformers' bf16 against fp32 (mean, worst), as tests/workers/test_bf16
 BF16_MEAN_FACTOR, BF16_MAX_FACTOR = 1.2, 1.5
 
@@ -232,21 +242,29 @@ def _requests(count: int, max_tokens: int, sampling: SamplingParams | None = Non
     ]
 
 
+def _engine_results(
+    checkpoint: Path,
+    device: str,
+    requests: list[Any],
+    probe: Callable[[Any], Any] | None = None,
+    **overrides: Any,
+) -> tuple[dict[str, Any], Any]:
+    """The completions of a local engine (fp32, 8 slots unless `overrides` say otherwise) and what
+    `probe(engine)` returns, called after the run while the engine is still open."""
+    from deploy.driver import open_engine
+
+    fields = {"model": str(checkpoint), "device": device, "dtype": "float32"}
+    config = EngineConfig(**(fields | {"slots": 8, "max_model_len": 256} | overrides))
+    with open_engine(config) as engine:
+        results = engine.run(requests)
+        return results, None if probe is None else probe(engine)
+
+
 def _engine_tokens(
     checkpoint: Path, device: str, requests: list[Any], **overrides: Any
 ) -> dict[str, list[int]]:
-    from deploy.driver import open_engine
-
-    config = EngineConfig(
-        model=str(checkpoint),
-        device=device,
-        dtype="float32",
-        slots=8,
-        max_model_len=256,
-        **overrides,
-    )
-    with open_engine(config) as engine:
-        return {r: c.token_ids for r, c in engine.run(requests).items()}
+    results, _ = _engine_results(checkpoint, device, requests, **overrides)
+    return {r: c.token_ids for r, c in results.items()}
 
 
 def check_greedy(checkpoint: Path, device: str) -> dict[str, Any]:
@@ -489,6 +507,241 @@ def check_disaggregated(checkpoint: Path, device: str) -> dict[str, Any]:
     return {"differ_from_local": differ, "kv_transfer": transfers, "ok": not differ}
 
 
+def check_graphs(checkpoint: Path, device: str) -> dict[str, Any]:
+    """CUDA graphs against `enforce_eager`: greedy tokens equal in fp32, log-probs within bf16's
+    limits in bf16, and a replayed decode step without a host sync. Skipped on a CPU, where the
+    runner captures no graphs (there is no padded decode path to compare), and on a build without
+    `enforce_eager`."""
+    if "enforce_eager" not in EngineConfig.model_fields:
+        return {"ok": True, "skipped": "EngineConfig has no enforce_eager: no CUDA graphs here"}
+    if not device.startswith("cuda"):
+        _, probe = _engine_results(checkpoint, device, _requests(1, 2), _probe_graphs)
+        if probe is not None:
+            return {"ok": False, "error": "the runner captured decode graphs on a CPU"}
+        return {"ok": True, "skipped": "CUDA graphs need a GPU: runner.graphs is None on cpu"}
+    graphed, probe = _engine_results(checkpoint, device, _requests(6, 24), _probe_graphs)
+    eager = _engine_tokens(checkpoint, device, _requests(6, 24), enforce_eager=True)
+    if probe is None:
+        return {"ok": False, "error": "the engine captured no decode graphs on cuda"}
+    differ = [r for r in eager if eager[r] != graphed[r].token_ids]
+    logprobs = _bf16_logprob_error(checkpoint, device)
+    within = (
+        logprobs["mean"] <= BF16_LOGPROB_LIMITS[0] and logprobs["max"] <= BF16_LOGPROB_LIMITS[1]
+    )
+    return probe | {
+        "fp32_greedy_differ": differ,
+        "bf16_logprobs": logprobs,
+        "bf16_limits": BF16_LOGPROB_LIMITS,
+        "ok": not differ
+        and within
+        and probe["host_sync_in_replay"] is None
+        and probe["replay_vs_eager_max_abs"] <= FP32_LOGIT_TOLERANCE,
+    }
+
+
+def _probe_graphs(engine: Any) -> dict[str, Any] | None:
+    """`probe_decode_graphs` of a local engine's runner."""
+    return probe_decode_graphs(engine.engine.runner)
+
+
+def probe_decode_graphs(runner: Any) -> dict[str, Any] | None:
+    """A runner's decode graphs (None if it has none): how many, their capture time, a replay of
+    up to three decode rows against the eager forward of the same rows and, on a GPU, whether
+    that replay synchronizes with the host (`torch.cuda.set_sync_debug_mode("error")` raises if
+    it does)."""
+    from workers.model import BatchLayout
+
+    graphs = getattr(runner, "graphs", None)
+    if graphs is None:
+        return None
+    count = min(3, max(graphs.buckets))
+    rows = [(list(range(2 * i, 2 * i + 2)), 7 + i, 20 + i) for i in range(count)]
+    gpu = runner.device.type == "cuda"
+    graphs.run(rows)  # warm: the first replay may allocate
+    synced = None
+    if gpu:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        replayed = graphs.run(rows)
+    except RuntimeError as error:
+        if not gpu:
+            raise
+        synced = str(error)
+    finally:
+        if gpu:
+            torch.cuda.set_sync_debug_mode("default")
+    if synced is not None:
+        replayed = graphs.run(rows)
+    packed = [(table, [token], position) for table, token, position in rows]
+    ids, layout = BatchLayout.pack(packed, count, runner.cache.block_size, runner.device)
+    eager = runner.model(ids, layout, runner.cache, torch.arange(count, device=runner.device))
+    return {
+        "graphs": len(graphs.buckets),
+        "buckets": list(graphs.buckets),
+        "capture_seconds": graphs.capture_seconds,
+        "capture_within_30s": graphs.capture_seconds <= 30,
+        "sync_checked": gpu,
+        "host_sync_in_replay": synced,
+        "replay_vs_eager_max_abs": float((replayed[:count] - eager).abs().max()),
+    }
+
+
+def _bf16_logprob_error(checkpoint: Path, device: str) -> dict[str, Any]:
+    """|Δ log p| of the sampled tokens between graphs and eager in bf16, over each request's
+    tokens up to where the two first pick differently (bf16 may flip a close argmax)."""
+    sampling = SamplingParams(logprobs=1)
+    runs = [
+        _engine_results(
+            checkpoint, device, _requests(6, 24, sampling), dtype="bfloat16", **overrides
+        )[0]
+        for overrides in ({}, {"enforce_eager": True})
+    ]
+    errors = []
+    diverged = []
+    for req_id, graphed in runs[0].items():
+        eager = runs[1][req_id]
+        same = 0
+        while same < len(eager.token_ids) and eager.token_ids[same] == graphed.token_ids[same]:
+            same += 1
+        if same < len(eager.token_ids):
+            diverged.append(req_id)
+        pairs = zip(graphed.logprobs[:same], eager.logprobs[:same], strict=True)
+        errors += [abs(a.logprob - b.logprob) for a, b in pairs]
+    if not errors:  # every request's first token differs: nothing to compare, a failure
+        return {"mean": float("inf"), "max": float("inf"), "diverged": diverged}
+    return {"mean": sum(errors) / len(errors), "max": max(errors), "diverged": diverged}
+
+
+def check_tp_handoff(checkpoint: Path, device: str) -> dict[str, Any]:
+    """A disaggregated TP-1 prefill -> TP-2 decode run gives TP-1 local mode's tokens. On one GPU
+    its three ranks share the device: NCCL if it takes two ranks on one GPU (probed first), else
+    gloo over the CUDA tensors; a CPU runs gloo. The line says which backend ran."""
+    requests = _requests(4, 12)
+    local = _engine_tokens(checkpoint, device, requests)
+    refused = None
+    backend = "gloo"
+    if device.startswith("cuda"):
+        refused = _nccl_refuses_shared_gpu()
+        backend = "gloo" if refused else "nccl"
+    results = _tp_disaggregated(checkpoint, device, _requests(4, 12), backend)
+    differ = [r for r in local if local[r] != results[r].token_ids]
+    handed = {r: c.metrics.get("kv_handoff_bytes", 0) for r, c in results.items()}
+    return {
+        "backend": backend,
+        "nccl_refused": refused,
+        "differ_from_local": differ,
+        "kv_handoff_bytes": handed,
+        "ok": not differ and any(handed.values()),
+    }
+
+
+def _tp_disaggregated(checkpoint: Path, device: str, requests: list[Any], backend: str) -> Any:
+    """1 prefill worker of TP-1 and 1 decode worker of TP-2, a third of the GPU per rank; with
+    gloo on a GPU, in a Ray whose workers start with `tp_ranks_on_gloo`."""
+    import ray
+
+    from deploy.driver import RayEngine
+
+    gpu = device.startswith("cuda")
+    config = EngineConfig(
+        model=str(checkpoint),
+        mode="disaggregated",
+        device=device,
+        dtype="float32",
+        slots=8,
+        max_model_len=256,
+        decode_tensor_parallel_size=2,
+        gpus_per_worker=0.33 if gpu else None,
+        # its three ranks fit a Ray of two logical CPUs (the one an earlier check started here)
+        num_cpus_per_worker=0.5,
+    )
+    hooked = gpu and backend == "gloo"
+    if hooked:
+        ray.shutdown()
+        ray.init(
+            address="local",
+            num_cpus=max(4, os.cpu_count() or 1),
+            include_dashboard=False,
+            runtime_env={"worker_process_setup_hook": f"{__name__}.tp_ranks_on_gloo"},
+        )
+    try:
+        with RayEngine(config) as engine:
+            return engine.run(requests)
+    finally:
+        if hooked:
+            ray.shutdown()  # the next check starts a Ray of its own, without the hook
+
+
+def tp_ranks_on_gloo() -> None:
+    """A Ray worker's setup hook: its tensor-parallel ranks join their group over gloo, which
+    takes CUDA tensors and any number of ranks on one GPU."""
+    import torch.distributed as dist
+
+    from workers import tp_group
+
+    def init_rank(address: str, rank: int, size: int, device: str) -> None:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://{address}",
+            rank=rank,
+            world_size=size,
+            timeout=tp_group._JOIN_TIMEOUT,
+        )
+
+    tp_group.init_rank = init_rank
+
+
+def _nccl_refuses_shared_gpu(timeout_s: float = 60.0) -> str | None:
+    """Two processes on GPU 0 join an NCCL group and all-reduce: None if it works, else why not
+    (NCCL reports a duplicate GPU, or the pair did not finish in `timeout_s`)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    errors = context.Queue()
+    ranks = [context.Process(target=_nccl_rank, args=(port, rank, errors)) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    deadline = time.monotonic() + timeout_s
+    for process in ranks:
+        process.join(max(0.0, deadline - time.monotonic()))
+    hung = [process for process in ranks if process.is_alive()]
+    for process in hung:
+        process.kill()
+        process.join()
+    reasons = []
+    while True:  # (a queue's empty() may not yet see what an exited process put)
+        try:
+            reasons.append(errors.get(timeout=0.5))
+        except queue.Empty:
+            break
+    if hung:
+        reasons.append(f"the two ranks did not finish in {timeout_s:.0f}s")
+    if any(process.exitcode for process in ranks) and not reasons:
+        reasons.append(f"exit codes {[process.exitcode for process in ranks]}")
+    return "; ".join(reasons)[:500] or None
+
+
+def _nccl_rank(port: int, rank: int, errors: Any) -> None:
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group(
+            "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
+        )
+        x = torch.ones(4, device="cuda:0")
+        dist.all_reduce(x)
+        torch.cuda.synchronize()
+        if float(x[0]) != 2.0:
+            errors.put(f"rank {rank}: all-reduce gave {float(x[0])}")
+        dist.destroy_process_group()
+    except Exception as error:
+        errors.put(f"rank {rank}: {type(error).__name__}: {error}")
+
+
 def check_slots_sweep(root: Path, device: str, seconds: float) -> dict[str, Any]:
     from deploy.bench.arguments import add_gpu_bench_arguments
     from deploy.bench.gpu import run_gpu_bench
@@ -498,6 +751,7 @@ def check_slots_sweep(root: Path, device: str, seconds: float) -> dict[str, Any]
     preset = "qwen3-0.6b" if device.startswith("cuda") else "tiny"
     args = parser.parse_args(
         ["--device", device, "--preset", preset, "--time-limit", str(seconds)]
+        + ["--roofline-seconds", "0"]
         + ["--workdir", str(root), "--output", str(root / "gpu_bench.jsonl")]
     )
     lines = run_gpu_bench(args)
@@ -519,6 +773,8 @@ def run_checks(args: argparse.Namespace) -> dict[str, Any]:
         ("quantized", lambda: check_quantized(checkpoint, device)),
         ("kv_transports", lambda: check_kv_transports(device)),
         ("disaggregated", lambda: check_disaggregated(checkpoint, device)),
+        ("graphs", lambda: check_graphs(checkpoint, device)),
+        ("tp_handoff", lambda: check_tp_handoff(checkpoint, device)),
     ]
     if args.sweep_seconds > 0:
         checks.append(("slots_sweep", lambda: check_slots_sweep(root, device, args.sweep_seconds)))
@@ -537,7 +793,8 @@ def run_checks(args: argparse.Namespace) -> dict[str, Any]:
             traceback.print_exc(file=sys.stderr)
         line["seconds"] = round(time.perf_counter() - began, 2)
         report["checks"][name] = line
-        print(f"         {name}: {'ok' if line['ok'] else 'FAILED'}", file=sys.stderr, flush=True)
+        verdict = "FAILED" if not line["ok"] else "skipped" if "skipped" in line else "ok"
+        print(f"         {name}: {verdict}", file=sys.stderr, flush=True)
     report["seconds"] = round(time.perf_counter() - start, 1)
     report["ok"] = all(line["ok"] for line in report["checks"].values())
     return report

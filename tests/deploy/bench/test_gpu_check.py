@@ -19,6 +19,8 @@ CHECKS = {
     "kv_transports",
     "disaggregated",
     "quantized",
+    "graphs",
+    "tp_handoff",
 }
 
 
@@ -40,6 +42,11 @@ def test_every_check_passes_on_the_cpu(ray_session, tmp_path, capsys):
     assert "cuda" in transports["cuda_ipc"]["skipped"] or "cpu" in transports["cuda_ipc"]["skipped"]
     assert checks["disaggregated"]["differ_from_local"] == []
     assert checks["quantized"]["batched_differ_from_solo"] == []
+    # a CPU captures no CUDA graphs: the check says so rather than passing vacuously
+    assert "skipped" in checks["graphs"]
+    handoff = checks["tp_handoff"]
+    assert handoff["backend"] == "gloo" and handoff["differ_from_local"] == []
+    assert all(handoff["kv_handoff_bytes"].values())
 
 
 def test_a_failing_check_fails_the_command_and_the_rest_still_run(tmp_path, monkeypatch, capsys):
@@ -48,6 +55,7 @@ def test_a_failing_check_fails_the_command_and_the_rest_still_run(tmp_path, monk
 
     monkeypatch.setattr(gpu_check, "check_logits_fp32", broken)
     skips = ["kv_transports", "disaggregated", "logprobs_bf16", "sampling", "quantized"]
+    skips += ["graphs", "tp_handoff"]
     args = ["gpu-check", "--device", "cpu", "--no-sweep", "--workdir", str(tmp_path)]
     assert main(args + [f"--skip={name}" for name in skips]) == 1
     report = json.loads(capsys.readouterr().out)
@@ -77,3 +85,39 @@ def test_without_the_embedded_model_the_bf16_check_runs_on_a_random_one(tmp_path
     line = gpu_check.check_logprobs_bf16(tmp_path, "cpu")
     assert line["ok"] and line["model"].startswith("tiny-bfloat16")
     assert 0 < line["transformers_bf16"][0] and line["mean_abs_dlogp"] <= line["limits"][0]
+
+
+def test_the_gloo_hook_makes_tp_ranks_join_over_gloo(monkeypatch):
+    """The Ray worker hook of the one-GPU TP handoff when NCCL refuses two ranks on a GPU: rank
+    groups start on gloo even for a CUDA device."""
+    from workers import tp_group
+
+    joined = {}
+    monkeypatch.setattr(tp_group, "init_rank", tp_group.init_rank)  # restored after
+    monkeypatch.setattr(
+        "torch.distributed.init_process_group",
+        lambda backend, **options: joined.update(options, backend=backend),
+    )
+    gpu_check.tp_ranks_on_gloo()
+    tp_group.init_rank("127.0.0.1:1234", 1, 2, "cuda")
+    assert joined["backend"] == "gloo" and joined["rank"] == 1 and joined["world_size"] == 2
+    assert joined["init_method"] == "tcp://127.0.0.1:1234"
+
+
+def test_the_graph_probe_compares_a_replay_with_the_eager_forward():
+    """On a CPU, with the eager stand-in for the runner's decode graphs: the probe replays rows
+    within the largest bucket and finds them equal to the eager forward (no sync check: no CUDA)."""
+    import torch
+
+    from deploy.bench.gpu_model import random_model
+    from tests.deploy.bench.test_gpu_bench import EagerGraphs
+    from workers.runner import ModelRunner
+
+    runner = ModelRunner(random_model("tiny", torch.float32, "cpu", seed=0), 16, 16)
+    assert gpu_check.probe_decode_graphs(runner) is None
+    runner.graphs = EagerGraphs(runner)
+    probe = gpu_check.probe_decode_graphs(runner)
+    assert probe["graphs"] == 2 and probe["buckets"] == [1, 2] and probe["capture_within_30s"]
+    assert probe["replay_vs_eager_max_abs"] == 0.0
+    assert not probe["sync_checked"] and probe["host_sync_in_replay"] is None
+    assert runner.graphs.calls == 2  # warm-up and the probed replay
