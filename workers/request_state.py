@@ -48,27 +48,6 @@ class RequestState:
         if self.matcher is not None and not self.matcher.ended:
             self.matcher.accept(token)
 
-    def penalize(self, row: torch.Tensor, params: SamplingParams) -> None:
-        """In place on a float row: repetition penalty over prompt and output tokens (a positive
-        logit divided, a negative one multiplied), then frequency (per occurrence) and presence
-        (once) penalties over output tokens."""
-        vocab = row.shape[-1]
-        if params.repetition_penalty != 1.0:
-            seen = torch.tensor(
-                sorted(t for t in self.prompt_ids | self.counts.keys() if t < vocab),
-                dtype=torch.long,
-                device=row.device,
-            )
-            values = row[seen]
-            row[seen] = torch.where(
-                values > 0, values / params.repetition_penalty, values * params.repetition_penalty
-            )
-        if (params.frequency_penalty or params.presence_penalty) and self.counts:
-            pairs = [(t, c) for t, c in self.counts.items() if t < vocab]
-            ids = torch.tensor([t for t, _ in pairs], dtype=torch.long, device=row.device)
-            counts = torch.tensor([c for _, c in pairs], dtype=row.dtype, device=row.device)
-            row[ids] -= params.frequency_penalty * counts + params.presence_penalty
-
 
 class RequestStates:
     """A worker's sampling parameters and states by request id. `grammars` compiles response formats

@@ -8,9 +8,10 @@ import torch
 
 from scheduler.request import Request, SamplingParams
 from tests.factories import VOCAB, prompt_ids, tiny_hf_model
+from tests.workers import sampling_reference
 from tests.workers.engines import make_engine
 from tests.workers.sampling_cases import EOS, processed_requests, request
-from workers.sampling import draw_seed, filter_logits, sample
+from workers.sampling import sample
 
 
 def hf_logprobs(tokens: list[int]) -> torch.Tensor:
@@ -60,7 +61,7 @@ def test_logprobs_and_echo_logprobs_equal_transformers():
 def reference_tokens(req: Request) -> list[int]:
     """One token at a time on transformers' logits, processed in plain Python floats: logit_bias,
     stop ids masked under min_tokens, repetition / frequency / presence penalties; then argmax, or
-    the engine's seeded draw."""
+    the seeded draw's definition."""
     p, prompt, out = req.sampling, list(req.prompt_ids), []
     while len(out) < req.max_tokens:
         with torch.no_grad():
@@ -82,9 +83,7 @@ def reference_tokens(req: Request) -> list[int]:
         if p.greedy:
             token = max(range(len(row)), key=row.__getitem__)
         else:
-            probs = filter_logits(torch.tensor(row), p).softmax(-1)
-            g = torch.Generator().manual_seed(draw_seed(p.seed, len(out)))
-            token = int(torch.multinomial(probs, 1, generator=g))
+            token = sampling_reference.draw(torch.tensor(row), p, len(out))
         out.append(token)
         if token in req.stop_token_ids:
             break
@@ -136,7 +135,8 @@ def test_penalties_bias_and_min_tokens_equal_a_plain_reference(preempt):
 def test_n_choices_share_one_prefill_and_equal_separate_requests(prompt_len):
     """Choice i (fork_of choice 0, seed + i) equals a request of its own with that seed; the prompt
     is computed once: each later choice copies its sibling's KV and computes only the last prompt
-    token."""
+    token. min_tokens keeps choice 0 running while the others fork from it, whatever its seed
+    draws first."""
 
     def choices(n: int, seed: int) -> list[Request]:
         prompt = prompt_ids(prompt_len, 21)
@@ -147,7 +147,12 @@ def test_n_choices_share_one_prefill_and_equal_separate_requests(prompt_len):
                 max_tokens=9,
                 stop_token_ids=frozenset({EOS}),
                 sampling=SamplingParams(
-                    temperature=0.9, seed=seed + i, presence_penalty=0.5, logprobs=1
+                    temperature=0.9,
+                    seed=seed + i,
+                    presence_penalty=0.5,
+                    logprobs=1,
+                    min_tokens=3,
+                    suppress_ids=frozenset({EOS}),
                 ),
                 fork_of="x-0" if i else None,
             )
@@ -181,39 +186,6 @@ def test_n_choices_share_one_prefill_and_equal_separate_requests(prompt_len):
             [t.logprob for t in alone["solo"].logprobs], abs=1e-5
         )
     assert len({tuple(forked[f"x-{i}"].output_ids) for i in range(3)}) > 1  # the seeds differ
-
-
-def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_top_one():
-    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(0)) * 3
-    kept = torch.isfinite(
-        filter_logits(logits, SamplingParams(temperature=0.7, min_p=0.05, seed=1))
-    )
-    probs = (logits / 0.7).softmax(-1).tolist()
-    assert kept.tolist() == [q >= 0.05 * max(probs) for q in probs]
-    assert 1 < int(kept.sum()) < VOCAB  # the filter did something, and not everything
-    # 0: off
-    assert torch.isfinite(filter_logits(logits, SamplingParams(temperature=0.7, seed=1))).all()
-
-
-def test_every_logit_option_runs_on_the_device_of_the_logits():
-    """The tensors of logit_bias, the penalties and min_tokens are made where the logits are: with
-    logits on a device other than the host (`meta` here, as a GPU's would be) nothing mixes
-    devices, and the min_tokens mask is chosen without reading the row back."""
-    from workers.request_state import RequestState
-    from workers.sampling import process_logits
-
-    params = SamplingParams(
-        logit_bias=((3, 5.0),),
-        presence_penalty=0.5,
-        frequency_penalty=0.5,
-        repetition_penalty=1.2,
-        min_tokens=4,
-        suppress_ids=frozenset({7}),
-    )
-    state = RequestState(params, (1, 2, 3), (), None)
-    state.consume(4)
-    row = process_logits(torch.zeros(VOCAB, device="meta"), params, 0, state)
-    assert row.device.type == "meta" and row.shape == (VOCAB,)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
