@@ -216,7 +216,9 @@ class EngineConfig(BaseModel):
     pool_planner: bool = Field(
         False,
         description="Disaggregated mode: every planner_window_s, move a worker between the "
-        "prefill and decode pools when the measured load needs it (the pools keep their sum).",
+        "prefill and decode pools when the measured load needs it (the pools keep their devices; "
+        "with two tensor-parallel sizes, whole workers holding as many devices move, e.g. two "
+        "prefill workers of one rank for one decode worker of two).",
     )
     planner_slo_itl_ms: float = Field(
         50.0,
@@ -310,11 +312,6 @@ class EngineConfig(BaseModel):
                 "disaggregated mode; use tensor_parallel_size"
             )
         sizes = {kind: self.tp_size(kind) for kind in ("prefill", "decode")}
-        if self.pool_planner and sizes["prefill"] != sizes["decode"]:
-            raise ValueError(
-                f"the pool planner moves workers between pools, whose tensor parallel sizes "
-                f"differ ({sizes['prefill']} and {sizes['decode']}): give both pools one size"
-            )
         if max(sizes.values()) == 1:
             return
         tp = f"tensor_parallel_size {max(sizes.values())}"
@@ -522,6 +519,8 @@ class EngineConfig(BaseModel):
             slo_itl_ms=self.planner_slo_itl_ms,
             slo_ttft_ms=self.planner_slo_ttft_ms,
             planner_window_s=self.planner_window_s,
+            prefill_tensor_parallel_size=self.tp_size("prefill"),
+            decode_tensor_parallel_size=self.tp_size("decode"),
             max_prefill_workers=self.max_prefill_workers,
             max_decode_workers=self.max_decode_workers,
             planner_release_delay_s=self.planner_release_delay_s,

@@ -40,6 +40,13 @@ these. One window's arrivals are noisy (30 expected at 3 req/s, from 14 to 35
 seen), and a worker released on a dip in a rising load is started again a start-up later, while
 prompts queue.
 
+Pools whose workers hold different numbers of devices (tensor-parallel ranks: `prefill_ranks`,
+`decode_ranks`) count devices where they trade: a fixed total is one of devices, split in whole
+workers of each pool, and a role change moves the fewest whole workers that hold the same devices
+on both sides (the least common multiple of the two sizes: a prefill pool of one rank a worker
+gives two workers for one decode worker of two ranks, and the reverse). With scaling, a pool that
+grows by less than such a group while the other shrinks starts its workers instead.
+
 With scaling and a `SeasonalForecast` that has seen a whole period (scheduler/load_forecast.py),
 the forecast decides instead: the pools are sized for the most the last period's windows from
 now until a worker started now could answer and serve a window needed (at today's level), or for
@@ -184,7 +191,9 @@ class PoolPlanner:
     max_prefill: int = 64
     min_decode: int = 1
     max_decode: int = 64
-    total: int | None = None  # fixed number of workers (role changes only); None: scaling
+    total: int | None = None  # fixed number of devices (role changes only); None: scaling
+    prefill_ranks: int = 1  # devices a prefill worker holds (its tensor-parallel size)
+    decode_ranks: int = 1  # devices a decode worker holds
     utilization: float = 0.8
     patience: int = 2  # windows a new target must persist before it is acted on
     release_after: int = 3  # windows that must all need fewer workers before one is released
@@ -241,7 +250,7 @@ class PoolPlanner:
         if self.slo_ttft_s is None or service_s >= self.slo_ttft_s:
             prefill = load / self.utilization
         else:
-            most = max(self.max_prefill, self.total or 0)
+            most = max(self.max_prefill, (self.total or 0) // self.prefill_ranks)
             prefill = queue_need(load, service_s, prompt_spread, self.slo_ttft_s, most)
         decode = rate * mean_output / (decode_rate * self.utilization)
         return prefill, decode * self.decode_correction
@@ -279,7 +288,7 @@ class PoolPlanner:
             self.seen = 0
             if (ahead.prefill, ahead.decode) == (prefill, decode):
                 return None
-            return _one_step(ahead, prefill, decode, False)
+            return _one_step(ahead, prefill, decode, False, self.trade_unit)
         if self.total is None:
             recent = self.recent + [(window.arrivals, window.seconds, want)]
             self.recent = recent[-self.release_after :]
@@ -297,7 +306,7 @@ class PoolPlanner:
         else:
             self.pending = want
             self.seen = 1
-        step = _one_step(want, prefill, decode, self.total is not None)
+        step = _one_step(want, prefill, decode, self.total is not None, self.trade_unit)
         if self.seen < self.patience and not self._now(window, step, prefill, decode):
             return None
         self.pending = None
@@ -369,7 +378,8 @@ class PoolPlanner:
             f"{most_prefill}:{most_decode}, {rate:.2f} req/s included (the upper end of their "
             f"{arrivals} arrivals in {seconds:.0f} s)"
         )
-        return _one_step(PoolTarget(most_prefill, most_decode, reason), prefill, decode, False)
+        want = PoolTarget(most_prefill, most_decode, reason)
+        return _one_step(want, prefill, decode, False, self.trade_unit)
 
     def _now(self, window: LoadWindow, want: PoolTarget, prefill: int, decode: int) -> bool:
         """Act on the step `want` without waiting for the target to persist: with scaling, when
@@ -390,17 +400,44 @@ class PoolPlanner:
             f"(ITL SLO {self.slo_itl_s * 1000:.0f} ms)"
         )
         if self.total is not None:
-            share = prefill_need / max(1e-9, prefill_need + decode_need)
-            prefill = round(self.total * share)
-            prefill = min(self.max_prefill, max(self.min_prefill, prefill))
-            prefill = min(prefill, self.total - self.min_decode)
-            return PoolTarget(prefill, self.total - prefill, reason)
+            return PoolTarget(*self._split(prefill_need, decode_need), reason)
         prefill = min(self.max_prefill, max(self.min_prefill, math.ceil(prefill_need)))
         decode = min(self.max_decode, max(self.min_decode, math.ceil(decode_need)))
         return PoolTarget(prefill, decode, reason)
 
+    @property
+    def trade_unit(self) -> tuple[int, int]:
+        """(prefill workers, decode workers) that hold the same devices: what a role change
+        moves."""
+        devices = math.lcm(self.prefill_ranks, self.decode_ranks)
+        return devices // self.prefill_ranks, devices // self.decode_ranks
 
-def _one_step(want: PoolTarget, prefill: int, decode: int, fixed: bool) -> PoolTarget:
+    def _split(self, prefill_need: float, decode_need: float) -> tuple[int, int]:
+        """The fixed total of devices in whole workers of each pool, the prefill pool's devices
+        nearest its share of what both pools need in devices (a tie to the rounded share)."""
+        assert self.total is not None
+        ranks, decode_ranks = self.prefill_ranks, self.decode_ranks
+        prefill_devices = prefill_need * ranks
+        share = prefill_devices / max(1e-9, prefill_devices + decode_need * decode_ranks)
+        ideal = self.total * share  # devices
+        splits = [
+            (n, (self.total - n * ranks) // decode_ranks)
+            for n in range(self.total // ranks + 1)
+            if (self.total - n * ranks) % decode_ranks == 0
+            and (self.total - n * ranks) // decode_ranks >= self.min_decode
+        ]
+        bounded = [
+            (n, m)
+            for n, m in splits
+            if self.min_prefill <= n <= self.max_prefill and m <= self.max_decode
+        ]
+        nearest = round(ideal / ranks)
+        return min(bounded or splits, key=lambda s: (abs(s[0] * ranks - ideal), s[0] != nearest))
+
+
+def _one_step(
+    want: PoolTarget, prefill: int, decode: int, fixed: bool, unit: tuple[int, int] = (1, 1)
+) -> PoolTarget:
     """Move toward `want`. With a fixed total, one role change. With scaling, a decode pool that
     grows while the prefill pool shrinks takes a prefill worker (a role change: the worker keeps
     its weights and its GPU, and a prefill worker is free within its current prompts); a prefill
@@ -408,10 +445,19 @@ def _one_step(want: PoolTarget, prefill: int, decode: int, fixed: bool) -> PoolT
     is free only when its longest answer ends, often later than a start-up, and the decode
     surplus leaves by the release rule. Pools that only grow grow to `want` at once: their new
     workers start side by side, each taking its start-up time. Pools that only shrink release
-    one worker, prefill first."""
-    if fixed or (want.decode > decode and want.prefill < prefill):
+    one worker, prefill first.
+
+    A role change moves `unit`, the prefill and decode workers that hold the same devices (one
+    of each where both pools' workers hold as many); with scaling, only when both pools' targets
+    take a whole unit, else the decode pool starts its workers."""
+    unit_prefill, unit_decode = unit
+    if fixed:
         step = 1 if want.prefill > prefill else -1
-        return PoolTarget(prefill + step, decode - step, want.reason)
+        return PoolTarget(prefill + step * unit_prefill, decode - step * unit_decode, want.reason)
+    if want.decode > decode and want.prefill < prefill:
+        if prefill - unit_prefill >= want.prefill and decode + unit_decode <= want.decode:
+            return PoolTarget(prefill - unit_prefill, decode + unit_decode, want.reason)
+        return PoolTarget(prefill, want.decode, want.reason)
     if want.prefill > prefill and want.decode < decode:
         return PoolTarget(want.prefill, decode, want.reason)
     if want.prefill >= prefill and want.decode >= decode:

@@ -213,10 +213,18 @@ class CellActor:
     async def change_role(self, name: str, kind: str) -> dict[str, Any]:
         """Move the worker now named `name` to pool `kind`: it takes no new work from now on and
         joins that pool once what it holds has run to the end. Raises ValueError for a worker or
-        pool that does not exist, or when its pool would keep no worker taking new work."""
+        pool that does not exist, when its pool would keep no worker taking new work, or when the
+        pools' workers hold different numbers of ranks (a worker keeps its ranks)."""
         worker = next((w for w in self.coordinator.workers if w.name == name), None)
         if worker is None or kind not in ("prefill", "decode") or not self.coordinator.prefill:
             raise ValueError(f"cannot move {name!r} to a {kind!r} pool in this cell")
+        ranks = (self.config.prefill_tensor_parallel_size, self.config.decode_tensor_parallel_size)
+        if kind != worker.kind and ranks[0] != ranks[1]:
+            raise ValueError(
+                f"a worker keeps its tensor-parallel ranks: {name!r} cannot join the {kind} pool "
+                f"(prefill workers of {ranks[0]}, decode workers of {ranks[1]}); the pool "
+                f"planner moves whole workers between such pools"
+            )
         pool = self.coordinator.prefill if worker.kind == "prefill" else self.coordinator.decode
         if kind != worker.kind and sum(w.accepts for w in pool if w is not worker) < 1:
             raise ValueError(f"the {worker.kind} pool keeps one worker that takes new work")

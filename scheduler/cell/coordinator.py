@@ -98,7 +98,7 @@ class Coordinator:
         self.counts = CellCounts()
         self.lora_requests: Counter[str] = Counter()  # requests admitted, per LoRA adapter
         self.roles = RoleChanges(self)
-        self.pools = PoolPlans(config, len(self.workers))
+        self.pools = PoolPlans(config)
 
     def new_planner(self, kind: str, num_blocks: int | None) -> StepPlanner:
         """The step planner of a worker in pool `kind` whose cache has `num_blocks` blocks."""

@@ -33,22 +33,26 @@ POOL_CHANGES = ("start", "release", "role_change")
 class PoolPlans:
     """The planner's inputs over a window, and its decisions."""
 
-    def __init__(self, config: CellConfig, num_workers: int) -> None:
-        # role changes only (the pools keep the sum they started with), unless a pool may grow
+    def __init__(self, config: CellConfig) -> None:
+        # role changes only (the pools keep the devices they started with), unless a pool may grow
         scaling = config.max_prefill_workers is not None or config.max_decode_workers is not None
+        ranks = (config.prefill_tensor_parallel_size, config.decode_tensor_parallel_size)
+        devices = config.num_prefill_workers * ranks[0] + config.num_decode_workers * ranks[1]
         self.planner = (
             PoolPlanner(
                 slo_itl_s=config.slo_itl_ms / 1000,
                 slo_ttft_s=config.slo_ttft_ms / 1000,
                 decode_slots=config.decode_slots,
-                total=None if scaling else num_workers,
+                total=None if scaling else devices,
+                prefill_ranks=ranks[0],
+                decode_ranks=ranks[1],
                 # (a pool without a maximum keeps the size it started with)
                 max_prefill=(config.max_prefill_workers or config.num_prefill_workers)
                 if scaling
-                else num_workers - 1,
+                else devices // ranks[0],
                 max_decode=(config.max_decode_workers or config.num_decode_workers)
                 if scaling
-                else num_workers - 1,
+                else devices // ranks[1],
                 release_after=max(
                     1, math.ceil(config.planner_release_delay_s / config.planner_window_s)
                 ),
@@ -59,6 +63,8 @@ class PoolPlans:
             if config.pool_planner
             else None
         )
+        # a role change keeps the worker's actor where both pools' workers hold as many devices
+        self.same_ranks = ranks[0] == ranks[1]
         self.window = LoadWindow()
         self.started_s = time.monotonic()
         self.decisions: list[dict[str, Any]] = []  # the last ones, with their reasons
@@ -137,25 +143,29 @@ class PoolPlans:
             kinds = ["prefill"] * (target.prefill - prefill) + ["decode"] * (target.decode - decode)
             decisions = [decision | {"worker": start(k).name, "to": k} for k in kinds]
             changes = [("start", k) for k in kinds]
-        elif target.prefill + target.decode < prefill + decode:  # a pool shrinks: release one
+        elif target.prefill <= prefill and target.decode <= decode:  # a pool shrinks: release one
             kind = "prefill" if target.prefill < prefill else "decode"
-            worker = _least_loaded_accepting(prefill_pool if kind == "prefill" else decode_pool)
-            if worker is None:
+            leaving = _least_loaded_accepting(prefill_pool if kind == "prefill" else decode_pool)
+            if not leaving:
                 return []
-            decisions = [decision | {"worker": worker.name, "to": RELEASE}]
-            move(worker, RELEASE)
+            decisions = [decision | {"worker": leaving[0].name, "to": RELEASE}]
+            move(leaving[0], RELEASE)
             changes = [("release", kind)]
-        else:  # a role change
+        elif self.same_ranks:  # a role change: the worker keeps its actor
             shrinking = "prefill" if target.prefill < prefill else "decode"
-            worker = _least_loaded_accepting(
+            leaving = _least_loaded_accepting(
                 prefill_pool if shrinking == "prefill" else decode_pool
             )
-            if worker is None:
+            if not leaving:
                 return []
             growing = "decode" if shrinking == "prefill" else "prefill"
-            decisions = [decision | {"worker": worker.name, "to": growing}]
-            move(worker, growing)
+            decisions = [decision | {"worker": leaving[0].name, "to": growing}]
+            move(leaving[0], growing)
             changes = [("role_change", growing)]
+        else:  # a role change of whole groups: the shrinking pool's leave, the growing pool's start
+            decisions, changes = self._trade(
+                decision, pools, {"prefill": prefill, "decode": decode}, start, move
+            )
         for line in decisions:
             self._record(line)
         for change, pool in changes:
@@ -163,16 +173,45 @@ class PoolPlans:
             counts[pool] = counts.get(pool, 0) + 1
         return decisions
 
+    def _trade(
+        self,
+        decision: dict[str, Any],
+        pools: tuple[list[WorkerState], list[WorkerState]],
+        counts: dict[str, int],
+        start: Callable[[str], WorkerState],
+        move: Callable[[WorkerState, str], None],
+    ) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+        """A role change between pools whose workers hold different numbers of devices: the
+        shrinking pool's least loaded workers are released and the growing pool's new workers
+        started (Ray places them on the devices the released ones free). Counted as role changes
+        of the growing pool, one per worker started."""
+        shrinking = "prefill" if decision["prefill"] < counts["prefill"] else "decode"
+        growing = "decode" if shrinking == "prefill" else "prefill"
+        pool = pools[0] if shrinking == "prefill" else pools[1]
+        leaving = _least_loaded_accepting(pool, counts[shrinking] - decision[shrinking])
+        if not leaving:
+            return [], []
+        decisions = []
+        for worker in leaving:
+            decisions.append(decision | {"worker": worker.name, "to": RELEASE})
+            move(worker, RELEASE)
+        num_joining = decision[growing] - counts[growing]
+        for _ in range(num_joining):
+            decisions.append(decision | {"worker": start(growing).name, "to": growing})
+        return decisions, [("role_change", growing)] * num_joining
+
     def _record(self, decision: dict[str, Any]) -> None:
         self.decisions = (self.decisions + [decision])[-_DECISIONS_KEPT:]
 
 
-def _least_loaded_accepting(pool: list[WorkerState]) -> WorkerState | None:
-    """The worker of `pool` holding the least, if the pool keeps another that takes new work."""
+def _least_loaded_accepting(pool: list[WorkerState], count: int = 1) -> list[WorkerState]:
+    """The `count` workers of `pool` holding the least, if the pool keeps another that takes new
+    work; else none."""
     candidates = [w for w in pool if w.accepts]
-    if len(candidates) < 2:
-        return None
-    return min(candidates, key=lambda w: len(w.step_planner.running) + w.step_planner.num_waiting)
+    if len(candidates) <= count:
+        return []
+    candidates.sort(key=lambda w: len(w.step_planner.running) + w.step_planner.num_waiting)
+    return candidates[:count]
 
 
 def _counts_as(worker: WorkerState, kind: str) -> bool:

@@ -53,6 +53,10 @@ class CellConfig:
     slo_itl_ms: float = 50.0  # the planner sizes decode batches to keep steps under this
     slo_ttft_ms: float = 2000.0  # past it (p90 of a window), the planner grows prefill at once
     planner_window_s: float = 10.0
+    # devices (tensor-parallel ranks) of one prefill and of one decode worker: the planner counts
+    # devices, and moves whole workers between pools whose sizes differ
+    prefill_tensor_parallel_size: int = 1
+    decode_tensor_parallel_size: int = 1
     # set: the planner also starts and releases workers, each pool within 1..max
     max_prefill_workers: int | None = None
     max_decode_workers: int | None = None

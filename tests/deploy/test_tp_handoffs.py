@@ -36,6 +36,9 @@ def test_handoffs_between_tp_sizes_give_local_tp1_tokens(
     with RayEngine(pools) as engine:
         results = engine.run(_requests())
         placement = ray_session.get(engine.handle.ready.remote())
+        if prefill_tp != decode_tp:  # a worker keeps its ranks: it cannot join the other pool
+            with pytest.raises(Exception, match="keeps its tensor-parallel ranks"):
+                ray_session.get(engine.handle.change_role.remote("prefill-0", "decode"))
     assert {k: c.token_ids for k, c in results.items()} == expected
     sizes = sorted(
         p["tensor_parallel_size"]

@@ -28,8 +28,9 @@ def test_the_flag_reaches_the_config_and_unserved_combinations_are_refused():
     assert (pools.tp_size("prefill"), pools.tp_size("decode")) == (1, 2)
     with pytest.raises(ValidationError, match="size the pools of disaggregated mode"):
         EngineConfig(mode="colocated", decode_tensor_parallel_size=2)
-    with pytest.raises(ValidationError, match="tensor parallel sizes differ"):
-        EngineConfig(mode="disaggregated", pool_planner=True, prefill_tensor_parallel_size=2)
+    planned = EngineConfig(mode="disaggregated", pool_planner=True, decode_tensor_parallel_size=2)
+    cell = planned.cell_config(capacity=256, bytes_per_token=64)
+    assert (cell.prefill_tensor_parallel_size, cell.decode_tensor_parallel_size) == (1, 2)
     with pytest.raises(ValidationError, match="quantization gguf .* is not served tensor-par"):
         EngineConfig(quantization="gguf", tensor_parallel_size=2)
     draft = {"method": "draft_model", "model": "m", "num_speculative_tokens": 2}

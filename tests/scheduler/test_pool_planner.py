@@ -234,3 +234,50 @@ def test_a_pool_with_workers_on_their_way_in_keeps_its_correction():
     window.ttft_s = [8.0] * 10
     p.correct(window, joining=(1, 0))  # a prefill worker is starting: its pool misses for that
     assert p.prefill_correction == 1.0 and p.decode_correction > 1.0
+
+
+def test_with_a_fixed_total_of_devices_two_tp1_prefill_workers_trade_for_one_tp2_decode_worker():
+    """Prefill workers of one rank, decode workers of two, 8 devices: a role change moves two
+    prefill workers for one decode worker, and back; the devices always add up to 8."""
+    p = planner(total=8, prefill_ranks=1, decode_ranks=2)
+    assert p.trade_unit == (2, 1)
+    chatty = load(2, 50, 700)  # decode 2.33 workers (4.7 devices), prefill almost nothing
+    assert p.decide(chatty, prefill=4, decode=2) is None  # patience
+    target = p.decide(chatty, prefill=4, decode=2)
+    assert (target.prefill, target.decode) == (2, 3)
+    # prompt-heavy: prefill 2.5 workers, decode 0.33 (0.7 devices): 6 devices and 2, one group
+    # of them a decision
+    heavy = load(10, 2000, 20)
+    sizes = [(2, 3)]
+    for _ in range(4):
+        target = p.decide(heavy, *sizes[-1]) or target
+        if (target.prefill, target.decode) != sizes[-1]:
+            sizes.append((target.prefill, target.decode))
+    assert sizes == [(2, 3), (4, 2), (6, 1)]
+    assert all(prefill + 2 * decode == 8 for prefill, decode in sizes)
+
+
+def test_a_fixed_total_of_devices_is_split_in_whole_workers_of_each_pool():
+    """Prefill workers of two ranks, decode workers of three, 18 devices: the splits that keep a
+    worker in each pool are 3:4 and 6:2, and a role change trades three prefill workers for two
+    decode workers."""
+    p = planner(total=18, prefill_ranks=2, decode_ranks=3, patience=1)
+    assert p.trade_unit == (3, 2)
+    target = p.decide(load(10, 2000, 20), prefill=3, decode=4)  # prefill 5 devices of 6 needed
+    assert (target.prefill, target.decode) == (6, 2)
+    assert p.decide(load(10, 2000, 20), prefill=6, decode=2) is None
+    target = p.decide(load(2, 50, 700), prefill=6, decode=2)  # decode almost all
+    assert (target.prefill, target.decode) == (3, 4)
+
+
+def test_with_scaling_and_two_tp_sizes_a_role_change_moves_a_whole_group_or_starts_workers():
+    """Prefill workers of one rank, decode workers of two: a decode pool that grows by one takes
+    two spare prefill workers; with only one spare, it starts its worker instead, and the spare
+    leaves by the release rule."""
+    p = planner(total=None, max_prefill=4, max_decode=4, prefill_ranks=1, decode_ranks=2)
+    chatty = load(2, 50, 700)  # prefill 1; decode 2.3 -> 3
+    assert p.decide(chatty, prefill=3, decode=2) is None  # a role change waits
+    target = p.decide(chatty, prefill=3, decode=2)
+    assert (target.prefill, target.decode) == (1, 3)  # two prefill workers for one decode
+    target = p.decide(chatty, prefill=2, decode=2)
+    assert (target.prefill, target.decode) == (2, 3)  # one spare: a start, at once

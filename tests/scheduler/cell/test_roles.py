@@ -248,3 +248,33 @@ def test_with_a_period_the_planner_starts_workers_a_start_up_before_the_load_com
         "a period ago the next 35 s needed at most 3:1" in r for r in reasons[7]
     )
     assert coordinator.stats()["pools"]["last_window"]["forecast"] == (3, 1)
+
+
+def test_pools_of_two_tp_sizes_trade_whole_workers_that_hold_the_same_devices():
+    """Prefill workers of one rank, decode workers of two: output-heavy load releases two prefill
+    workers and starts one decode worker on their devices; prompt-heavy load, the reverse."""
+    coordinator = planned_cell(
+        patience=1,
+        num_prefill_workers=3,
+        num_decode_workers=1,
+        prefill_tensor_parallel_size=1,
+        decode_tensor_parallel_size=2,
+    )
+    assert coordinator.pools.planner.total == 5  # devices
+    decisions = close_window(coordinator, 100 * 100, 100 * 500)
+    assert sorted(d["to"] for d in decisions) == ["decode", "release", "release"]
+    assert {(d["prefill"], d["decode"]) for d in decisions} == {(1, 2)}
+    # idle, the two leave at once (their actors are stopped); the new one starts
+    released = coordinator.roles.take_released()
+    assert sorted(w.kind for w in released) == ["prefill", "prefill"]
+    assert len(coordinator.prefill) == 1 and coordinator.prefill[0] not in released
+    started = coordinator.decode[1]
+    assert started.status is WorkerStatus.RESTARTING and started.actor == "decode-1"
+    assert coordinator.stats()["pools"]["changes"] == {"role_change": {"decode": 1}}
+    started.status = WorkerStatus.UP
+    decisions = close_window(coordinator, 200_000, 100, at=20)
+    assert sorted(d["to"] for d in decisions) == ["prefill", "prefill", "release"]
+    [leaving] = coordinator.roles.take_released()
+    assert leaving.kind == "decode" and len(coordinator.decode) == 1
+    assert len(coordinator.prefill) == 3
+    assert coordinator.stats()["pools"]["changes"] == {"role_change": {"decode": 1, "prefill": 2}}
