@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+from workers.kv_quant import STORAGE, dequantize, quantize
+
 # bf16: the same fp32 sums in another order, rounded once to bf16: at most an ulp of bf16 apart
 TOLERANCE = {
     torch.float32: {"atol": 1e-5, "rtol": 1e-5},
@@ -107,3 +109,21 @@ def prompt_chunks(case: PagedCase, chunks: list[tuple[int, int]]) -> tuple[torch
     counts = torch.tensor([n for _, n in chunks])
     firsts = torch.cumsum(counts, 0) - counts
     return query, torch.tensor([s for s, _ in chunks]), firsts, counts
+
+
+class Kv8Case(PagedCase):
+    """A PagedCase with its K and V quantized: the shuffled pool (NaN past each row's keys, so
+    their scales are NaN and a stray read shows) and its scales; `keys`, the reference's, the
+    rows' own keys quantized and dequantized in float64 (a row's bytes depend on it alone: the
+    pool's are the same)."""
+
+    def __init__(self, kind: str, dtype: torch.dtype, heads_per_kv: int, dim: int) -> None:
+        super().__init__(dtype, heads_per_kv, dim)
+        storage = STORAGE[kind]
+        k_pool, v_pool, tables = self.shuffled
+        k_values, k_scales = quantize(k_pool, storage)  # [NB, KVH, BS, D], [NB, KVH, BS]
+        v_values, v_scales = quantize(v_pool, storage)
+        self.shuffled = (k_values, v_values, tables)
+        self.scales = (k_scales, v_scales)
+        values, scales = quantize(self.keys, storage)  # [2, B, KVH, L, D], [2, B, KVH, L]
+        self.keys = dequantize(values, scales, torch.float64)

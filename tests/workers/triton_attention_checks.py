@@ -16,8 +16,14 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from tests.workers.paged_cases import CHUNKS, LENGTHS, TOLERANCE, PagedCase, prompt_chunks
-from tests.workers.test_kv8_attention import Kv8Case
+from tests.workers.paged_cases import (
+    CHUNKS,
+    LENGTHS,
+    TOLERANCE,
+    Kv8Case,
+    PagedCase,
+    prompt_chunks,
+)
 from workers.kernels import paged_decode_attention_torch
 
 # (G, D): every group of the issue (1, 4, 7, padded to 16 rows) and head dim (112: not a power

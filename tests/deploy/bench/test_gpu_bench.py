@@ -18,6 +18,7 @@ from deploy.bench.roofline import (
     run_roofline,
     time_decode,
 )
+from tests.deploy.bench.eager_graphs import EagerGraphs
 
 PROMPT, OUTPUT = 8, 4
 # tiny preset: 2 layers, 2 KV heads of 16, hidden 64, fp32 on the CPU
@@ -213,26 +214,6 @@ def test_the_llama3_8b_shape_has_its_8_03b_parameters():
     embeddings = 2 * spec.vocab_size * spec.hidden_size  # embedding and lm_head
     total = spec.num_layers * layer_matmul_params(spec) + embeddings + norms
     assert total == 8_030_261_248
-
-
-class EagerGraphs:
-    """A stand-in for the runner's decode graphs (`runner.graphs`) on a CPU: same `run(rows)`,
-    `buckets` and `capture_seconds`, computed by the eager forward."""
-
-    buckets = [1, 2]
-    capture_seconds = 0.0
-
-    def __init__(self, runner):
-        self.runner = runner
-        self.calls = 0
-
-    def run(self, rows):
-        from workers.model import BatchLayout
-
-        self.calls += 1
-        packed = [(table, [token], position) for table, token, position in rows]
-        ids, layout = BatchLayout.pack(packed, len(rows), 16, "cpu")
-        return self.runner.model(ids, layout, self.runner.cache, torch.arange(len(rows)))
 
 
 def test_decode_points_time_graph_replay_where_the_runner_has_graphs():

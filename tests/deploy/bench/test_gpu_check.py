@@ -110,7 +110,7 @@ def test_the_graph_probe_compares_a_replay_with_the_eager_forward():
     import torch
 
     from deploy.bench.gpu_model import random_model
-    from tests.deploy.bench.test_gpu_bench import EagerGraphs
+    from tests.deploy.bench.eager_graphs import EagerGraphs
     from workers.runner import ModelRunner
 
     runner = ModelRunner(random_model("tiny", torch.float32, "cpu", seed=0), 16, 16)
