@@ -26,8 +26,10 @@ _JOIN_TIMEOUT = timedelta(minutes=5)
 
 def init_rank(address: str, rank: int, size: int, device: str) -> None:
     """Join this process to its worker's `torch.distributed` group (its default group): NCCL
-    between GPUs, gloo on the CPU."""
+    between GPUs, gloo on the CPU; `PDSERVE_TP_BACKEND=gloo` takes gloo on GPUs too (it takes
+    CUDA tensors, and any number of ranks on one GPU, where NCCL may refuse two)."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
+    backend = os.environ.get("PDSERVE_TP_BACKEND", backend)
     dist.init_process_group(
         backend, init_method=f"tcp://{address}", rank=rank, world_size=size, timeout=_JOIN_TIMEOUT
     )

@@ -638,7 +638,7 @@ def check_tp_handoff(checkpoint: Path, device: str) -> dict[str, Any]:
 
 def _tp_disaggregated(checkpoint: Path, device: str, requests: list[Any], backend: str) -> Any:
     """1 prefill worker of TP-1 and 1 decode worker of TP-2, a third of the GPU per rank; with
-    gloo on a GPU, in a Ray whose workers start with `tp_ranks_on_gloo`."""
+    gloo on a GPU, in a Ray whose workers start with `PDSERVE_TP_BACKEND=gloo`."""
     import ray
 
     from deploy.driver import RayEngine
@@ -663,33 +663,14 @@ def _tp_disaggregated(checkpoint: Path, device: str, requests: list[Any], backen
             address="local",
             num_cpus=max(4, os.cpu_count() or 1),
             include_dashboard=False,
-            runtime_env={"worker_process_setup_hook": f"{__name__}.tp_ranks_on_gloo"},
+            runtime_env={"env_vars": {"PDSERVE_TP_BACKEND": "gloo"}},
         )
     try:
         with RayEngine(config) as engine:
             return engine.run(requests)
     finally:
         if hooked:
-            ray.shutdown()  # the next check starts a Ray of its own, without the hook
-
-
-def tp_ranks_on_gloo() -> None:
-    """A Ray worker's setup hook: its tensor-parallel ranks join their group over gloo, which
-    takes CUDA tensors and any number of ranks on one GPU."""
-    import torch.distributed as dist
-
-    from workers import tp_group
-
-    def init_rank(address: str, rank: int, size: int, device: str) -> None:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://{address}",
-            rank=rank,
-            world_size=size,
-            timeout=tp_group._JOIN_TIMEOUT,
-        )
-
-    tp_group.init_rank = init_rank
+            ray.shutdown()  # the next check starts a Ray of its own, on the default backend
 
 
 def _nccl_refuses_shared_gpu(timeout_s: float = 60.0) -> str | None:

@@ -4,27 +4,16 @@ prompt chunks over shuffled and shared blocks against a float64 softmax and the 
 groups of 1, 4 and 7, head dims 64, 112 and 128, fp32 and bf16, decode rows split over spans, an
 8-bit cache, and the model's attention wired to them against its torch ops."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from tests.workers.interpreter import run_checks
+
 pytest.importorskip("triton")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 # two processes: a process's start (torch, Triton) costs as much as a check
 @pytest.mark.parametrize("checks", [["decode", "spans", "model"], ["prompt", "kv8"]])
 def test_the_triton_attention_under_the_interpreter(checks):
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.workers.triton_attention_checks", *checks],
-        cwd=ROOT,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_checks("tests.workers.triton_attention_checks", *checks)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip().endswith("ok")

@@ -87,18 +87,19 @@ def test_without_the_embedded_model_the_bf16_check_runs_on_a_random_one(tmp_path
     assert 0 < line["transformers_bf16"][0] and line["mean_abs_dlogp"] <= line["limits"][0]
 
 
-def test_the_gloo_hook_makes_tp_ranks_join_over_gloo(monkeypatch):
-    """The Ray worker hook of the one-GPU TP handoff when NCCL refuses two ranks on a GPU: rank
-    groups start on gloo even for a CUDA device."""
+def test_pdserve_tp_backend_makes_tp_ranks_join_over_gloo(monkeypatch):
+    """What the one-GPU TP handoff's Ray workers start with when NCCL refuses two ranks on a GPU:
+    rank groups start on gloo even for a CUDA device."""
     from workers import tp_group
 
     joined = {}
-    monkeypatch.setattr(tp_group, "init_rank", tp_group.init_rank)  # restored after
     monkeypatch.setattr(
         "torch.distributed.init_process_group",
         lambda backend, **options: joined.update(options, backend=backend),
     )
-    gpu_check.tp_ranks_on_gloo()
+    tp_group.init_rank("127.0.0.1:1234", 1, 2, "cuda")
+    assert joined["backend"] == "nccl"
+    monkeypatch.setenv("PDSERVE_TP_BACKEND", "gloo")
     tp_group.init_rank("127.0.0.1:1234", 1, 2, "cuda")
     assert joined["backend"] == "gloo" and joined["rank"] == 1 and joined["world_size"] == 2
     assert joined["init_method"] == "tcp://127.0.0.1:1234"
